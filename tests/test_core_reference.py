@@ -1,0 +1,71 @@
+"""The entry point against the independent float64 reference (tests/reference.py), every combination."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from reference import reference
+from trl_rollout_corr import compute_rollout_correction_and_rejection_mask
+
+IS_LEVELS = [None, "token", "sequence"]
+RS_CASES = [(None, None, None), ("token", 1.5, None), ("sequence", 3.0, 0.4), ("geometric", 1.05, None)]
+VETO = [None, 0.3]
+BN = [False, True]
+
+
+def make_batch(seed, n=6, t=7, spread=0.4):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, t, generator=g) * 3 - 0.05  # (B, T) log-probs in [-3.05, -0.05]
+    rollout = (old + torch.randn(n, t, generator=g) * spread).clamp(max=-1e-3)  # (B, T) valid log-probs
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    lengths[0] = 1  # a single-token sequence
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()  # (B, T) right padding
+    old = torch.where(mask.bool(), old, torch.full_like(old, 123.0))  # garbage on padding must not matter
+    return old, rollout, mask
+
+
+def assert_metrics_close(got, want):
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    for k in want:
+        assert math.isfinite(got[k]), k
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize("rollout_is,rs,veto,bn", list(itertools.product(IS_LEVELS, RS_CASES, VETO, BN)))
+def test_every_combination_matches_reference(rollout_is, rs, veto, bn):
+    if bn and rollout_is is None:
+        pytest.skip("batch normalization needs IS weights")
+    for seed in range(3):
+        old, rollout, mask = make_batch(seed)
+        w, m, metrics = compute_rollout_correction_and_rejection_mask(
+            old, rollout, mask, rollout_is=rollout_is, rollout_is_threshold=1.6, rollout_rs=rs[0],
+            rollout_rs_threshold=rs[1], rollout_rs_threshold_lower=rs[2], rollout_token_veto_threshold=veto,
+            rollout_is_batch_normalize=bn,
+        )
+        rw, rm, rmetrics = reference(old.double().tolist(), rollout.double().tolist(), mask.tolist(), rollout_is, 1.6,
+                                     rs[0], rs[1], rs[2], veto, bn)
+        assert m.tolist() == rm
+        assert m.dtype == mask.dtype
+        if rollout_is is None:
+            assert w is None
+        else:
+            assert not w.requires_grad
+            torch.testing.assert_close(w.double(), torch.tensor(rw, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        assert_metrics_close(metrics, rmetrics)
+
+
+def test_random_larger_shapes_match_reference():
+    for seed in range(5):
+        old, rollout, mask = make_batch(100 + seed, n=16, t=33, spread=1.5)
+        for rollout_is, rs in [("token", ("token", 2.0, None)), ("sequence", ("geometric", 1.2, 0.9))]:
+            w, m, metrics = compute_rollout_correction_and_rejection_mask(
+                old, rollout, mask, rollout_is=rollout_is, rollout_is_threshold=2.0, rollout_rs=rs[0],
+                rollout_rs_threshold=rs[1], rollout_rs_threshold_lower=rs[2], rollout_token_veto_threshold=1e-3,
+                rollout_is_batch_normalize=True)
+            rw, rm, rmetrics = reference(old.double().tolist(), rollout.double().tolist(), mask.tolist(), rollout_is,
+                                         2.0, rs[0], rs[1], rs[2], 1e-3, True)
+            assert m.tolist() == rm
+            torch.testing.assert_close(w.double(), torch.tensor(rw, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+            assert_metrics_close(metrics, rmetrics)

@@ -1,0 +1,34 @@
+"""trl_rollout_corr: rollout correction (TIS, rejection sampling, veto, bypass, PG) for TRL's GRPOTrainer."""
+
+from .config import RolloutCorrectionConfig
+from .core import (
+    compute_offpolicy_metrics,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_stats,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+    compute_veto_mask,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RolloutCorrectionConfig",
+    "RolloutCorrGRPOConfig",
+    "RolloutCorrGRPOTrainer",
+    "compute_offpolicy_metrics",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_stats",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "compute_veto_mask",
+]
+
+
+def __getattr__(name: str):
+    # The trainer imports TRL (slow); load it only when asked for.
+    if name in ("RolloutCorrGRPOConfig", "RolloutCorrGRPOTrainer"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'trl_rollout_corr' has no attribute {name!r}")

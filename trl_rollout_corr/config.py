@@ -1,0 +1,229 @@
+"""RolloutCorrectionConfig: the fields, their validation, the named presets and (de)serialization."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+CONFIG_NAME = "rollout_correction_config.json"
+IS_LEVELS = (None, "token", "sequence")
+RS_LEVELS = (None, "token", "sequence", "geometric")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """How to correct for pi_rollout != pi_old (SPEC section 4).
+
+    Args:
+        rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
+        rollout_is_threshold: C, the upper truncation of the IS weight (> 0).
+        rollout_is_batch_normalize: divide truncated weights by their batch mean.
+        rollout_rs: rejection level, ``"token"`` | ``"sequence"`` | ``"geometric"`` | ``None``.
+        rollout_rs_threshold: upper acceptance bound of the RS statistic (required with ``rollout_rs``).
+        rollout_rs_threshold_lower: lower bound; ``None`` means ``1 / rollout_rs_threshold``.
+        rollout_token_veto_threshold: reject a sequence if any token has rho < this (``None`` = off).
+        bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
+        use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
+    """
+
+    rollout_is: str | None = "token"
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | None = None
+    rollout_rs_threshold_lower: float | None = None
+    rollout_token_veto_threshold: float | None = None
+    bypass_mode: bool = False
+    use_policy_gradient: bool = False
+
+    PRESETS: ClassVar[tuple[str, ...]] = (
+        "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
+        "ppo_is_bypass", "pg_is", "pg_rs", "disabled",
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and the fix for every invalid combination."""
+        if self.rollout_is is not None and not isinstance(self.rollout_is, str):
+            raise ValueError(f"rollout_is must be a string or None, got {self.rollout_is!r}.")
+        if self.rollout_is in ("none", "null", "None", ""):
+            self.rollout_is = None
+        if self.rollout_rs in ("none", "null", "None", ""):
+            self.rollout_rs = None
+        if self.rollout_is == "geometric":
+            raise ValueError("rollout_is='geometric' is not an IS level: geometric aggregation is for rejection only. "
+                             "Use rollout_rs='geometric' (with rollout_rs_threshold, e.g. 1.001) instead.")
+        if self.rollout_is not in IS_LEVELS:
+            raise ValueError(f"rollout_is must be one of 'token', 'sequence' or None, got {self.rollout_is!r}.")
+        if self.rollout_rs not in RS_LEVELS:
+            raise ValueError(
+                f"rollout_rs must be one of 'token', 'sequence', 'geometric' or None, got {self.rollout_rs!r}.")
+        _positive("rollout_is_threshold", self.rollout_is_threshold, "e.g. 2.0")
+        if self.rollout_rs is not None:
+            if self.rollout_rs_threshold is None:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_threshold (the upper bound): "
+                                 "set it, e.g. 2.0 for token/sequence or 1.001 for geometric.")
+            _positive("rollout_rs_threshold", self.rollout_rs_threshold, "e.g. 2.0 (token/sequence) or 1.001 (geometric)")
+            if self.rollout_rs_threshold_lower is not None:
+                _positive("rollout_rs_threshold_lower", self.rollout_rs_threshold_lower,
+                          "or leave it None for 1/rollout_rs_threshold")
+                if self.rollout_rs_threshold_lower > self.rollout_rs_threshold:
+                    raise ValueError(
+                        f"rollout_rs_threshold_lower ({self.rollout_rs_threshold_lower}) must be <= rollout_rs_threshold "
+                        f"({self.rollout_rs_threshold}): swap them or leave the lower bound None.")
+        elif self.rollout_rs_threshold is not None or self.rollout_rs_threshold_lower is not None:
+            raise ValueError("rollout_rs_threshold / rollout_rs_threshold_lower are set but rollout_rs is None, so they "
+                             "would be ignored: set rollout_rs ('token', 'sequence' or 'geometric') or unset the thresholds.")
+        if self.rollout_token_veto_threshold is not None:
+            _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold, "typically 1e-4 .. 1e-6, or None")
+        if self.use_policy_gradient and not self.bypass_mode:
+            raise ValueError("use_policy_gradient=True requires bypass_mode=True (the policy-gradient loss uses "
+                             "pi_old := pi_rollout); set bypass_mode=True or use_policy_gradient=False.")
+
+    @property
+    def rs_threshold_lower(self) -> float | None:
+        """The effective lower RS bound (``1 / rollout_rs_threshold`` when unset)."""
+        if self.rollout_rs is None:
+            return None
+        if self.rollout_rs_threshold_lower is not None:
+            return self.rollout_rs_threshold_lower
+        return 1.0 / self.rollout_rs_threshold
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether anything changes the loss (IS weights applied, RS or veto)."""
+        applies_is = self.rollout_is is not None and (not self.bypass_mode or self.use_policy_gradient)
+        return applies_is or self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def decoupled_token_is(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+        """Decoupled PPO (3 policies) with token-level TIS, w_t = min(pi_old/pi_rollout, C)."""
+        return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold), **overrides})
+
+    @classmethod
+    def decoupled_seq_is(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+        """Decoupled PPO with sequence-level TIS, w = min(prod_t rho_t, C)."""
+        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold), **overrides})
+
+    @classmethod
+    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: float = 2.0,
+                            **overrides: Any) -> "RolloutCorrectionConfig":
+        """Decoupled PPO with sequence TIS plus sequence rejection in [1/rs_threshold, rs_threshold]."""
+        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="sequence",
+                             rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=1.0 / rs_threshold),
+                      **overrides})
+
+    @classmethod
+    def decoupled_geo_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
+                         **overrides: Any) -> "RolloutCorrectionConfig":
+        """Decoupled PPO, no IS weights, geometric-mean rejection in [2 - rs_threshold, rs_threshold] + veto."""
+        return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
+                             rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
+                             rollout_token_veto_threshold=veto_threshold), **overrides})
+
+    @classmethod
+    def ppo_is_bypass(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+        """Bypass PPO: pi_old := pi_rollout, PPO-clip on pi_theta/pi_rollout; token IS feeds metrics only."""
+        return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True), **overrides})
+
+    @classmethod
+    def pg_is(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+        """Bypass REINFORCE with sequence TIS: -stopgrad(min(prod pi_theta/pi_rollout, C)) log pi_theta A."""
+        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
+                             use_policy_gradient=True), **overrides})
+
+    @classmethod
+    def pg_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
+              **overrides: Any) -> "RolloutCorrectionConfig":
+        """Bypass REINFORCE, no IS weights, geometric rejection + veto."""
+        return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
+                             rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
+                             rollout_token_veto_threshold=veto_threshold, bypass_mode=True,
+                             use_policy_gradient=True), **overrides})
+
+    @classmethod
+    def disabled(cls, **overrides: Any) -> "RolloutCorrectionConfig":
+        """No correction at all; the off-policy diagnostics are still logged."""
+        return cls(**{**dict(rollout_is=None), **overrides})
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "RolloutCorrectionConfig":
+        """Build a preset by name, e.g. ``from_preset("decoupled_token_is", rollout_is_threshold=3.0)``."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"Unknown rollout correction preset {name!r}. Choose one of: {', '.join(cls.PRESETS)}.")
+        return getattr(cls, name)(**overrides)
+
+    # ------------------------------------------------------------------ (de)serialization
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RolloutCorrectionConfig":
+        """Build from a dict; a ``preset`` key selects a preset that the other keys override."""
+        data = dict(data)
+        names = {f.name for f in dataclasses.fields(cls)}
+        preset = data.pop("preset", None)
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"Unknown RolloutCorrectionConfig field(s) {unknown}; valid fields: {sorted(names)}.")
+        return cls.from_preset(preset, **data) if preset else cls(**data)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json_string(cls, text: str) -> "RolloutCorrectionConfig":
+        return cls.from_dict(json.loads(text))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "RolloutCorrectionConfig":
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(text) or {})
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "RolloutCorrectionConfig":
+        """Load a ``.json``, ``.yaml`` or ``.yml`` file."""
+        text = open(path, encoding="utf-8").read()
+        return cls.from_yaml(text) if str(path).endswith((".yaml", ".yml")) else cls.from_json_string(text)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write ``rollout_correction_config.json`` into ``save_directory`` (created if needed)."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json_string())
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, **hub_kwargs: Any) -> "RolloutCorrectionConfig":
+        """Load from a directory, a config file, or a Hub repo id (downloaded with ``huggingface_hub``)."""
+        path = str(path_or_repo_id)
+        if os.path.isdir(path):
+            file = os.path.join(path, CONFIG_NAME)
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{path} has no {CONFIG_NAME}; save one with config.save_pretrained({path!r}).")
+            return cls.from_file(file)
+        if os.path.isfile(path):
+            return cls.from_file(path)
+        from huggingface_hub import hf_hub_download
+
+        return cls.from_file(hf_hub_download(repo_id=path, filename=CONFIG_NAME, **hub_kwargs))
+
+
+def _positive(name: str, value: Any, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r} ({hint}).")

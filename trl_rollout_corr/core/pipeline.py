@@ -1,0 +1,138 @@
+"""The one-call entry point: IS weights, rejection mask, veto and every metric."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
+from .rejection import compute_rollout_rejection_mask, compute_veto_mask
+from .stats import STAT_DTYPE, ReduceFn, RolloutStats
+from .weights import compute_rollout_correction_weights
+
+
+class RolloutCorrection(NamedTuple):
+    """Result of :func:`compute_rollout_correction_stats` (device tensors only, no host sync)."""
+
+    is_weights: torch.Tensor | None  # (B, T), detached, zero on padding and rejected rows' padding
+    modified_response_mask: torch.Tensor  # (B, T), same dtype as the input mask
+    stats: RolloutStats
+
+
+def compute_rollout_correction_stats(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_threshold: float = 2.0,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float | None = None,
+    rollout_rs_threshold_lower: float | None = None,
+    rollout_token_veto_threshold: float | None = None,
+    rollout_is_batch_normalize: bool = False,
+    reduce_fn: ReduceFn | None = None,
+) -> RolloutCorrection:
+    """Host-sync-free form of :func:`compute_rollout_correction_and_rejection_mask`.
+
+    log rho_t = log pi_train(a_t) - log pi_rollout(a_t), pi_train = ``old_log_prob`` (pi_old in decoupled
+    mode, pi_theta detached in bypass mode). Tokens whose log-probs are NaN/+-inf on a valid position make
+    their whole sequence invalid: it is rejected and counted in ``invalid_logprob_fraction``.
+    ``reduce_fn`` makes batch normalization use the global batch across processes.
+    """
+    if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
+        raise ValueError(
+            "old_log_prob, rollout_log_prob and response_mask must have the same (B, T) shape, got "
+            f"{tuple(old_log_prob.shape)}, {tuple(rollout_log_prob.shape)} and {tuple(response_mask.shape)}."
+        )
+    input_mask = response_mask.bool()  # (B, T)
+    with torch.no_grad():
+        train = old_log_prob.detach().float()  # (B, T)
+        rollout = rollout_log_prob.detach().float()  # (B, T)
+        finite = torch.isfinite(train) & torch.isfinite(rollout)  # (B, T)
+        invalid_tok = input_mask & ~finite  # (B, T)
+        valid = input_mask & ~invalid_tok.any(-1, keepdim=True)  # (B, T) invalid sequences leave the batch
+        train = torch.where(finite, train, torch.zeros_like(train))  # (B, T)
+        rollout = torch.where(finite, rollout, torch.zeros_like(rollout))  # (B, T)
+        log_ratio = train - rollout  # (B, T)
+
+        stats = offpolicy_stats(train, rollout, valid)
+        is_weights = None
+        if rollout_is is not None:
+            is_weights, safe, norm_mean = compute_rollout_correction_weights(
+                log_ratio, valid, rollout_is, rollout_is_threshold, rollout_is_batch_normalize, reduce_fn
+            )
+            log_stat = log_ratio if rollout_is == "token" else (
+                torch.where(valid, log_ratio, torch.zeros_like(log_ratio)).sum(-1, keepdim=True).expand_as(log_ratio)
+            )
+            stats.update(weight_family_stats(
+                "rollout_is", safe, log_stat, valid, rollout_is, 1.0 / rollout_is_threshold, rollout_is_threshold
+            ))
+            if norm_mean is not None:
+                stats.sums["rollout_is.norm_mean_sum"] = norm_mean.to(STAT_DTYPE)
+                stats.sums["rollout_is.norm_n"] = torch.ones((), dtype=STAT_DTYPE, device=norm_mean.device)
+
+        keep = valid
+        seq_valid = valid.any(-1)  # (B,)
+        mask_sums = {
+            "input_tok_n": input_mask.sum(dtype=STAT_DTYPE),
+            "invalid_tok_n": invalid_tok.sum(dtype=STAT_DTYPE),
+            "tok_n": valid.sum(dtype=STAT_DTYPE),
+            "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
+        }
+        if rollout_rs is not None:
+            upper = rollout_rs_threshold
+            lower = rollout_rs_threshold_lower if rollout_rs_threshold_lower is not None else 1.0 / upper
+            rs_keep, safe_stat, log_stat = compute_rollout_rejection_mask(log_ratio, valid, rollout_rs, upper, lower)
+            stats.update(weight_family_stats("rollout_rs", safe_stat, log_stat, valid, rollout_rs, lower, upper))
+            rs_rejected = valid & ~rs_keep  # (B, T)
+            mask_sums["rs_rejected_tok_n"] = rs_rejected.sum(dtype=STAT_DTYPE)
+            mask_sums["rs_rejected_seq_n"] = rs_rejected.any(-1).sum(dtype=STAT_DTYPE)
+            keep = keep & rs_keep
+        if rollout_token_veto_threshold is not None:
+            veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, rollout_token_veto_threshold)
+            mask_sums["catastrophic_tok_n"] = catastrophic.sum(dtype=STAT_DTYPE)
+            mask_sums["vetoed_seq_n"] = catastrophic.any(-1).sum(dtype=STAT_DTYPE)
+            keep = keep & veto_keep
+        else:
+            zero = torch.zeros((), dtype=STAT_DTYPE, device=valid.device)
+            mask_sums["catastrophic_tok_n"] = zero
+            mask_sums["vetoed_seq_n"] = zero
+        mask_sums["kept_tok_n"] = keep.sum(dtype=STAT_DTYPE)
+        stats.sums.update({"mask." + k: v for k, v in mask_sums.items()})
+        if is_weights is not None:
+            is_weights = is_weights * valid  # (B, T)
+        modified = keep.to(response_mask.dtype)  # (B, T)
+    return RolloutCorrection(is_weights, modified, stats)
+
+
+def compute_rollout_correction_and_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_threshold: float = 2.0,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float | None = None,
+    rollout_rs_threshold_lower: float | None = None,
+    rollout_token_veto_threshold: float | None = None,
+    rollout_is_batch_normalize: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """IS weights, rejection/veto mask and metrics in one call (mirrors the seeds' reference helper).
+
+    * IS (``rollout_is`` token|sequence): w = min(exp(clamp(log rho, -20, 20)), C) * m, optionally
+      divided by its batch mean; detached.
+    * RS (``rollout_rs`` token|sequence|geometric): keep iff C_lower <= statistic <= C_upper.
+    * veto: drop a sequence if any valid token has rho_t < C_veto (unclamped, log space).
+    Returns ``(is_weights (B, T) or None, modified_response_mask (B, T), metrics)`` where metrics maps
+    ``rollout_corr/<name>`` to floats. For training loops use :func:`compute_rollout_correction_stats`,
+    which stays on device.
+    """
+    if rollout_rs is not None and rollout_rs_threshold is None:
+        raise ValueError("rollout_rs_threshold is required when rollout_rs is set (e.g. 2.0 for token/sequence, "
+                         "1.001 for geometric).")
+    result = compute_rollout_correction_stats(
+        old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold, rollout_rs,
+        rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold, rollout_is_batch_normalize,
+    )
+    return result.is_weights, result.modified_response_mask, finalize_stats(result.stats)

@@ -1,0 +1,101 @@
+"""Reducible statistics: the host-sync-free form of every rollout-correction metric.
+
+Every metric is a closed-form function of three kinds of device scalars:
+
+* ``sums``  -- added across micro-batches and ranks (token counts, sums of weights, ...),
+* ``maxes`` -- max-reduced,
+* ``mins``  -- min-reduced.
+
+Per-micro-batch code only builds 0-dim float64 tensors; :meth:`RolloutStats.all_reduce` runs three
+collectives when logging and :func:`finalize_stats` turns the reduced scalars into floats with a
+single host transfer. A logged value therefore equals the value computed on the concatenation of
+everything every rank saw since the last log -- never a mean of per-rank means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+STAT_DTYPE = torch.float64
+ReduceFn = Callable[[torch.Tensor, str], torch.Tensor]
+"""``reduce_fn(tensor, op)`` with ``op`` in ``{"sum", "max", "min"}``; returns the reduced tensor."""
+
+
+@dataclass
+class RolloutStats:
+    """Named 0-dim device tensors grouped by how they reduce."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxes: dict[str, torch.Tensor] = field(default_factory=dict)
+    mins: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def update(self, other: "RolloutStats") -> "RolloutStats":
+        """Fold ``other`` into ``self`` in place (sum / max / min per key) and return ``self``."""
+        for name, value in other.sums.items():
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        for name, value in other.maxes.items():
+            self.maxes[name] = torch.maximum(self.maxes[name], value) if name in self.maxes else value
+        for name, value in other.mins.items():
+            self.mins[name] = torch.minimum(self.mins[name], value) if name in self.mins else value
+        return self
+
+    def all_reduce(self, reduce_fn: ReduceFn | None) -> "RolloutStats":
+        """Reduce across processes with three collectives (keys sorted, so every rank agrees)."""
+        if reduce_fn is None:
+            return self
+        reduced = RolloutStats()
+        for group, op, out in ((self.sums, "sum", reduced.sums), (self.maxes, "max", reduced.maxes),
+                               (self.mins, "min", reduced.mins)):
+            if not group:
+                continue
+            names = sorted(group)
+            stacked = reduce_fn(torch.stack([group[n].to(STAT_DTYPE) for n in names]), op)  # (K,)
+            out.update({n: stacked[i] for i, n in enumerate(names)})
+        return reduced
+
+    def to_floats(self) -> dict[str, float]:
+        """One host transfer for everything: ``{"sum:name": v, "max:name": v, "min:name": v}``."""
+        keys, values = [], []
+        for tag, group in (("sum", self.sums), ("max", self.maxes), ("min", self.mins)):
+            for name in sorted(group):
+                keys.append(f"{tag}:{name}")
+                values.append(group[name].to(STAT_DTYPE).reshape(()))
+        if not values:
+            return {}
+        host = torch.stack(values).cpu().tolist()  # the single sync
+        return dict(zip(keys, host))
+
+
+def merge_stats(*stats: RolloutStats) -> RolloutStats:
+    """Combine several :class:`RolloutStats` into a new one."""
+    merged = RolloutStats()
+    for s in stats:
+        merged.update(s)
+    return merged
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum_{i,t} x_{i,t} m_{i,t} in float64 (0-dim)."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum(dtype=STAT_DTYPE)
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """max over masked entries (-inf when empty), float64 0-dim."""
+    sentinel = x.new_full((1,), -float("inf"))  # (1,) keeps empty batches reducible
+    return torch.cat([torch.where(mask, x, sentinel).flatten(), sentinel]).amax().to(STAT_DTYPE)
+
+
+def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """min over masked entries (+inf when empty), float64 0-dim."""
+    sentinel = x.new_full((1,), float("inf"))  # (1,)
+    return torch.cat([torch.where(mask, x, sentinel).flatten(), sentinel]).amin().to(STAT_DTYPE)
+
+
+def per_sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """mean_t x_{i,t} over valid tokens of each row; 0 for rows without a valid token.  (B,)"""
+    count = mask.sum(-1)  # (B,)
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(-1)  # (B,)
+    return total / count.clamp(min=1)
