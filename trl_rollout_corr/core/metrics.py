@@ -213,7 +213,11 @@ def _finalize_offpolicy(f: dict[str, float]) -> dict[str, float]:
 
 def finalize_stats(stats: RolloutStats) -> dict[str, float]:
     """Turn (already reduced) statistics into ``{"rollout_corr/<name>": float}`` with one host sync."""
-    f = stats.to_floats()
+    return finalize_floats(stats.to_floats())
+
+
+def finalize_floats(f: dict[str, float]) -> dict[str, float]:
+    """:func:`finalize_stats` on the output of :meth:`RolloutStats.to_floats` (no device access)."""
     s = lambda k: f.get(f"sum:{k}", 0.0)  # noqa: E731
     metrics: dict[str, float] = {}
     for family in ("rollout_is", "rollout_rs"):

@@ -1,0 +1,50 @@
+"""Build a real RolloutCorrGRPOTrainer on a tiny local model (no download)."""
+
+from __future__ import annotations
+
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+from trl_rollout_corr.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
+
+_MODEL_CACHE: dict = {}
+
+
+def tiny_model_dir(tmp_path_factory_dir) -> str:
+    """A saved tiny model + tokenizer (a path is needed when beta > 0: TRL reloads the reference model)."""
+    key = str(tmp_path_factory_dir)
+    if key not in _MODEL_CACHE:
+        model, tok = build_model(hidden_size=32), build_tokenizer()
+        model.save_pretrained(key)
+        tok.save_pretrained(key)
+        _MODEL_CACHE[key] = key
+    return _MODEL_CACHE[key]
+
+
+class LogCollector(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def make_trainer(output_dir, model=None, preset=None, max_steps=2, callbacks=(), rollout_sampler=None, **overrides):
+    kwargs = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=4,
+        max_completion_length=8, max_steps=max_steps, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0,
+        rollout_correction_preset=preset, temperature=1.0, dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    args = RolloutCorrGRPOConfig(**kwargs)
+    dataset = Dataset.from_dict({"prompt": reverse_prompts(64, n_digits=4)})
+    tok = build_tokenizer()
+    if model is None:
+        model = build_model(hidden_size=32)
+    collector = LogCollector()
+    trainer = RolloutCorrGRPOTrainer(model=model, reward_funcs=reverse_reward, args=args, train_dataset=dataset,
+                                     processing_class=tok, callbacks=[collector, *callbacks],
+                                     rollout_sampler=rollout_sampler)
+    return trainer, collector

@@ -1,0 +1,326 @@
+"""RolloutCorrGRPOConfig and RolloutCorrGRPOTrainer: the correction wired into TRL 1.16's GRPO hooks.
+
+Overrides (each calls ``super()``): ``_generate`` (validate pi_rollout), ``_generate_single_turn``
+(capture pi_rollout on the transformers path), ``_generate_and_score_completions`` (decoupled: pi_old,
+weights and masks once per generation batch), ``_get_per_token_logps_and_entropies`` (bypass: skip
+the pi_old forward), ``compute_loss`` (the corrected loss), ``log`` (reduce metrics once per log),
+``save_model`` (publish the resolved config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from trl import GRPOConfig, GRPOTrainer
+
+from .config import RolloutCorrectionConfig
+from .core import compute_rollout_correction_stats
+from .core.stats import STAT_DTYPE, RolloutStats
+from .losses import SUPPORTED_LOSS_TYPES, aggregate_loss, kl_penalty, policy_gradient_per_token_loss, ppo_clip_per_token_loss
+from .rollout.capture import capture_sampling_logprobs, validate_rollout_logprobs
+
+logger = logging.getLogger(__name__)
+_CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
+_NONE_STRINGS = ("none", "null", "None")
+
+
+@dataclass
+class RolloutCorrGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus the rollout-correction fields (flat, CLI/YAML-parsable).
+
+    Resolution order: ``rollout_correction_config`` (a saved config: directory, file or Hub repo id), else
+    ``rollout_correction_preset``, else the ``RolloutCorrectionConfig`` defaults; then every correction field
+    set here (not ``None``) overrides it. Use the string ``"none"`` to switch ``rollout_is``/``rollout_rs`` off
+    explicitly. The resolved config is ``args.rollout_correction``.
+    """
+
+    rollout_correction_preset: str | None = field(default=None, metadata={"help": "Preset name, e.g. decoupled_token_is."})
+    rollout_correction_config: str | None = field(default=None, metadata={"help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
+    rollout_is: str | None = field(default=None, metadata={"help": "IS level: token | sequence | none."})
+    rollout_is_threshold: float | None = field(default=None, metadata={"help": "IS truncation C (default 2.0)."})
+    rollout_is_batch_normalize: bool | None = field(default=None, metadata={"help": "Normalize IS weights to batch mean 1."})
+    rollout_rs: str | None = field(default=None, metadata={"help": "RS level: token | sequence | geometric | none."})
+    rollout_rs_threshold: float | None = field(default=None, metadata={"help": "RS upper bound."})
+    rollout_rs_threshold_lower: float | None = field(default=None, metadata={"help": "RS lower bound (default 1/upper)."})
+    rollout_token_veto_threshold: float | None = field(default=None, metadata={"help": "Veto a sequence if any rho < this."})
+    bypass_mode: bool | None = field(default=None, metadata={"help": "pi_old := pi_rollout (no extra forward pass)."})
+    use_policy_gradient: bool | None = field(default=None, metadata={"help": "REINFORCE loss (bypass only)."})
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "TRL's own vLLM IS correction; must stay False (this package corrects)."})
+
+    def __post_init__(self) -> None:
+        if self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "vllm_importance_sampling_correction=True would correct the same mismatch twice (TRL's own IS and this "
+                "package's). Leave it False and pick a rollout correction preset or the rollout_* fields instead.")
+        super().__post_init__()
+        self.rollout_correction = self.resolve_rollout_correction()
+
+    def resolve_rollout_correction(self) -> RolloutCorrectionConfig:
+        if self.rollout_correction_config:
+            base = RolloutCorrectionConfig.from_pretrained(self.rollout_correction_config).to_dict()
+        elif self.rollout_correction_preset:
+            base = RolloutCorrectionConfig.from_preset(self.rollout_correction_preset).to_dict()
+        else:
+            base = RolloutCorrectionConfig().to_dict()
+        explicit = {name: getattr(self, name) for name in _CORRECTION_FIELDS if getattr(self, name) is not None}
+        for level in ("rollout_is", "rollout_rs"):
+            if explicit.get(level) in _NONE_STRINGS:
+                explicit[level] = None
+        if "rollout_rs" in explicit and explicit["rollout_rs"] is None:
+            # switching RS off also drops the preset's RS thresholds unless they were set here
+            base["rollout_rs_threshold"] = explicit.get("rollout_rs_threshold")
+            base["rollout_rs_threshold_lower"] = explicit.get("rollout_rs_threshold_lower")
+        return RolloutCorrectionConfig(**{**base, **explicit})
+
+
+class RolloutCorrGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` that keeps pi_rollout with every completion and applies rollout correction in the loss.
+
+    Args (beyond ``GRPOTrainer``'s):
+        rollout_sampler: optional ``generate``-compatible object standing in for the rollout engine on the
+            transformers path (see ``trl_rollout_corr.rollout.emulated``); it must have ``sync(policy, step)``
+            and ``generate(**kwargs)``.
+    """
+
+    def __init__(self, *args: Any, rollout_sampler: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, RolloutCorrGRPOConfig):
+            raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...), got "
+                            f"{type(self.args).__name__}.")
+        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
+        self.vllm_importance_sampling_correction = False  # we own the correction (see TRL P1)
+        self.rollout_sampler = rollout_sampler
+        self._check_supported()
+        self._rc_stats = {"train": RolloutStats(), "eval": RolloutStats()}
+        self._rc_skip_old_forward = False
+        self._rc_forward_calls = 0  # no-grad forwards issued by generation-time code (tests count them)
+
+    # ------------------------------------------------------------------ configuration checks
+    def _check_supported(self) -> None:
+        refuse = []
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            refuse.append(f"loss_type={self.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
+        if self.importance_sampling_level != "token":
+            refuse.append("importance_sampling_level='sequence' (GSPO); use rollout_is='sequence' for sequence weights")
+        if self.top_entropy_quantile < 1.0:
+            refuse.append("top_entropy_quantile < 1")
+        if self._entropy_bonus_enabled:
+            refuse.append("an entropy bonus (entropy_coef / use_adaptive_entropy)")
+        if self.off_policy_mask_threshold is not None:
+            refuse.append("off_policy_mask_threshold (use rollout_rs / rollout_token_veto_threshold)")
+        if self.use_transformers_continuous_batching:
+            refuse.append("use_transformers_continuous_batching (its log-probs are not captured; use plain generate or vLLM)")
+        if refuse:
+            raise ValueError("RolloutCorrGRPOTrainer does not support " + "; ".join(refuse) + ". Change these settings.")
+
+    # ------------------------------------------------------------------ distributed helpers
+    def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self.accelerator.num_processes == 1 or not dist.is_initialized():
+            return tensor
+        reduced = tensor.clone()
+        dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return reduced
+
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    # ------------------------------------------------------------------ capturing pi_rollout
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm:  # TRL asks vLLM for processed log-probs already
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        policy = self.accelerator.unwrap_model(self.model_wrapped)
+        sampler = None
+        if self.rollout_sampler is not None:
+            self.rollout_sampler.sync(policy, self.state.global_step)
+            sampler = self.rollout_sampler.generate
+        with capture_sampling_logprobs(policy, sampler) as captured:
+            completion_ids, _ = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        logprobs = captured["logprobs"].cpu()  # (B, S)
+        return completion_ids, [logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+    def _generate(self, prompts: list):
+        result = super()._generate(prompts)
+        completion_ids, logprobs = result[1], result[4]
+        source = "rollout_func" if self.rollout_func is not None else ("vLLM" if self.use_vllm else "transformers generate")
+        validate_rollout_logprobs(completion_ids, logprobs, source)
+        return result
+
+    # ------------------------------------------------------------------ generation-time correction (decoupled)
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            if self._rc_skip_old_forward:  # bypass: TRL asked for pi_old, which is pi_rollout here
+                self._rc_skip_old_forward = False
+                return input_ids.new_zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32), None, None
+            self._rc_forward_calls += 1
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        cfg = self.rollout_correction
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        self._rc_skip_old_forward = cfg.bypass_mode and self.args.gradient_accumulation_steps % generate_every != 0
+        output = super()._generate_and_score_completions(inputs)
+        self._rc_skip_old_forward = False
+        rollout = output["sampling_per_token_logps"]  # (B, T)
+        loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        if cfg.bypass_mode:
+            output["old_per_token_logps"] = rollout  # pi_old := pi_rollout; no forward pass
+            return output
+        old = output.get("old_per_token_logps")
+        if old is None:
+            old = self._compute_old_logps(output)  # (B, T)
+            output["old_per_token_logps"] = old
+        result = compute_rollout_correction_stats(
+            old, rollout, loss_mask, cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold,
+            cfg.rollout_rs_threshold_lower, cfg.rollout_token_veto_threshold, cfg.rollout_is_batch_normalize,
+            reduce_fn=self._rc_reduce)
+        self._rc_stats[self._mode()].update(result.stats)
+        keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
+        output["rc_keep_mask"] = keep
+        if result.is_weights is not None:
+            output["rc_is_weights"] = result.is_weights  # (B, T)
+        output["num_items_in_batch"] = self.accelerator.gather(keep.sum()).sum()  # kept tokens, global
+        return output
+
+    @torch.no_grad()
+    def _compute_old_logps(self, output: dict) -> torch.Tensor:
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
+        batch_size = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
+        mm = {k: output[k] for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                                     "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                                     "mm_token_type_ids", "image_position_ids") if k in output}
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size, **mm)
+        return logps
+
+    # ------------------------------------------------------------------ the corrected loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("RolloutCorrGRPOTrainer does not support returning outputs")
+        cfg = self.rollout_correction
+        mode = self._mode()
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # (B, P+T)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)  # (B, P+T)
+        mm = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                                         "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                                         "mm_token_type_ids", "image_position_ids")}
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **mm)  # (B, T)
+        loss_mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask  # (B, T)
+        rollout = inputs["sampling_per_token_logps"]  # (B, T)
+        ga = self.current_gradient_accumulation_steps if mode == "train" else 1
+        spg = self.args.steps_per_generation if mode == "train" else 1
+        nproc = self.accelerator.num_processes
+        is_weights = None
+        if cfg.bypass_mode:
+            result = compute_rollout_correction_stats(
+                logps.detach(), rollout, loss_mask, cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs,
+                cfg.rollout_rs_threshold, cfg.rollout_rs_threshold_lower, cfg.rollout_token_veto_threshold,
+                cfg.rollout_is_batch_normalize, reduce_fn=self._rc_reduce)
+            self._rc_stats[mode].update(result.stats)
+            keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
+            if cfg.use_policy_gradient:
+                is_weights = result.is_weights
+            old = rollout
+            masks_tokens = cfg.rollout_rs is not None or cfg.rollout_token_veto_threshold is not None
+            if masks_tokens:  # the kept-token count is only known now: global over this micro-batch
+                kept = self._rc_reduce(keep.sum().to(torch.float32), "sum")
+                token_normalizer = kept.clamp(min=1.0) / nproc * ga
+            else:
+                token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / nproc * ga / spg
+        else:
+            keep = inputs["rc_keep_mask"]  # (B, T)
+            is_weights = inputs.get("rc_is_weights")  # (B, T) or None
+            old = inputs["old_per_token_logps"]  # (B, T)
+            token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / nproc * ga / spg
+        mask = loss_mask * keep  # (B, T) rejected tokens leave every term below
+        mask_bool = mask.bool()
+        old = torch.where(torch.isfinite(old) & mask_bool, old, logps.detach())  # (B, T) NaN/inf never reach the graph
+        if is_weights is not None:
+            is_weights = torch.where(mask_bool, is_weights, torch.zeros_like(is_weights))  # (B, T)
+        advantages = inputs["advantages"]
+        if cfg.use_policy_gradient:
+            per_token_loss = policy_gradient_per_token_loss(logps, advantages, is_weights)  # (B, T)
+            ratio = torch.exp(logps - old)  # (B, T)
+        else:
+            per_token_loss, ratio = ppo_clip_per_token_loss(
+                logps, old, advantages, self.epsilon_low, self.epsilon_high, is_weights, self.args.delta)
+        if self.beta != 0.0:
+            per_token_kl = kl_penalty(logps, inputs["ref_per_token_logps"])  # (B, T)
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * ratio
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+        per_token_loss = torch.where(mask_bool, per_token_loss, torch.zeros_like(per_token_loss))  # (B, T)
+        loss = aggregate_loss(per_token_loss, mask, self.loss_type, max_completion_length=self.max_completion_length,
+                              gradient_accumulation_steps=ga, token_normalizer=token_normalizer)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / ga
+        self._record_loss_stats(mode, mask_bool, entropies, ratio, advantages,
+                                per_token_kl if self.beta != 0.0 else None)
+        return loss
+
+    def _record_loss_stats(self, mode, mask, entropies, ratio, advantages, per_token_kl) -> None:
+        """TRL's loss-side metrics (entropy, clip ratios, kl) as device sums: no host sync per micro-batch."""
+        with torch.no_grad():
+            adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+            low = (ratio < 1 - self.epsilon_low) & (adv < 0) & mask
+            high = (ratio > 1 + self.epsilon_high) & (adv > 0) & mask
+            n = mask.sum(dtype=STAT_DTYPE)
+            sums = {
+                "loss.tok_n": n,
+                "loss.entropy_sum": torch.where(mask, entropies, torch.zeros_like(entropies)).sum(dtype=STAT_DTYPE),
+                "loss.clip_low_n": low.sum(dtype=STAT_DTYPE),
+                "loss.clip_high_n": high.sum(dtype=STAT_DTYPE),
+                "loss.empty_micro_batches": (n == 0).to(STAT_DTYPE),
+                "loss.micro_batches": torch.ones((), dtype=STAT_DTYPE, device=n.device),
+            }
+            if per_token_kl is not None:
+                sums["loss.kl_sum"] = torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum(dtype=STAT_DTYPE)
+            self._rc_stats[mode].update(RolloutStats(sums=sums))
+
+    # ------------------------------------------------------------------ logging and saving
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        from .core.metrics import finalize_floats
+
+        mode = self._mode()
+        stats, self._rc_stats[mode] = self._rc_stats[mode], RolloutStats()
+        if stats.sums:
+            reduced = stats.all_reduce(self._rc_reduce)
+            all_floats = reduced.to_floats()  # the one host sync of this logging step
+            metrics = finalize_floats(all_floats)
+            floats = {k[4:]: v for k, v in all_floats.items() if k.startswith("sum:loss.")}
+            n = floats.get("loss.tok_n", 0.0)
+            if "loss.micro_batches" in floats:
+                div = lambda a: a / n if n > 0 else 0.0  # noqa: E731
+                metrics["entropy"] = div(floats["loss.entropy_sum"])
+                metrics["clip_ratio/low_mean"] = div(floats["loss.clip_low_n"])
+                metrics["clip_ratio/high_mean"] = div(floats["loss.clip_high_n"])
+                metrics["clip_ratio/region_mean"] = div(floats["loss.clip_low_n"] + floats["loss.clip_high_n"])
+                if "loss.kl_sum" in floats:
+                    metrics["kl"] = div(floats["loss.kl_sum"])
+                empty = floats["loss.empty_micro_batches"]
+                metrics["rollout_corr/all_rejected_micro_batches"] = empty
+                if empty > 0 and self.accelerator.is_main_process:
+                    logger.warning(
+                        "Rollout correction rejected every token of %d of %d micro-batches since the last log "
+                        "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
+                        "rollout_token_veto_threshold or check the sampler.", int(empty),
+                        int(floats["loss.micro_batches"]), metrics.get("rollout_corr/rejected_token_fraction", 1.0))
+            if mode == "eval":
+                metrics = {f"eval_{k}": v for k, v in metrics.items()}
+            logs = {**logs, **metrics}
+        super().log(logs, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            self.rollout_correction.save_pretrained(output_dir or self.args.output_dir)
