@@ -1,0 +1,82 @@
+"""Emulated mismatched rollout engines for the transformers path (stress tests and the CPU demo).
+
+A sampler is a separate copy of the policy that follows it the way a real engine's weight sync would:
+``sync(policy, step)`` is called before every generation. Kinds:
+
+* ``stale`` (``lag=k``): the weights of k optimizer steps earlier (asynchronous rollouts);
+* ``bf16`` / ``fp16``: the current weights cast to low precision;
+* ``int8``: dynamic INT8 quantization of every ``nn.Linear`` (``torch.ao``);
+* ``wq<N>``: per-output-channel symmetric N-bit fake quantization of every ``nn.Linear`` weight.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any
+
+import torch
+
+
+class EmulatedRolloutEngine:
+    """A mismatched copy of the policy that samples instead of it; its processed log-probs are captured."""
+
+    def __init__(self, kind: str = "stale", lag: int = 4, bits: int = 4) -> None:
+        if kind.startswith("wq") and kind[2:].isdigit():
+            kind, bits = "wq", int(kind[2:])
+        if kind not in ("stale", "bf16", "fp16", "int8", "wq", "none"):
+            raise ValueError(f"Unknown emulated engine kind {kind!r}: use stale, bf16, fp16, int8, wq<N> or none.")
+        if kind == "stale" and lag < 1:
+            raise ValueError(f"lag must be >= 1 for a stale engine, got {lag}.")
+        self.kind, self.lag, self.bits = kind, lag, bits
+        self._snapshots: collections.deque = collections.deque(maxlen=lag + 1)
+        self._last_step: int | None = None
+        self._engine: torch.nn.Module | None = None
+
+    def __repr__(self) -> str:
+        return f"EmulatedRolloutEngine(kind={self.kind!r}, lag={self.lag}, bits={self.bits})"
+
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module, step: int) -> None:
+        """Weight sync, called before each generation with the optimizer step count."""
+        if self._engine is not None and step == self._last_step:
+            return
+        self._last_step = step
+        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        if self.kind == "stale":
+            self._snapshots.append(state)
+            state = self._snapshots[0]  # lag steps behind once the queue is full
+        if self._engine is None or self.kind == "int8":
+            engine = copy.deepcopy(policy)
+            # trainers patch instance-level forwards (TRL's fused LM head) that close over the *policy*:
+            # drop them so that the copy runs its own weights
+            for module in engine.modules():
+                module.__dict__.pop("forward", None)
+                module.__dict__.pop("generate", None)
+            engine.eval()
+        else:
+            engine = self._engine
+        engine.load_state_dict(state)
+        if self.kind == "bf16":
+            engine = engine.to(torch.bfloat16)
+        elif self.kind == "fp16":
+            engine = engine.to(torch.float16)
+        elif self.kind == "int8":
+            engine = torch.ao.quantization.quantize_dynamic(engine, {torch.nn.Linear}, dtype=torch.qint8)
+        elif self.kind == "wq":
+            for module in engine.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(fake_quantize(module.weight, self.bits))
+        self._engine = engine
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            raise RuntimeError("EmulatedRolloutEngine.generate called before sync(policy, step).")
+        return self._engine.generate(*args, **kwargs)
+
+
+def fake_quantize(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric per-output-channel N-bit quantize-dequantize: round(W / s) * s, s = max|W_row| / (2^(N-1) - 1)."""
+    levels = 2 ** (bits - 1) - 1
+    scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / levels  # (out, 1)
+    return torch.round(weight / scale).clamp(-levels, levels) * scale  # (out, in)
