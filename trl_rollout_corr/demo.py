@@ -70,9 +70,6 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     logs: list[dict] = []
 
     class Recorder(TrainerCallback):
-        def on_log(self, args, state, control, logs_=None, **kwargs):
-            pass
-
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if state.global_step % eval_every == 0:
                 curve.append((state.global_step, policy_reward(model)))
@@ -229,10 +226,6 @@ def int8_diagnostics(steps: int = 20) -> str:
     model = build_model(hidden_size=64, num_layers=2, seed=0)
     supervised_warmup(model, tok, steps=90)
     logs = []
-
-    class Keep(TrainerCallback):
-        def on_log(self, args, state, control, logs_=None, **kwargs):
-            pass
 
     class Rec(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
