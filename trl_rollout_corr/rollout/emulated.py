@@ -12,6 +12,7 @@ A sampler is a separate copy of the policy that follows it the way a real engine
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 from typing import Any
 
@@ -42,11 +43,16 @@ class EmulatedRolloutEngine:
         if self._engine is not None and step == self._last_step:
             return
         self._last_step = step
-        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        sharded = is_zero3_sharded(policy)
+        with gathered_parameters(policy, sharded):
+            state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
         if self.kind == "stale":
             self._snapshots.append(state)
             state = self._snapshots[0]  # lag steps behind once the queue is full
-        if self._engine is None or self.kind == "int8":
+        if sharded and (self._engine is None or self.kind == "int8"):
+            # a ZeRO-3 module holds empty shards and DeepSpeed hooks: build a plain, full copy from its config
+            engine = type(policy)(policy.config).to(next(iter(state.values())).dtype).eval()
+        elif self._engine is None or self.kind == "int8":
             engine = copy.deepcopy(policy)
             # trainers patch instance-level forwards (TRL's fused LM head) that close over the *policy*:
             # drop them so that the copy runs its own weights
@@ -73,6 +79,20 @@ class EmulatedRolloutEngine:
         if self._engine is None:
             raise RuntimeError("EmulatedRolloutEngine.generate called before sync(policy, step).")
         return self._engine.generate(*args, **kwargs)
+
+
+def is_zero3_sharded(module: torch.nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 partitions this module's parameters (they carry a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def gathered_parameters(module: torch.nn.Module, sharded: bool):
+    """Context in which a ZeRO-3 module's full parameters are materialized on every rank (read-only)."""
+    if not sharded:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
 def fake_quantize(weight: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""One tiny RolloutCorrGRPOTrainer run, launched by tests/test_distributed.py under torchrun / accelerate launch.
+
+Usage: python dist_worker.py OUT_JSON [--engine ddp|deepspeed] [--rollout fixed|generate] [--per_device B]
+                             [--preset P] [--correction JSON] [--max_steps N]
+
+``--rollout fixed`` feeds completions and pi_rollout log-probs that are a pure function of the prompt (a
+``rollout_func``), so a 1-process and a 2-process run see the same global batch. ``--rollout generate`` samples
+with ``model.generate`` through a stale emulated engine (a full copy of the policy, gathered under ZeRO-3).
+Rank 0 writes the logs, the world size and whether the parameters were really sharded to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import zlib
+
+import torch
+from datasets import Dataset
+
+from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
+from trl_rollout_corr.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
+
+GLOBAL_BATCH = 16
+NUM_GENERATIONS = 4
+COMPLETION_LEN = 6
+
+
+def fixed_rollout_func(tokenizer):
+    """Completions and log-probs seeded by (prompt, copy index): identical whatever the world size."""
+    def rollout_func(prompts, trainer):
+        seen: dict[str, int] = {}
+        prompt_ids, completion_ids, logprobs = [], [], []
+        for prompt in prompts:
+            copy_index = seen.get(prompt, 0)
+            seen[prompt] = copy_index + 1
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{prompt}|{copy_index}".encode()))
+            length = int(torch.randint(1, COMPLETION_LEN + 1, (1,), generator=gen))
+            ids = torch.randint(4, 14, (length,), generator=gen).tolist()  # digit tokens
+            lps = (-0.2 - 4.0 * torch.rand(length, generator=gen, dtype=torch.float64)).tolist()
+            prompt_ids.append(tokenizer(prompt)["input_ids"])
+            completion_ids.append(ids)
+            logprobs.append(lps)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+    return rollout_func
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--engine", default="ddp", choices=["ddp", "deepspeed"])
+    parser.add_argument("--rollout", default="fixed", choices=["fixed", "generate"])
+    parser.add_argument("--per_device", type=int, default=GLOBAL_BATCH)
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--correction", default="{}", help="JSON dict of rollout_* fields")
+    parser.add_argument("--max_steps", type=int, default=2)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    opts = parser.parse_args()
+
+    tokenizer = build_tokenizer()
+    model = build_model(hidden_size=32, seed=0)
+    device_kwargs = dict(use_cpu=True) if opts.engine == "ddp" else dict(use_cpu=False, ddp_backend="gloo")
+    args = RolloutCorrGRPOConfig(
+        output_dir=os.path.join(os.path.dirname(opts.out), "run"), per_device_train_batch_size=opts.per_device,
+        gradient_accumulation_steps=1, num_generations=NUM_GENERATIONS, max_completion_length=COMPLETION_LEN,
+        max_steps=opts.max_steps, learning_rate=opts.learning_rate, logging_steps=1, save_strategy="no", report_to="none",
+        bf16=False, seed=0, temperature=1.0, dataloader_num_workers=0, rollout_correction_preset=opts.preset,
+        **device_kwargs, **json.loads(opts.correction))
+    sampler = EmulatedRolloutEngine("stale", lag=1) if opts.rollout == "generate" else None
+    rollout_func = fixed_rollout_func(tokenizer) if opts.rollout == "fixed" else None
+    collected: list[dict] = []
+
+    from transformers import TrainerCallback
+
+    class Collect(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            collected.append(dict(logs or {}))
+
+    trainer = RolloutCorrGRPOTrainer(
+        model=model, reward_funcs=reverse_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": reverse_prompts(64, n_digits=4)}), processing_class=tokenizer,
+        rollout_func=rollout_func, rollout_sampler=sampler, callbacks=[Collect()])
+    trainer.train()
+
+    params = list(trainer.model.parameters())
+    result = {
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
+        if trainer.accelerator.state.deepspeed_plugin is not None else None,
+        "local_param_numel": sum(p.numel() for p in params),
+        "full_param_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "rollout_forward_calls": trainer._rc_forward_calls,
+        "logs": collected,
+    }
+    if trainer.accelerator.is_main_process:
+        with open(opts.out, "w") as fh:
+            json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main()

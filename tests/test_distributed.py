@@ -1,0 +1,110 @@
+"""Multi-process training: 2-process DDP (torchrun, gloo) and DeepSpeed ZeRO-2/3 on CPU.
+
+Each run is a real launch of tests/dist_worker.py; the world size is asserted from inside the run, never
+trusted from launcher flags (``accelerate launch --cpu --num_processes 2`` silently starts one process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "dist_worker.py")
+GLOBAL_BATCH = 16
+
+# token- and sequence-level decoupled corrections and a bypass policy-gradient one, all with RS and batch norm
+CASES = {
+    "token_rs_bn_veto": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold=3.0,
+                             rollout_is_batch_normalize=True, rollout_token_veto_threshold=0.05),
+    "seq_rs_bn": dict(rollout_is="sequence", rollout_is_threshold=3.0, rollout_rs="sequence", rollout_rs_threshold=5.0,
+                      rollout_is_batch_normalize=True),
+    "bypass_pg_geo_rs_bn": dict(bypass_mode=True, use_policy_gradient=True, rollout_is="token", rollout_rs="geometric",
+                                rollout_rs_threshold=2.5, rollout_is_batch_normalize=True),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(cmd: list[str], out: Path, extra_env: dict | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
+    proc = subprocess.run(cmd, cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def _metric_logs(result: dict) -> list[dict]:
+    return [{k: v for k, v in log.items() if k.startswith("rollout_corr/") or k == "loss"}
+            for log in result["logs"] if "loss" in log]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_log_the_same_metrics_as_one(tmp_path, case):
+    # learning rate 0: both steps run on identical weights, so only the reduction of the statistics can differ
+    common = ["--correction", json.dumps(CASES[case]), "--learning_rate", "0"]
+    one = _run([sys.executable, WORKER, str(tmp_path / "one.json"), "--per_device", str(GLOBAL_BATCH), *common],
+               tmp_path / "one.json")
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), WORKER, str(tmp_path / "two.json"), "--per_device", str(GLOBAL_BATCH // 2),
+                *common], tmp_path / "two.json")
+    assert one["world_size"] == 1 and two["world_size"] == 2, (one["world_size"], two["world_size"])
+    assert "MULTI_CPU" in two["distributed_type"]
+    logs_one, logs_two = _metric_logs(one), _metric_logs(two)
+    assert len(logs_one) == len(logs_two) == 2
+    assert len(logs_one[0]) >= 40 and logs_one[0].keys() == logs_two[0].keys()
+    assert "rollout_corr/rollout_is_batch_norm_factor" in logs_one[0]
+    assert logs_one[0]["rollout_corr/rejected_token_fraction"] > 0  # RS really acts on this data
+    for step in range(2):  # every metric, and the globally normalized loss, over the same global batch
+        for name, value in logs_one[step].items():
+            assert logs_two[step][name] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, name)
+
+
+DEEPSPEED_CASES = [(stage, preset) for stage in (2, 3) for preset in ("decoupled_seq_is_rs", "ppo_is_bypass")]
+
+
+@pytest.mark.parametrize("stage,preset", DEEPSPEED_CASES, ids=[f"zero{s}-{p}" for s, p in DEEPSPEED_CASES])
+def test_deepspeed_zero_trains_with_two_processes(tmp_path, stage, preset):
+    pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs deepspeed")
+    if shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists():
+        pytest.skip("accelerate CLI not on PATH")
+    # the shipped recipe, made CPU-sized: 2 processes, and ZeRO-3 sharding even the tiny parameters
+    ds_config = json.loads((ROOT / "recipes" / "accelerate" / f"ds_zero{stage}.json").read_text())
+    if stage == 3:
+        ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    launch = yaml.safe_load((ROOT / "recipes" / "accelerate" / f"deepspeed_zero{stage}.yaml").read_text())
+    launch["num_processes"] = 2
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "ds.json")
+    (tmp_path / "launch.yaml").write_text(yaml.safe_dump(launch))
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    result = _run([accelerate, "launch", "--config_file", str(tmp_path / "launch.yaml"), "--main_process_port",
+                   str(_free_port()), WORKER, str(tmp_path / "out.json"), "--engine", "deepspeed", "--rollout",
+                   "generate", "--per_device", str(GLOBAL_BATCH // 2), "--preset", preset],
+                  tmp_path / "out.json", {"DS_ACCELERATOR": "cpu"})
+    assert result["world_size"] == 2 and "DEEPSPEED" in result["distributed_type"]
+    assert result["zero_stage"] == stage
+    if stage == 3:  # parameters really partitioned: this rank holds no full tensor
+        assert result["local_param_numel"] == 0 < result["full_param_numel"]
+    # decoupled: one pi_old forward per generation batch (under sharding); bypass: none
+    assert result["rollout_forward_calls"] == (0 if preset == "ppo_is_bypass" else 2)
+    logs = [log for log in result["logs"] if "loss" in log]
+    assert len(logs) == 2
+    for log in logs:
+        assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"])
+        assert all(math.isfinite(log[k]) for k in log if k.startswith("rollout_corr/"))
+        assert "rollout_corr/kl" in log and "rollout_corr/rollout_is_mean" in log
+    assert logs[1]["rollout_corr/kl"] != 0.0  # the stale engine (a gathered full copy) lags one step behind
