@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .core.divergence import parse_divergence_criteria
+
 CONFIG_NAME = "rollout_correction_config.json"
 IS_LEVELS = (None, "token", "sequence")
 RS_LEVELS = (None, "token", "sequence", "geometric")
@@ -26,6 +28,11 @@ class RolloutCorrectionConfig:
         rollout_rs_threshold: upper acceptance bound of the RS statistic (required with ``rollout_rs``).
         rollout_rs_threshold_lower: lower bound; ``None`` means ``1 / rollout_rs_threshold``.
         rollout_token_veto_threshold: reject a sequence if any token has rho < this (``None`` = off).
+        rollout_rs_criteria: divergence-based rejection criteria, ANDed with ``rollout_rs`` and the veto:
+            comma-separated ``token_k1|token_k2|token_k3|seq_sum_k{1,2,3}|seq_mean_k{1,2,3}|seq_max_k{2,3}``
+            (see :mod:`trl_rollout_corr.core.divergence`).
+        rollout_rs_criteria_threshold: one value per criterion, comma-separated: k1 takes ratio bounds
+            ``"lower_upper"`` or an upper (lower = 1/upper); k2/k3 take an upper bound.
         bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
         use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
     """
@@ -37,6 +44,8 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: float | None = None
     rollout_rs_threshold_lower: float | None = None
     rollout_token_veto_threshold: float | None = None
+    rollout_rs_criteria: str | None = None
+    rollout_rs_criteria_threshold: str | None = None
     bypass_mode: bool = False
     use_policy_gradient: bool = False
 
@@ -81,6 +90,15 @@ class RolloutCorrectionConfig:
         elif self.rollout_rs_threshold is not None or self.rollout_rs_threshold_lower is not None:
             raise ValueError("rollout_rs_threshold / rollout_rs_threshold_lower are set but rollout_rs is None, so they "
                              "would be ignored: set rollout_rs ('token', 'sequence' or 'geometric') or unset the thresholds.")
+        for name in ("rollout_rs_criteria", "rollout_rs_criteria_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):  # YAML lists are stored in the comma-separated form
+                setattr(self, name, ",".join(str(v) for v in value))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                setattr(self, name, str(value))
+            if getattr(self, name) in ("none", "null", "None", ""):
+                setattr(self, name, None)
+        parse_divergence_criteria(self.rollout_rs_criteria, self.rollout_rs_criteria_threshold)  # raises with the fix
         if self.rollout_token_veto_threshold is not None:
             _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold, "typically 1e-4 .. 1e-6, or None")
         if self.use_policy_gradient and not self.bypass_mode:
@@ -98,9 +116,28 @@ class RolloutCorrectionConfig:
 
     @property
     def is_enabled(self) -> bool:
-        """Whether anything changes the loss (IS weights applied, RS or veto)."""
+        """Whether anything changes the loss (IS weights applied, RS, divergence criteria or veto)."""
         applies_is = self.rollout_is is not None and (not self.bypass_mode or self.use_policy_gradient)
-        return applies_is or self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
+        return (applies_is or self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
+                or self.rollout_rs_criteria is not None)
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether rejection (RS, divergence criteria) or the veto can remove tokens from the loss."""
+        return (self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
+                or self.rollout_rs_criteria is not None)
+
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`~trl_rollout_corr.core.compute_rollout_correction_stats` for this config."""
+        return dict(
+            rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+            rollout_rs=self.rollout_rs, rollout_rs_threshold=self.rollout_rs_threshold,
+            rollout_rs_threshold_lower=self.rs_threshold_lower,
+            rollout_token_veto_threshold=self.rollout_token_veto_threshold,
+            rollout_is_batch_normalize=self.rollout_is_batch_normalize,
+            rollout_rs_criteria=self.rollout_rs_criteria,
+            rollout_rs_criteria_threshold=self.rollout_rs_criteria_threshold,
+        )
 
     # ------------------------------------------------------------------ presets
     @classmethod

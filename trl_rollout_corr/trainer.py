@@ -21,8 +21,10 @@ from trl import GRPOConfig, GRPOTrainer
 from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.stats import STAT_DTYPE, RolloutStats
+from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
 from .losses import SUPPORTED_LOSS_TYPES, aggregate_loss, kl_penalty, policy_gradient_per_token_loss, ppo_clip_per_token_loss
 from .rollout.capture import capture_sampling_logprobs, validate_rollout_logprobs
+from .rollout.support import KeptMassProbe
 
 logger = logging.getLogger(__name__)
 _CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
@@ -50,6 +52,13 @@ class RolloutCorrGRPOConfig(GRPOConfig):
     rollout_token_veto_threshold: float | None = field(default=None, metadata={"help": "Veto a sequence if any rho < this."})
     bypass_mode: bool | None = field(default=None, metadata={"help": "pi_old := pi_rollout (no extra forward pass)."})
     use_policy_gradient: bool | None = field(default=None, metadata={"help": "REINFORCE loss (bypass only)."})
+    rollout_rs_criteria: str | None = field(default=None, metadata={
+        "help": "Divergence RS criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3."})
+    rollout_rs_criteria_threshold: str | None = field(default=None, metadata={
+        "help": "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); k2/k3 upper."})
+    truncated_support_correction: bool | None = field(default=None, metadata={
+        "help": "Apply top-k/top-p/min-p to the training logits before the ratio with pi_rollout (default: on when "
+                "any of them is set)."})
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "TRL's own vLLM IS correction; must stay False (this package corrects)."})
 
@@ -100,6 +109,27 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_stats = {"train": RolloutStats(), "eval": RolloutStats()}
         self._rc_skip_old_forward = False
         self._rc_forward_calls = 0  # no-grad forwards issued by generation-time code (tests count them)
+        self._rc_truncation = self._resolve_sampling_truncation()
+        switch = self.args.truncated_support_correction
+        self._rc_apply_truncation = self._rc_truncation is not None and switch is not False
+        self._rc_probe_next_forward = False
+        self._rc_support: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _resolve_sampling_truncation(self) -> SamplingTruncation | None:
+        """The sampler's temperature/top-k/top-p/min-p as generation really applies them, or None if no truncation."""
+        gen_kwargs = self.args.generation_kwargs or {}
+        min_p = gen_kwargs.get("min_p", self.min_p)
+        if min_p is None and not self.use_vllm:  # transformers falls back to the model's generation config
+            min_p = getattr(getattr(self.model, "generation_config", None), "min_p", None)
+        truncation = SamplingTruncation(
+            temperature=float(gen_kwargs.get("temperature", self.temperature)),
+            top_k=int(gen_kwargs.get("top_k", self.top_k) or 0), top_p=float(gen_kwargs.get("top_p", self.top_p) or 1.0),
+            min_p=min_p)
+        if (self.repetition_penalty or 1.0) != 1.0 and self.accelerator.is_main_process:
+            logger.warning("repetition_penalty=%s changes pi_rollout in a way the trainer does not reproduce: the "
+                           "ratio pi_train/pi_rollout is biased on repeated tokens. Prefer repetition_penalty=1.0.",
+                           self.repetition_penalty)
+        return truncation if truncation.truncates else None
 
     # ------------------------------------------------------------------ configuration checks
     def _check_supported(self) -> None:
@@ -159,12 +189,36 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 self._rc_skip_old_forward = False
                 return input_ids.new_zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32), None, None
             self._rc_forward_calls += 1
-        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if not self._rc_probe_next_forward:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        self._rc_probe_next_forward = False  # the training-side kept mass, from this forward's hidden states
+        with KeptMassProbe(model, self._rc_truncation, logits_to_keep) as probe:
+            result = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        self._rc_support = probe.result()
+        return result
+
+    def _ratio_logps(self, train_logps: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
+        """The training log-probs to compare with pi_rollout: truncated to the sampler's support when enabled.
+
+        Records kept_mass_mean/min and outside_support_fraction whenever the sampler truncates.
+        """
+        if self._rc_truncation is None:
+            return train_logps
+        log_mass, in_support = self._rc_support  # (B, T), (B, T)
+        self._rc_support = None
+        self._rc_stats[mode].update(truncation_stats(log_mass, in_support, loss_mask))
+        if not self._rc_apply_truncation:
+            return train_logps
+        return truncated_support_logprobs(train_logps, log_mass, in_support)  # (B, T)
 
     def _generate_and_score_completions(self, inputs):
         cfg = self.rollout_correction
         generate_every = self.args.steps_per_generation * self.num_iterations
-        self._rc_skip_old_forward = cfg.bypass_mode and self.args.gradient_accumulation_steps % generate_every != 0
+        # bypass needs no pi_old; with a truncating sampler, pi_old is computed below together with the kept mass
+        own_old_forward = cfg.bypass_mode or self._rc_truncation is not None
+        self._rc_skip_old_forward = own_old_forward and self.args.gradient_accumulation_steps % generate_every != 0
         output = super()._generate_and_score_completions(inputs)
         self._rc_skip_old_forward = False
         rollout = output["sampling_per_token_logps"]  # (B, T)
@@ -173,12 +227,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             output["old_per_token_logps"] = rollout  # pi_old := pi_rollout; no forward pass
             return output
         old = output.get("old_per_token_logps")
-        if old is None:
+        if old is None or self._rc_truncation is not None:
+            self._rc_probe_next_forward = self._rc_truncation is not None
             old = self._compute_old_logps(output)  # (B, T)
-            output["old_per_token_logps"] = old
+            output["old_per_token_logps"] = old  # the PPO ratio pi_theta/pi_old stays on the full support
         result = compute_rollout_correction_stats(
-            old, rollout, loss_mask, cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold,
-            cfg.rollout_rs_threshold_lower, cfg.rollout_token_veto_threshold, cfg.rollout_is_batch_normalize,
+            self._ratio_logps(old, loss_mask, self._mode()), rollout, loss_mask, **cfg.pipeline_kwargs(),
             reduce_fn=self._rc_reduce)
         self._rc_stats[self._mode()].update(result.stats)
         keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
@@ -212,6 +266,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         mm = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                                          "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                                          "mm_token_type_ids", "image_position_ids")}
+        self._rc_probe_next_forward = cfg.bypass_mode and self._rc_truncation is not None
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled, **mm)  # (B, T)
@@ -221,18 +276,18 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         spg = self.args.steps_per_generation if mode == "train" else 1
         nproc = self.accelerator.num_processes
         is_weights = None
+        ratio_logps = logps  # (B, T) the policy log-probs compared with pi_old
         if cfg.bypass_mode:
+            # pi_theta on the sampler's truncated support (log M enters as a constant: same gradient as log pi_theta)
+            ratio_logps = self._ratio_logps(logps, loss_mask, mode)  # (B, T)
             result = compute_rollout_correction_stats(
-                logps.detach(), rollout, loss_mask, cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs,
-                cfg.rollout_rs_threshold, cfg.rollout_rs_threshold_lower, cfg.rollout_token_veto_threshold,
-                cfg.rollout_is_batch_normalize, reduce_fn=self._rc_reduce)
+                ratio_logps.detach(), rollout, loss_mask, **cfg.pipeline_kwargs(), reduce_fn=self._rc_reduce)
             self._rc_stats[mode].update(result.stats)
             keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
             if cfg.use_policy_gradient:
                 is_weights = result.is_weights
             old = rollout
-            masks_tokens = cfg.rollout_rs is not None or cfg.rollout_token_veto_threshold is not None
-            if masks_tokens:  # the kept-token count is only known now: global over this micro-batch
+            if cfg.masks_tokens:  # the kept-token count is only known now: global over this micro-batch
                 kept = self._rc_reduce(keep.sum().to(torch.float32), "sum")
                 token_normalizer = kept.clamp(min=1.0) / nproc * ga
             else:
@@ -244,16 +299,16 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / nproc * ga / spg
         mask = loss_mask * keep  # (B, T) rejected tokens leave every term below
         mask_bool = mask.bool()
-        old = torch.where(torch.isfinite(old) & mask_bool, old, logps.detach())  # (B, T) NaN/inf never reach the graph
+        old = torch.where(torch.isfinite(old) & mask_bool, old, ratio_logps.detach())  # (B, T) NaN/inf never reach the graph
         if is_weights is not None:
             is_weights = torch.where(mask_bool, is_weights, torch.zeros_like(is_weights))  # (B, T)
         advantages = inputs["advantages"]
         if cfg.use_policy_gradient:
             per_token_loss = policy_gradient_per_token_loss(logps, advantages, is_weights)  # (B, T)
-            ratio = torch.exp(logps - old)  # (B, T)
+            ratio = torch.exp(ratio_logps - old)  # (B, T)
         else:
             per_token_loss, ratio = ppo_clip_per_token_loss(
-                logps, old, advantages, self.epsilon_low, self.epsilon_high, is_weights, self.args.delta)
+                ratio_logps, old, advantages, self.epsilon_low, self.epsilon_high, is_weights, self.args.delta)
         if self.beta != 0.0:
             per_token_kl = kl_penalty(logps, inputs["ref_per_token_logps"])  # (B, T)
             if self.args.use_bias_correction_kl:

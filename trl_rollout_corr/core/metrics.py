@@ -16,6 +16,8 @@ import math
 import torch
 
 from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
+from .divergence import finalize_divergence
+from .truncation import finalize_truncation
 from .weights import SAFETY_BOUND, sequence_log_ratio
 
 PREFIX = "rollout_corr/"
@@ -227,8 +229,10 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
         metrics.update(_finalize_offpolicy(f))
     if "sum:rollout_is.norm_mean_sum" in f:
         metrics[PREFIX + "rollout_is_batch_norm_factor"] = _div(s("rollout_is.norm_mean_sum"), s("rollout_is.norm_n"))
+    metrics.update(finalize_truncation(f))
     if "sum:mask.tok_n" in f:
         tok_n, seq_n = s("mask.tok_n"), s("mask.seq_n")
+        metrics.update(finalize_divergence(f, tok_n, seq_n))
         metrics[PREFIX + "rollout_is_veto_fraction"] = _div(s("mask.vetoed_seq_n"), seq_n)
         metrics[PREFIX + "rollout_is_catastrophic_token_fraction"] = _div(s("mask.catastrophic_tok_n"), tok_n)
         metrics[PREFIX + "invalid_logprob_fraction"] = _div(s("mask.invalid_tok_n"), s("mask.input_tok_n"))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, parse_divergence_criteria
 from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask
 from .stats import STAT_DTYPE, ReduceFn, RolloutStats
@@ -32,6 +33,8 @@ def compute_rollout_correction_stats(
     rollout_token_veto_threshold: float | None = None,
     rollout_is_batch_normalize: bool = False,
     reduce_fn: ReduceFn | None = None,
+    rollout_rs_criteria: Any = None,
+    rollout_rs_criteria_threshold: Any = None,
 ) -> RolloutCorrection:
     """Host-sync-free form of :func:`compute_rollout_correction_and_rejection_mask`.
 
@@ -39,6 +42,7 @@ def compute_rollout_correction_stats(
     mode, pi_theta detached in bypass mode). Tokens whose log-probs are NaN/+-inf on a valid position make
     their whole sequence invalid: it is rejected and counted in ``invalid_logprob_fraction``.
     ``reduce_fn`` makes batch normalization use the global batch across processes.
+    ``rollout_rs_criteria`` (divergence criteria, see :mod:`.divergence`) are ANDed with ``rollout_rs`` and the veto.
     """
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
@@ -89,6 +93,11 @@ def compute_rollout_correction_stats(
             mask_sums["rs_rejected_tok_n"] = rs_rejected.sum(dtype=STAT_DTYPE)
             mask_sums["rs_rejected_seq_n"] = rs_rejected.any(-1).sum(dtype=STAT_DTYPE)
             keep = keep & rs_keep
+        criteria = _as_criteria(rollout_rs_criteria, rollout_rs_criteria_threshold)
+        if criteria:
+            div_keep, div_stats = compute_divergence_rejection_mask(log_ratio, valid, criteria)
+            stats.update(div_stats)
+            keep = keep & div_keep
         if rollout_token_veto_threshold is not None:
             veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, rollout_token_veto_threshold)
             mask_sums["catastrophic_tok_n"] = catastrophic.sum(dtype=STAT_DTYPE)
@@ -106,6 +115,13 @@ def compute_rollout_correction_stats(
     return RolloutCorrection(is_weights, modified, stats)
 
 
+def _as_criteria(criteria: Any, thresholds: Any) -> list[DivergenceCriterion]:
+    """Already-parsed criteria pass through; strings/lists of names are parsed with their thresholds."""
+    if criteria and not isinstance(criteria, str) and all(isinstance(c, DivergenceCriterion) for c in criteria):
+        return list(criteria)
+    return parse_divergence_criteria(criteria, thresholds)
+
+
 def compute_rollout_correction_and_rejection_mask(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -117,6 +133,8 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_rs_threshold_lower: float | None = None,
     rollout_token_veto_threshold: float | None = None,
     rollout_is_batch_normalize: bool = False,
+    rollout_rs_criteria: Any = None,
+    rollout_rs_criteria_threshold: Any = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """IS weights, rejection/veto mask and metrics in one call (mirrors the seeds' reference helper).
 
@@ -134,5 +152,6 @@ def compute_rollout_correction_and_rejection_mask(
     result = compute_rollout_correction_stats(
         old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold, rollout_rs,
         rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold, rollout_is_batch_normalize,
+        rollout_rs_criteria=rollout_rs_criteria, rollout_rs_criteria_threshold=rollout_rs_criteria_threshold,
     )
     return result.is_weights, result.modified_response_mask, finalize_stats(result.stats)

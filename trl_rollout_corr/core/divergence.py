@@ -1,0 +1,196 @@
+"""Divergence-based rejection: k1 / k2 / k3 criteria, per token or aggregated per sequence (sum, mean, max).
+
+With log r_t = log pi_train(a_t) - log pi_rollout(a_t) on valid tokens (b_t = clamp(log r_t, -20, 20)):
+
+    k1_t = -log r_t            k2_t = 1/2 (log r_t)^2            k3_t = exp(b_t) - 1 - b_t
+
+Criteria (several may be combined; a token is kept only if every criterion keeps it):
+
+    token_kX     the per-token value; rejects single tokens
+    seq_sum_kX   sum_t m_t kX_t               \\
+    seq_mean_kX  (1/|T|) sum_t m_t kX_t        } reject whole sequences
+    seq_max_kX   max_t kX_t  (X in {2, 3})    /
+
+k1 thresholds are bounds on the ratio exp(-statistic): ``"lower_upper"`` (e.g. ``"0.5_2.0"``) or a bare
+``upper`` (lower = 1/upper); keep iff lower <= exp(-k1) <= upper, compared in clamped log space. So token_k1,
+seq_sum_k1 and seq_mean_k1 equal the seeds' token, sequence and geometric RS. k2/k3 thresholds are one upper bound:
+keep iff statistic <= upper.
+
+Pure tensor functions; no TRL import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .stats import STAT_DTYPE, RolloutStats, masked_max
+from .weights import SAFETY_BOUND
+
+DIVERGENCE_CRITERIA = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+
+
+@dataclass(frozen=True)
+class DivergenceCriterion:
+    """One criterion: ``name`` in DIVERGENCE_CRITERIA; k1 keeps lower <= exp(-stat) <= upper, k2/k3 stat <= upper."""
+
+    name: str
+    upper: float
+    lower: float | None = None
+
+    @property
+    def estimator(self) -> str:
+        return self.name[-2:]
+
+    @property
+    def aggregation(self) -> str:
+        return self.name.split("_")[1] if self.name.startswith("seq_") else "token"
+
+
+def _split(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (int, float)):
+        return [str(value)]
+    return [str(v).strip() for v in value]
+
+
+def parse_divergence_criteria(criteria: str | Sequence[str] | None,
+                              thresholds: str | float | Sequence[Any] | None) -> list[DivergenceCriterion]:
+    """Parse ``rollout_rs_criteria`` / ``rollout_rs_criteria_threshold`` (comma-separated strings or lists).
+
+    Raises ``ValueError`` naming the field and the fix for unknown names, a count mismatch, bad numbers,
+    a k1 range with lower > upper, or a ``lower_upper`` pair on a k2/k3 criterion.
+    """
+    if criteria is None or criteria == "" or criteria == []:
+        if thresholds not in (None, "", []):
+            raise ValueError("rollout_rs_criteria_threshold is set but rollout_rs_criteria is empty: set the criteria "
+                             "(e.g. 'token_k1,seq_max_k2') or unset the thresholds.")
+        return []
+    names = _split(criteria)
+    unknown = [n for n in names if n not in DIVERGENCE_CRITERIA]
+    if unknown:
+        raise ValueError(f"rollout_rs_criteria has unknown criteria {unknown}; choose from {', '.join(DIVERGENCE_CRITERIA)}.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"rollout_rs_criteria lists a criterion twice: {names}.")
+    if thresholds is None or thresholds == "":
+        raise ValueError(f"rollout_rs_criteria={','.join(names)} needs rollout_rs_criteria_threshold, one value per "
+                         "criterion, e.g. '0.5_2.0,0.02' (k1: ratio bounds 'lower_upper' or an upper; k2/k3: an upper).")
+    values = _split(thresholds)
+    if len(values) != len(names):
+        raise ValueError(f"rollout_rs_criteria_threshold has {len(values)} value(s) for {len(names)} criteria "
+                         f"({','.join(names)}): give one per criterion, comma-separated.")
+    parsed = []
+    for name, text in zip(names, values):
+        parts = text.split("_")
+        try:
+            numbers = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"rollout_rs_criteria_threshold {text!r} for {name} is not a number "
+                             "(k1: 'lower_upper' or 'upper'; k2/k3: 'upper').") from None
+        if len(numbers) > 2 or any(not math.isfinite(x) or x <= 0 for x in numbers):
+            raise ValueError(f"rollout_rs_criteria_threshold {text!r} for {name} must be one or two finite numbers > 0.")
+        if name.endswith("k1"):
+            lower, upper = (numbers[0], numbers[1]) if len(numbers) == 2 else (1.0 / numbers[0], numbers[0])
+            if lower > upper:
+                raise ValueError(f"rollout_rs_criteria_threshold {text!r} for {name}: lower {lower} > upper {upper}; "
+                                 "write 'lower_upper' with lower <= upper.")
+            parsed.append(DivergenceCriterion(name, upper, lower))
+        else:
+            if len(numbers) != 1:
+                raise ValueError(f"rollout_rs_criteria_threshold {text!r} for {name}: k2/k3 criteria take a single "
+                                 "upper bound (e.g. 0.02), not a 'lower_upper' pair.")
+            parsed.append(DivergenceCriterion(name, numbers[0]))
+    return parsed
+
+
+def per_token_divergence(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
+    """k1 = -log r, k2 = (log r)^2 / 2, k3 = exp(b) - 1 - b with b = clamp(log r, -20, 20).  (B, T)"""
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    bounded = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
+    return torch.exp(bounded) - 1.0 - bounded
+
+
+def divergence_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor,
+                         criterion: DivergenceCriterion) -> torch.Tensor:
+    """The criterion's statistic broadcast to (B, T) (per token, or the row's sum / mean / max)."""
+    mask = response_mask.bool()
+    k = per_token_divergence(log_ratio, criterion.estimator)  # (B, T)
+    if criterion.aggregation == "token":
+        return k
+    zeros = torch.zeros_like(k)
+    if criterion.aggregation == "sum":
+        row = torch.where(mask, k, zeros).sum(-1)  # (B,)
+    elif criterion.aggregation == "mean":
+        row = torch.where(mask, k, zeros).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    else:
+        row = torch.where(mask, k, torch.full_like(k, -float("inf"))).amax(-1)  # (B,)
+        row = torch.where(mask.any(-1), row, torch.zeros_like(row))
+    return row.unsqueeze(-1).expand_as(k)  # (B, T)
+
+
+def compute_divergence_rejection_mask(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, criteria: Sequence[DivergenceCriterion],
+) -> tuple[torch.Tensor, RolloutStats]:
+    """Keep-mask of all criteria (AND) and their device statistics.
+
+    Per criterion c, the stats give ``rollout_rs_{c}_mean`` / ``_max`` (of the statistic over tokens for token
+    criteria, over sequences for sequence criteria), ``_masked_fraction`` (valid tokens it rejects) and
+    ``_seq_masked_fraction`` (sequences in which it rejects a token).
+    """
+    mask = response_mask.bool()  # (B, T)
+    keep = mask.clone()
+    stats = RolloutStats()
+    with torch.no_grad():
+        log_ratio = log_ratio.detach().to(STAT_DTYPE)  # (B, T)
+        seq_valid = mask.any(-1)  # (B,)
+        for criterion in criteria:
+            stat = divergence_statistic(log_ratio, mask, criterion)  # (B, T)
+            if criterion.estimator == "k1":
+                ratio_log = (-stat).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T) log of the ratio statistic
+                ok = (ratio_log >= math.log(criterion.lower)) & (ratio_log <= math.log(criterion.upper))
+            else:
+                ok = stat <= criterion.upper  # (B, T)
+            rejected = mask & ~ok  # (B, T)
+            keep &= ok
+            key = f"rs_div.{criterion.name}"
+            if criterion.aggregation == "token":
+                sample, sample_mask, n = stat, mask, mask.sum(dtype=STAT_DTYPE)
+            else:
+                sample, sample_mask, n = stat[:, 0], seq_valid, seq_valid.sum(dtype=STAT_DTYPE)
+            stats.sums.update({
+                f"{key}.n": n,
+                f"{key}.stat_sum": torch.where(sample_mask, sample, torch.zeros_like(sample)).sum(),
+                f"{key}.rejected_tok_n": rejected.sum(dtype=STAT_DTYPE),
+                f"{key}.rejected_seq_n": rejected.any(-1).sum(dtype=STAT_DTYPE),
+            })
+            stats.maxes[f"{key}.stat_max"] = masked_max(sample, sample_mask)
+    return keep & mask, stats
+
+
+def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) -> dict[str, float]:
+    """rollout_corr/rollout_rs_{c}_{mean,max,masked_fraction,seq_masked_fraction} from reduced sums."""
+    metrics: dict[str, float] = {}
+    div = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731
+    for name in DIVERGENCE_CRITERIA:
+        key = f"rs_div.{name}"
+        if f"sum:{key}.n" not in floats:
+            continue
+        n = floats[f"sum:{key}.n"]
+        stat_max = floats[f"max:{key}.stat_max"]
+        metrics[f"rollout_corr/rollout_rs_{name}_mean"] = div(floats[f"sum:{key}.stat_sum"], n)
+        metrics[f"rollout_corr/rollout_rs_{name}_max"] = stat_max if math.isfinite(stat_max) else 0.0
+        metrics[f"rollout_corr/rollout_rs_{name}_masked_fraction"] = div(floats[f"sum:{key}.rejected_tok_n"], tok_n)
+        metrics[f"rollout_corr/rollout_rs_{name}_seq_masked_fraction"] = div(floats[f"sum:{key}.rejected_seq_n"], seq_n)
+    return metrics

@@ -1,0 +1,127 @@
+"""Truncated support: top-k / top-p / min-p sampling seen from the training side.
+
+An engine that samples with top-k, top-p or min-p draws from the *truncated* policy
+
+    pi_rollout(y) = p(y) / M   for y in the kept set K,   0 otherwise,   M = sum_{v in K} p(v),
+
+and reports log pi_rollout = log p - log M, while the trainer's log-softmax is over the full vocabulary.
+The ratio pi_train / pi_rollout is then biased by M (e.g. mean ratio 0.9 at top_p = 0.8). The fix applies the
+same processing to the training logits: temperature, then top-k, top-p, min-p (transformers' order), and
+renormalizes over the kept set: log pi_train_trunc = log pi_train - log M_train.
+
+Pure tensor functions; no TRL import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .stats import STAT_DTYPE, RolloutStats, masked_min
+
+# working set of one chunk in logits elements: TRL's fused LM head tile (4096 tokens x 32768 vocab entries)
+DEFAULT_CHUNK_ELEMENTS = 4096 * 32768 // 4  # the sort keeps ~4 (n, V) buffers alive
+
+
+@dataclass(frozen=True)
+class SamplingTruncation:
+    """The sampler's processing: temperature, top-k (0 = off), top-p (1 = off), min-p (None/0 = off)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float | None = None
+
+    @property
+    def truncates(self) -> bool:
+        return bool(self.top_k and self.top_k > 0) or self.top_p < 1.0 or bool(self.min_p and self.min_p > 0)
+
+
+def truncated_logits(scaled_logits: torch.Tensor, truncation: SamplingTruncation) -> torch.Tensor:
+    """Apply top-k, then top-p, then min-p to logits already divided by the temperature.
+
+    Removed entries become -inf; ties at the top-k boundary are kept; top-p removes the tokens whose ascending
+    cumulative probability is <= 1 - top_p and always keeps the most likely one; min-p removes p < min_p * p_max.
+    """
+    z = scaled_logits  # (N, V)
+    if truncation.top_k and truncation.top_k > 0:
+        kth = torch.topk(z, min(truncation.top_k, z.size(-1)), dim=-1).values[..., -1:]  # (N, 1)
+        z = z.masked_fill(z < kth, float("-inf"))
+    if truncation.top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1)  # (N, V) ascending
+        cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)  # (N, V)
+        remove_sorted = cumulative <= 1.0 - truncation.top_p  # (N, V)
+        remove_sorted[..., -1] = False  # keep the most likely token
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)  # (N, V)
+        z = z.masked_fill(remove, float("-inf"))
+    if truncation.min_p:
+        probs = z.softmax(dim=-1)  # (N, V)
+        remove = probs < truncation.min_p * probs.amax(dim=-1, keepdim=True)  # (N, V)
+        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        z = z.masked_fill(remove, float("-inf"))
+    return z
+
+
+@torch.no_grad()
+def log_kept_mass(logits: torch.Tensor, targets: torch.Tensor, truncation: SamplingTruncation,
+                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: log M = logsumexp_{v in K}(z_v) - logsumexp_v(z_v) with z = logits / T, and whether y in K.
+
+    Args:
+        logits: (N, V) raw logits (any float dtype; computed in float32).
+        targets: (N,) the sampled token ids y.
+    Returns:
+        (log_kept_mass (N,) float32 <= 0, in_support (N,) bool). Processed in row chunks so that no more than
+        ``chunk_elements`` logits are transformed at once.
+    """
+    n_rows, vocab = logits.shape
+    rows = max(1, chunk_elements // max(vocab, 1))
+    log_mass, in_support = [], []
+    for start in range(0, n_rows, rows):
+        z = logits[start:start + rows].float() / truncation.temperature  # (n, V)
+        kept = truncated_logits(z, truncation)  # (n, V)
+        log_mass.append(torch.logsumexp(kept, dim=-1) - torch.logsumexp(z, dim=-1))  # (n,)
+        target = targets[start:start + rows].unsqueeze(-1)  # (n, 1)
+        in_support.append(torch.isfinite(kept.gather(-1, target)).squeeze(-1))  # (n,)
+    if not log_mass:
+        return logits.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.bool, device=logits.device)
+    return torch.cat(log_mass).clamp(max=0.0), torch.cat(in_support)
+
+
+def truncated_support_logprobs(full_logprobs: torch.Tensor, log_mass: torch.Tensor,
+                               in_support: torch.Tensor) -> torch.Tensor:
+    """log pi_trunc = log pi - log M on tokens inside the kept set K.
+
+    A sampled token that the training side would have cut (y not in K: the two sides disagree at the boundary)
+    keeps its full-support log-prob, so its ratio is ~M instead of 0; such tokens are counted in
+    ``outside_support_fraction``. ``log_mass`` enters as a constant (no gradient through M).
+    """
+    shift = torch.where(in_support, log_mass.detach(), torch.zeros_like(log_mass))  # (B, T)
+    return full_logprobs - shift.to(full_logprobs.dtype)  # (B, T)
+
+
+def truncation_stats(log_mass: torch.Tensor, in_support: torch.Tensor, mask: torch.Tensor) -> RolloutStats:
+    """Device sums for kept_mass_mean (token mean of M), kept_mass_min and outside_support_fraction."""
+    valid = mask.bool()  # (B, T)
+    mass = log_mass.to(STAT_DTYPE).exp()  # (B, T)
+    zeros = torch.zeros_like(mass)
+    return RolloutStats(
+        sums={"trunc.n": valid.sum(dtype=STAT_DTYPE),
+              "trunc.kept_mass_sum": torch.where(valid, mass, zeros).sum(),
+              "trunc.outside_n": (valid & ~in_support).sum(dtype=STAT_DTYPE)},
+        mins={"trunc.kept_mass_min": masked_min(mass, valid)},
+    )
+
+
+def finalize_truncation(floats: dict[str, float]) -> dict[str, float]:
+    """rollout_corr/kept_mass_mean, kept_mass_min, outside_support_fraction from reduced sums (0.0 when empty)."""
+    n = floats.get("sum:trunc.n")
+    if n is None:
+        return {}
+    if n <= 0:
+        return {"rollout_corr/kept_mass_mean": 0.0, "rollout_corr/kept_mass_min": 0.0,
+                "rollout_corr/outside_support_fraction": 0.0}
+    return {"rollout_corr/kept_mass_mean": floats["sum:trunc.kept_mass_sum"] / n,
+            "rollout_corr/kept_mass_min": floats["min:trunc.kept_mass_min"],
+            "rollout_corr/outside_support_fraction": floats["sum:trunc.outside_n"] / n}
