@@ -16,6 +16,7 @@ __all__ = [
     "RolloutCorrectionConfig",
     "RolloutCorrGRPOConfig",
     "RolloutCorrGRPOTrainer",
+    "RolloutCorrectionMonitor",
     "compute_offpolicy_metrics",
     "compute_rollout_correction_and_rejection_mask",
     "compute_rollout_correction_stats",
@@ -31,4 +32,8 @@ def __getattr__(name: str):
         from . import trainer
 
         return getattr(trainer, name)
+    if name == "RolloutCorrectionMonitor":
+        from .monitor import RolloutCorrectionMonitor
+
+        return RolloutCorrectionMonitor
     raise AttributeError(f"module 'trl_rollout_corr' has no attribute {name!r}")
