@@ -66,7 +66,7 @@ def reference(old, rollout, mask, rollout_is=None, C=2.0, rollout_rs=None, rs_up
             m["ratio_fraction_low"] = _mean([1.0 if v < lower else 0.0 for v in all_vals])
         else:
             logs = [seq_log(i) for i in seqs]
-            m["min"] = math.exp(min(logs)) if logs else 0.0
+            m["min"] = math.exp(min(min(logs), B)) if logs else 0.0
             m["max"] = math.exp(min(max(logs), B)) if logs else 0.0
             m["ratio_fraction_high"] = _mean([1.0 if x > math.log(upper) else 0.0 for x in logs])
             m["ratio_fraction_low"] = _mean([1.0 if x < math.log(lower) else 0.0 for x in logs])

@@ -88,6 +88,18 @@ class RolloutCorrGRPOConfig(GRPOConfig):
         return RolloutCorrectionConfig(**{**base, **explicit})
 
 
+def _checked_rollout_func(rollout_func):
+    """Validate a rollout_func's output before TRL reads it (TRL 1.16 fails deep inside on empty completions)."""
+    def checked(prompts, trainer):
+        output = rollout_func(prompts, trainer)
+        for i, ids in enumerate(output.get("completion_ids") or []):
+            if len(ids) == 0:
+                raise ValueError(f"Sample {i}: the rollout_func returned an empty completion (no token ids). Return at "
+                                 "least the EOS token (with its log-prob) for a completion that stopped immediately.")
+        return output
+    return checked
+
+
 class RolloutCorrGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` that keeps pi_rollout with every completion and applies rollout correction in the loss.
 
@@ -105,6 +117,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
         self.vllm_importance_sampling_correction = False  # we own the correction (see TRL P1)
         self.rollout_sampler = rollout_sampler
+        if self.rollout_func is not None:
+            self.rollout_func = _checked_rollout_func(self.rollout_func)
         self._check_supported()
         self._rc_stats = {"train": RolloutStats(), "eval": RolloutStats()}
         self._rc_skip_old_forward = False

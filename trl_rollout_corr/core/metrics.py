@@ -5,7 +5,7 @@ Conventions (SPEC section 5). "training" log-probs are pi_old in decoupled mode,
 * ``*_std`` / ``*_eff_sample_size`` use the weights clamped to [lower, upper];
   std = sqrt(max(E[c^2] - E[c]^2, 0)) over valid tokens, ESS = 1 / E[(c / (E[c] + 1e-8))^2];
 * ``seq_*`` are over per-sequence masked means, unbiased (n-1) std;
-* sequence/geometric ``*_max`` = exp(min(log_max, 20)), ``*_min`` = exp(log_min) of the unclamped statistic;
+* sequence/geometric ``*_max`` = exp(min(log_max, 20)), ``*_min`` = exp(min(log_min, 20)) (unclamped below);
 * "sequences" are rows with at least one valid token; empty batches report 0.0 everywhere.
 """
 
@@ -82,7 +82,7 @@ def weight_family_stats(
         sums["low_n"] = (seq_valid & (seq_log < math.log(lower))).sum(dtype=STAT_DTYPE)
         sums["frac_den"] = sums["seq_n"]
         maxes["max"] = torch.exp(masked_max(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
-        mins["min"] = torch.exp(masked_min(seq_log, seq_valid))
+        mins["min"] = torch.exp(masked_min(seq_log, seq_valid).clamp(max=SAFETY_BOUND))  # finite even at +1e4
     p = prefix + "."
     return RolloutStats(
         sums={p + k: v for k, v in sums.items()},

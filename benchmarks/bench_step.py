@@ -1,0 +1,176 @@
+"""Trainer-side GRPO step time, peak memory and host syncs: RolloutCorrGRPOTrainer presets vs TRL's GRPOTrainer.
+
+Both trainers get the same pre-generated completions and sampling log-probs from an instant ``rollout_func`` (what a
+fast external engine looks like to the trainer), so a step is scoring + pi_old (when needed) + forward/backward +
+optimizer. The baseline ``trl_vllm_is`` is TRL 1.16's GRPOTrainer on its vLLM path with its built-in IS correction:
+it runs the no-grad pi_old forward every step (the vLLM flags are set on the instance; the weight sync is a no-op).
+``trl_no_old`` is TRL without that forward: the floor a bypass mode can reach.
+
+Every variant runs in its own process (a first ``train()`` in a process slows later work); variants are interleaved
+and repeated, and medians are reported as ratios against ``trl_vllm_is`` measured in the same run.
+
+    python benchmarks/bench_step.py                      # all variants, 3 repeats
+    python benchmarks/bench_step.py --repeats 5 --steps 12 --hidden 256 --layers 4 --batch 16 --completion 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+BASELINE = "trl_vllm_is"
+VARIANTS = [BASELINE, "trl_no_old", "decoupled_token_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
+            "decoupled_all_metrics", "ppo_is_bypass", "pg_is", "pg_rs"]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run (after 2 warm-up steps)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--completion", type=int, default=64, help="completion tokens per sequence")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------- one run (worker)
+def run_variant(opts) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+
+    from trl_rollout_corr.profiling import count_host_syncs
+    from trl_rollout_corr.tiny import build_tokenizer, reverse_prompts
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=4 * opts.hidden,
+                         num_hidden_layers=opts.layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    model = Qwen2ForCausalLM(config)
+
+    def rollout_func(prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for index, prompt in enumerate(prompts):
+            g = torch.Generator().manual_seed(zlib.crc32(f"{prompt}|{index}".encode()))
+            out["prompt_ids"].append(tokenizer(prompt)["input_ids"])
+            # token ids the tokenizer can decode (4..15); the LM head still scores the full vocabulary
+            out["completion_ids"].append(torch.randint(4, 16, (opts.completion,), generator=g).tolist())
+            out["logprobs"].append((-0.5 - 8.0 * torch.rand(opts.completion, generator=g)).tolist())
+        return out
+
+    def reward(completions, **_):
+        return [float(len(c) % 7) / 7 for c in completions]
+
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=opts.batch, gradient_accumulation_steps=1,
+                  num_generations=4, max_completion_length=opts.completion, max_steps=opts.steps + 2,
+                  learning_rate=1e-6, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                  seed=0, dataloader_num_workers=0, beta=0.0)
+    dataset = Dataset.from_dict({"prompt": reverse_prompts(4096, n_digits=6)})
+    variant = opts.worker
+    if variant.startswith("trl_"):
+        from trl import GRPOConfig, GRPOTrainer
+
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
+                              processing_class=tokenizer, rollout_func=rollout_func)
+        if variant == BASELINE:  # TRL's vLLM path as the trainer sees it: pi_old forward + its IS correction
+            from types import SimpleNamespace
+
+            trainer.use_vllm = True
+            trainer.vllm_importance_sampling_correction = True
+            trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
+            trainer._last_loaded_step = -1
+    else:
+        from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+
+        if variant == "decoupled_all_metrics":  # token IS + BN + token RS + veto + two divergence criteria
+            extra = dict(rollout_correction_preset="decoupled_token_is", rollout_is_batch_normalize=True,
+                         rollout_rs="token", rollout_rs_threshold=5.0, rollout_token_veto_threshold=1e-6,
+                         rollout_rs_criteria="seq_mean_k3,seq_max_k2", rollout_rs_criteria_threshold="50,100")
+        else:
+            extra = dict(rollout_correction_preset=variant)
+        trainer = RolloutCorrGRPOTrainer(model=model, reward_funcs=reward, args=RolloutCorrGRPOConfig(**common, **extra),
+                                         train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout_func)
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.start)
+
+    trainer.add_callback(Timer())
+    with count_host_syncs() as syncs:
+        trainer.train()
+    timed = times[2:]
+    return {"variant": variant, "step_s": statistics.median(timed), "steps": timed,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "syncs_per_step": sum(syncs.values()) / len(times), "sync_sites": dict(syncs)}
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+def main(argv=None) -> None:
+    opts = parse_args(argv)
+    if opts.worker:
+        result = run_variant(opts)
+        with open(opts.out, "w") as fh:
+            json.dump(result, fh)
+        return
+    variants = list(dict.fromkeys([BASELINE] + opts.variants))
+    shared = ["--steps", str(opts.steps), "--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab",
+              str(opts.vocab), "--batch", str(opts.batch), "--completion", str(opts.completion)]
+    if opts.threads:
+        shared += ["--threads", str(opts.threads)]
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    started = time.time()
+    for repeat in range(opts.repeats):
+        order = variants if repeat % 2 == 0 else variants[::-1]  # interleave, alternate the order
+        for variant in order:
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+                out = fh.name
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out, *shared],
+                                  env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{variant} failed:\n{proc.stderr[-4000:]}")
+            with open(out) as fh:
+                results[variant].append(json.load(fh))
+            print(f"  repeat {repeat + 1}/{opts.repeats} {variant:24s} {results[variant][-1]['step_s'] * 1e3:8.1f} ms/step",
+                  flush=True)
+
+    def med(variant, key):
+        return statistics.median(r[key] for r in results[variant])
+
+    base_t, base_m = med(BASELINE, "step_s"), med(BASELINE, "peak_rss_mb")
+    print(f"\nmodel: Qwen2 hidden {opts.hidden}, {opts.layers} layers, vocab {opts.vocab}; {opts.batch} sequences x "
+          f"{opts.completion} completion tokens per step; {opts.repeats} repeats x {opts.steps} timed steps; "
+          f"torch threads {opts.threads or 'default'}; {os.cpu_count()} CPUs; wall {time.time() - started:.0f} s\n")
+    print(f"| variant | step (ms, median) | vs {BASELINE} | peak RSS (MB) | vs {BASELINE} | host syncs / step (ours) |")
+    print("|---|---|---|---|---|---|")
+    for variant in variants:
+        t, m = med(variant, "step_s"), med(variant, "peak_rss_mb")
+        syncs = med(variant, "syncs_per_step") if not variant.startswith("trl_") else float("nan")
+        sync_text = "—" if variant.startswith("trl_") else f"{syncs:.2f}"
+        print(f"| {variant} | {t * 1e3:.1f} | {t / base_t:.3f} | {m:.0f} | {m / base_m:.3f} | {sync_text} |")
+
+
+if __name__ == "__main__":
+    main()
