@@ -64,8 +64,17 @@ def test_bypass_under_persistent_mismatch_advises_a_decoupled_preset(tmp_path, c
     assert "decoupled_token_is" in caplog.text and "0.03" in caplog.text
 
 
+def test_stop_on_a_chosen_alert_only(tmp_path):
+    monitor = RolloutCorrectionMonitor(stop_on_alert=["rejected_fraction"], write_plot=False)
+    fired, control = feed(monitor, Args(tmp_path), [row(k3=0.2)])
+    assert fired == [["k3_kl"]] and not control.should_training_stop  # warned, not a stop reason
+    fired, control = feed(monitor, Args(tmp_path), [row(k3=0.2, rejected=0.9)])
+    assert control.should_training_stop and control.should_save
+
+
 @pytest.mark.parametrize("kwargs,match", [({"k3_kl_threshold": -1}, "k3_kl_threshold"),
-                                          ({"bypass_patience": 0}, "bypass_patience")])
+                                          ({"bypass_patience": 0}, "bypass_patience"),
+                                          ({"stop_on_alert": ["k3"]}, "unknown alerts")])
 def test_bad_monitor_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RolloutCorrectionMonitor(**kwargs)

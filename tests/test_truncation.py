@@ -18,6 +18,7 @@ CASES = [
     SamplingTruncation(min_p=0.1),
     SamplingTruncation(temperature=0.7, top_k=20, top_p=0.9),
     SamplingTruncation(temperature=1.3, top_k=12, top_p=0.7, min_p=0.05),
+    SamplingTruncation(temperature=1.3, top_k=12, top_p=0.7, min_p=0.3, min_p_first=True),  # vLLM's order
 ]
 
 
@@ -27,18 +28,20 @@ def hf_reference(logits, targets, truncation):
     ids = torch.zeros(z.size(0), 1, dtype=torch.long)
     z = TemperatureLogitsWarper(truncation.temperature)(ids, z)
     full = z.clone()
+    if truncation.min_p and truncation.min_p_first:
+        z = MinPLogitsWarper(truncation.min_p)(ids, z)
     if truncation.top_k:
         z = TopKLogitsWarper(truncation.top_k)(ids, z)
     if truncation.top_p < 1:
         z = TopPLogitsWarper(truncation.top_p)(ids, z)
-    if truncation.min_p:
+    if truncation.min_p and not truncation.min_p_first:
         z = MinPLogitsWarper(truncation.min_p)(ids, z)
     kept = torch.isfinite(z)
     mass = (full.softmax(-1) * kept).sum(-1)
     return mass.log(), kept.gather(1, targets[:, None]).squeeze(1)
 
 
-@pytest.mark.parametrize("truncation", CASES, ids=lambda t: f"T{t.temperature}-k{t.top_k}-p{t.top_p}-m{t.min_p}")
+@pytest.mark.parametrize("truncation", CASES, ids=lambda t: f"T{t.temperature}-k{t.top_k}-p{t.top_p}-m{t.min_p}{'-first' if t.min_p_first else ''}")
 @pytest.mark.parametrize("chunk_elements", [64 * 50, 10 ** 9])
 def test_kept_mass_matches_transformers_warpers(truncation, chunk_elements):
     g = torch.Generator().manual_seed(0)
@@ -49,6 +52,20 @@ def test_kept_mass_matches_transformers_warpers(truncation, chunk_elements):
     assert torch.allclose(log_mass.double(), want_mass, atol=1e-5)
     assert torch.equal(in_support, want_in)
     assert (log_mass < -1e-3).any() and (~in_support).any()  # the case really truncates and misses tokens
+
+
+def test_min_p_order_matters_and_is_followed():
+    """p = 0.4, 0.3, 0.2, 0.1 with top_p = 0.75, min_p = 0.3.
+
+    transformers (top-p, then min-p): ascending cumsum 0.1 <= 0.25 removes 0.1; min-p keeps the rest -> M = 0.9.
+    vLLM (min-p first): 0.1 < 0.12 removed; renormalized 0.2/0.9 = 0.222 <= 0.25 is removed by top-p -> M = 0.7.
+    """
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    target = torch.tensor([2])
+    after, in_after = log_kept_mass(logits, target, SamplingTruncation(top_p=0.75, min_p=0.3))
+    first, in_first = log_kept_mass(logits, target, SamplingTruncation(top_p=0.75, min_p=0.3, min_p_first=True))
+    assert after.exp().item() == pytest.approx(0.9) and in_after.item()
+    assert first.exp().item() == pytest.approx(0.7) and not in_first.item()
 
 
 def test_top_k_keeps_ties_and_the_mass_is_exact_by_hand():

@@ -12,7 +12,8 @@ episode, i.e. until its condition clears; every threshold can be set to ``None``
   shrinks (a quantized engine), it was measured to collapse (entropy 0.5 -> 1.27 nats/token at kl 0.01-0.08),
   while it is the best fix for a stale sampler. Switch to a decoupled preset.
 
-With ``stop_on_alert`` the run stops cleanly at the alerting step and a checkpoint is saved. Every log row goes
+With ``stop_on_alert`` (True, or a list of alert names) the run stops cleanly at the alerting step and a
+checkpoint is saved. Every log row goes
 to ``<output_dir>/rollout_corr_metrics.csv`` and a plot to ``<output_dir>/rollout_corr_metrics.png`` (needs
 matplotlib). The monitor's state (open episodes, alert history, windows) is saved with each checkpoint and
 restored on resume, so a resumed run does not warn again about an episode it already reported.
@@ -34,6 +35,8 @@ CSV_NAME = "rollout_corr_metrics.csv"
 PNG_NAME = "rollout_corr_metrics.png"
 _PLOTTED = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/rejected_token_fraction",
             "entropy", "reward")
+ALERTS = ("k3_kl", "chi2_token", "chi2_seq", "rejected_fraction", "negative_kl", "entropy_up_reward_down",
+          "bypass_persistent_mismatch")
 _DECOUPLED_ADVICE = ("switch to a decoupled preset (rollout_correction_preset=decoupled_token_is or decoupled_geo_rs), "
                      "which anchors the trust region on pi_old instead of the mismatched sampler")
 
@@ -44,7 +47,8 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
     def __init__(self, k3_kl_threshold: float | None = 0.05, chi2_token_threshold: float | None = 1.0,
                  chi2_seq_threshold: float | None = 100.0, rejected_fraction_threshold: float | None = 0.5,
                  negative_kl_patience: int | None = 5, trend_window: int | None = 5,
-                 bypass_kl_threshold: float | None = 0.01, bypass_patience: int = 5, stop_on_alert: bool = False,
+                 bypass_kl_threshold: float | None = 0.01, bypass_patience: int = 5,
+                 stop_on_alert: bool | list[str] = False,
                  write_csv: bool = True, write_plot: bool = True) -> None:
         self.config = dict(
             k3_kl_threshold=k3_kl_threshold, chi2_token_threshold=chi2_token_threshold,
@@ -62,6 +66,13 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
             value = self.config[name]
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"RolloutCorrectionMonitor({name}={value!r}): use an integer >= 1 (or None).")
+        if not isinstance(stop_on_alert, bool):
+            unknown = sorted(set(stop_on_alert) - set(ALERTS))
+            if unknown:
+                raise ValueError(f"RolloutCorrectionMonitor(stop_on_alert=...) has unknown alerts {unknown}; use True, "
+                                 f"False or a list of: {', '.join(ALERTS)}.")
+            self.config["stop_on_alert"] = list(stop_on_alert)
+        self._bypass = False
         self.open_episodes: list[str] = []  # alerts whose condition still holds (warned already)
         self.alerts: list[dict[str, Any]] = []  # history: step, alert, message
         self.history: list[dict[str, float]] = []  # recent logs: kl, entropy, reward (bounded)
@@ -98,12 +109,17 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
                     if (k.startswith("rollout_corr/") or k in ("entropy", "reward", "loss")) and _is_number(v)})
         self.rows.append(row)
         self.history = (self.history + [{k: row[k] for k in ("rollout_corr/kl", "entropy", "reward") if k in row}])[-64:]
-        fired = self._check(row, state.global_step)
+        # every rank sees the same globally reduced metrics, so every rank takes the same decision; one rank speaks
+        fired = self._check(row, state.global_step, speak=state.is_world_process_zero)
         if state.is_world_process_zero and self.config["write_csv"]:
             self._write_csv(args)
-        if fired and self.config["stop_on_alert"]:
-            logger.warning("RolloutCorrectionMonitor: stopping training at step %d (%s); a checkpoint is saved.",
-                           state.global_step, ", ".join(fired))
+        stop_on = self.config["stop_on_alert"]
+        if isinstance(stop_on, list):
+            fired = [name for name in fired if name in stop_on]
+        if fired and stop_on:
+            if state.is_world_process_zero:
+                logger.warning("RolloutCorrectionMonitor: stopping training at step %d (%s); a checkpoint is saved.",
+                               state.global_step, ", ".join(fired))
             control.should_training_stop = True
             control.should_save = True
         return control
@@ -147,12 +163,13 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
                 f"mismatched sampler was measured to collapse; {_DECOUPLED_ADVICE}.")
         return out
 
-    def _check(self, row: dict[str, float], step: int) -> list[str]:
+    def _check(self, row: dict[str, float], step: int, speak: bool = True) -> list[str]:
         holding = self.conditions(row)
         fired = [name for name in holding if name not in self.open_episodes]
-        self.open_episodes = [name for name in holding]  # cleared conditions re-arm
+        self.open_episodes = list(holding)  # cleared conditions re-arm
         for name in fired:
-            logger.warning("RolloutCorrectionMonitor [%s] at step %d: %s", name, step, holding[name])
+            if speak:
+                logger.warning("RolloutCorrectionMonitor [%s] at step %d: %s", name, step, holding[name])
             self.alerts.append({"step": step, "alert": name, "message": holding[name]})
         return fired
 

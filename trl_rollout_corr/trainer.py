@@ -138,7 +138,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         truncation = SamplingTruncation(
             temperature=float(gen_kwargs.get("temperature", self.temperature)),
             top_k=int(gen_kwargs.get("top_k", self.top_k) or 0), top_p=float(gen_kwargs.get("top_p", self.top_p) or 1.0),
-            min_p=min_p)
+            min_p=min_p, min_p_first=self.use_vllm)  # vLLM applies min-p before top-k/top-p
         if (self.repetition_penalty or 1.0) != 1.0 and self.accelerator.is_main_process:
             logger.warning("repetition_penalty=%s changes pi_rollout in a way the trainer does not reproduce: the "
                            "ratio pi_train/pi_rollout is biased on repeated tokens. Prefer repetition_penalty=1.0.",

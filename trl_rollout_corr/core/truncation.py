@@ -7,7 +7,8 @@ An engine that samples with top-k, top-p or min-p draws from the *truncated* pol
 and reports log pi_rollout = log p - log M, while the trainer's log-softmax is over the full vocabulary.
 The ratio pi_train / pi_rollout is then biased by M (e.g. mean ratio 0.9 at top_p = 0.8). The fix applies the
 same processing to the training logits: temperature, then top-k, top-p, min-p (transformers' order), and
-renormalizes over the kept set: log pi_train_trunc = log pi_train - log M_train.
+renormalizes over the kept set: log pi_train_trunc = log pi_train - log M_train. vLLM applies min-p *before*
+top-k/top-p (``min_p_first=True``); transformers after.
 
 Pure tensor functions; no TRL import.
 """
@@ -26,25 +27,39 @@ DEFAULT_CHUNK_ELEMENTS = 4096 * 32768 // 4  # the sort keeps ~4 (n, V) buffers a
 
 @dataclass(frozen=True)
 class SamplingTruncation:
-    """The sampler's processing: temperature, top-k (0 = off), top-p (1 = off), min-p (None/0 = off)."""
+    """The sampler's processing: temperature, top-k (0 = off), top-p (1 = off), min-p (None/0 = off).
+
+    ``min_p_first``: apply min-p before top-k/top-p (vLLM's order) instead of after (transformers' order).
+    """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float | None = None
+    min_p_first: bool = False
 
     @property
     def truncates(self) -> bool:
         return bool(self.top_k and self.top_k > 0) or self.top_p < 1.0 or bool(self.min_p and self.min_p > 0)
 
 
+def _apply_min_p(z: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Remove p < min_p * p_max (the most likely token always stays)."""
+    probs = z.softmax(dim=-1)  # (N, V)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)  # (N, V)
+    remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return z.masked_fill(remove, float("-inf"))
+
+
 def truncated_logits(scaled_logits: torch.Tensor, truncation: SamplingTruncation) -> torch.Tensor:
-    """Apply top-k, then top-p, then min-p to logits already divided by the temperature.
+    """Apply top-k, then top-p, then min-p (or min-p first) to logits already divided by the temperature.
 
     Removed entries become -inf; ties at the top-k boundary are kept; top-p removes the tokens whose ascending
     cumulative probability is <= 1 - top_p and always keeps the most likely one; min-p removes p < min_p * p_max.
     """
     z = scaled_logits  # (N, V)
+    if truncation.min_p and truncation.min_p_first:
+        z = _apply_min_p(z, truncation.min_p)  # (N, V)
     if truncation.top_k and truncation.top_k > 0:
         kth = torch.topk(z, min(truncation.top_k, z.size(-1)), dim=-1).values[..., -1:]  # (N, 1)
         z = z.masked_fill(z < kth, float("-inf"))
@@ -55,11 +70,8 @@ def truncated_logits(scaled_logits: torch.Tensor, truncation: SamplingTruncation
         remove_sorted[..., -1] = False  # keep the most likely token
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)  # (N, V)
         z = z.masked_fill(remove, float("-inf"))
-    if truncation.min_p:
-        probs = z.softmax(dim=-1)  # (N, V)
-        remove = probs < truncation.min_p * probs.amax(dim=-1, keepdim=True)  # (N, V)
-        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-        z = z.masked_fill(remove, float("-inf"))
+    if truncation.min_p and not truncation.min_p_first:
+        z = _apply_min_p(z, truncation.min_p)  # (N, V)
     return z
 
 
