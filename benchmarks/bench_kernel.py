@@ -74,7 +74,16 @@ def main() -> None:
         modes = [("eager", compute_rollout_correction_stats)]
         if opts.compile:
             modes.append(("compiled", torch.compile(compute_rollout_correction_stats, dynamic=False)))
+        reference = compute_rollout_correction_stats(old, rollout, mask, **kwargs)
         for mode, fn in modes:
+            if mode == "compiled":  # the eager path is the reference: same weights, mask and statistics
+                got = fn(old, rollout, mask, **kwargs)
+                assert torch.equal(got.modified_response_mask, reference.modified_response_mask)
+                if reference.is_weights is not None:
+                    assert torch.allclose(got.is_weights, reference.is_weights, rtol=1e-5, atol=1e-6)
+                want, have = reference.stats.to_floats(), got.stats.to_floats()
+                assert want.keys() == have.keys() and all(
+                    abs(want[k] - have[k]) <= 1e-5 * max(1.0, abs(want[k])) for k in want), config_name
             t = timed(lambda: compute_rollout_correction_stats(old, rollout, mask, **kwargs) if mode == "eager"
                       else fn(old, rollout, mask, **kwargs), device, opts.repeats)
             print(f"| {config_name} | {mode} | {t * 1e3:.2f} | {floor_t / t:.2f} |")
