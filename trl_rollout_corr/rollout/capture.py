@@ -86,9 +86,10 @@ class _KeepProcessedScores(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.recorder.pending is not None:
             raise RuntimeError(
-                "capture_sampling_logprobs: generate ran its logits processors twice without selecting a token in "
-                "between (assisted / speculative decoding?), so pi_rollout cannot be aligned with the sampled "
-                "tokens. Generate by plain sampling (no assistant_model / prompt_lookup_num_tokens).")
+                "capture_sampling_logprobs: generate ran its logits processors twice without the capture's stopping "
+                "criterion in between (assisted / speculative decoding, or a model whose _get_stopping_criteria "
+                "drops added criteria), so pi_rollout cannot be aligned with the sampled tokens. Generate by plain "
+                "sampling (no assistant_model / prompt_lookup_num_tokens), or supply log-probs via rollout_func.")
         self.recorder.pending = scores  # z_t (B, V)
         return scores
 
@@ -159,9 +160,9 @@ def _hooks_in_generate(recorder: _StepwiseLogprobRecorder) -> Iterator[None]:
         _ACTIVE.reset(token)
         with _PATCH_LOCK:
             _PATCH_USERS -= 1
-            if _PATCH_USERS == 0:
-                GenerationMixin._get_logits_processor = _ORIGINALS.pop("_get_logits_processor")
-                GenerationMixin._get_stopping_criteria = _ORIGINALS.pop("_get_stopping_criteria")
+            if _PATCH_USERS == 0:  # _ORIGINALS stay set: a call already inside a patched method still finds them
+                GenerationMixin._get_logits_processor = _ORIGINALS["_get_logits_processor"]
+                GenerationMixin._get_stopping_criteria = _ORIGINALS["_get_stopping_criteria"]
 
 
 # ---------------------------------------------------------------------------------------------- the capture
