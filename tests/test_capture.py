@@ -94,6 +94,19 @@ def test_capture_with_emulated_engines(model, prompt, kind):
     assert_same_logprobs(captured["logprobs"], want)
 
 
+def test_caller_asking_for_a_generate_output_gets_it(model, prompt):
+    """A caller's own output_scores / return_dict_in_generate still work; aligned on the same run's scores."""
+    torch.manual_seed(4)
+    with capture_sampling_logprobs(model) as captured, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(**prompt, generation_config=sampling_config(**SETTINGS["all"]), output_scores=True,
+                             return_dict_in_generate=True)
+    generated = out.sequences[:, PROMPT_LEN:]  # (B, S)
+    want = torch.stack([torch.log_softmax(z.double(), -1)[torch.arange(len(z)), generated[:, t]]
+                        for t, z in enumerate(out.scores)], dim=1)  # (B, S)
+    assert_same_logprobs(captured["logprobs"], want)
+
+
 class CountScoreBuffers(LogitsProcessor):
     """A user processor (it runs mid-chain, before the capture's): counts live (B, V) tensors at every step."""
 
@@ -109,7 +122,7 @@ class CountScoreBuffers(LogitsProcessor):
 
 def test_capture_keeps_at_most_one_score_buffer(model, prompt):
     """Old capture (output_scores): step t sees t + const live (B, V) tensors; now at most plain generate's + 1."""
-    config = sampling_config(max_new_tokens=24, min_new_tokens=24, temperature=0.7)
+    config = sampling_config(max_new_tokens=12, min_new_tokens=12, temperature=0.7)
     shape = (BATCH, model.config.vocab_size)
 
     def counts(capture: bool):
@@ -119,7 +132,7 @@ def test_capture_keeps_at_most_one_score_buffer(model, prompt):
         return probe.counts
 
     plain, captured = counts(capture=False), counts(capture=True)
-    assert len(captured) == 24
+    assert len(captured) == 12
     assert max(captured) <= max(plain) + 1, (plain, captured)
 
 
