@@ -132,7 +132,8 @@ def run_variant(opts) -> dict:
             args=ours.RolloutCorrGRPOConfig(**common, rollout_correction_preset="decoupled_token_is"))
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, 16, (6,), generator=g).tolist() for _ in range(opts.completions // opts.num_generations)]
+    n_prompts = opts.completions // opts.num_generations
+    prompts = [torch.randint(4, 16, (6,), generator=g).tolist() for _ in range(n_prompts)]
     prompt_ids = [p for p in prompts for _ in range(opts.num_generations)]  # what TRL's repeat sampler hands over
     cuda = opts.device == "cuda"
 
@@ -181,8 +182,8 @@ def main(argv=None) -> None:
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
                 out = fh.name
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out, *shared],
-                                  env=env, capture_output=True, text=True)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out, *shared]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"{variant} failed:\n{proc.stderr[-4000:]}")
             with open(out) as fh:
