@@ -30,7 +30,8 @@ SCENARIOS = {
 }
 
 
-def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int = 10) -> None:
+def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int = 10, live_logging: int = 0) -> None:
+    """One run; with ``live_logging`` > 0 a RolloutCorrectionMonitor(stop_on_alert=True) rides along instead."""
     import tempfile
 
     import torch
@@ -81,11 +82,18 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
                 row["step"] = state.global_step
                 rows.append(row)
 
+    callbacks = [Recorder()]
+    if live_logging:
+        from trl_rollout_corr import RolloutCorrectionMonitor
+
+        monitor = RolloutCorrectionMonitor(rollout_lag=lag, stop_on_alert=True, write_plot=False)
+        callbacks.append(monitor)
     with tempfile.TemporaryDirectory() as out_dir:
         args = RolloutCorrGRPOConfig(
             output_dir=out_dir, rollout_correction_preset=preset, per_device_train_batch_size=64, num_generations=8,
             max_completion_length=9, max_steps=steps, learning_rate=3e-4, lr_scheduler_type="constant",
-            adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, temperature=1.0, logging_steps=1,
+            adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, temperature=1.0,
+            logging_steps=live_logging or 1,
             save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,
             disable_tqdm=True, dataloader_num_workers=0,
         )
@@ -93,8 +101,16 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
         trainer = RolloutCorrGRPOTrainer(
             model=model, reward_funcs=reverse_reward, args=args, processing_class=tok,
             train_dataset=Dataset.from_dict({"prompt": reverse_prompts(steps * 8 + 64, 6, seed=seed)}),
-            callbacks=[Recorder()], rollout_sampler=sampler)
+            callbacks=callbacks, rollout_sampler=sampler)
         trainer.train()
+        if live_logging:
+            step = trainer.state.global_step
+            live = {"scenario": scenario, "seed": seed, "logging_steps": live_logging, "stopped_at": step,
+                    "alerts": monitor.alerts, "checkpoint": os.path.isdir(os.path.join(out_dir, f"checkpoint-{step}")),
+                    "seconds": time.time() - t0}
+            with open(out, "w") as f:
+                json.dump(live, f)
+            return
     with open(out, "w") as f:
         json.dump({"scenario": scenario, "seed": seed, "preset": preset, "engine": engine, "lag": lag,
                    "bypass": trainer.rollout_correction.bypass_mode, "eval_curve": curve, "rows": rows,
@@ -135,9 +151,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--logging_steps", default="1,5")
+    p.add_argument("--live_logging", type=int, default=0, help="worker: run with a stopping monitor, logging every N")
     a = p.parse_args(argv)
     if a.mode == "worker":
-        record_one(a.scenario, a.seed, a.steps, a.out)
+        record_one(a.scenario, a.seed, a.steps, a.out, live_logging=a.live_logging)
     elif a.mode == "record":
         record(a.out, a.scenarios.split(","), [int(s) for s in a.seeds.split(",")], a.steps, a.jobs)
     elif a.mode == "export":  # --scenario NAME --seed N --out tests/data/x.json [--steps N]

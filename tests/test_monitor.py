@@ -250,8 +250,7 @@ def test_cli_switch_builds_the_configured_monitor():
 def test_yaml_switch_with_a_list_and_a_null_threshold(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("rollout_corr_monitor: true\nrollout_corr_monitor_stop_on_alert: [all_rejected]\n"
-                    "rollout_corr_monitor_weights_pinned: 1\n".replace("rollout_corr_monitor_weights_pinned: 1\n", "")
-                    + "rollout_corr_monitor_pinned_fraction_threshold: null\nrollout_corr_monitor_lag: 0\n")
+                    "rollout_corr_monitor_pinned_fraction_threshold: null\nrollout_corr_monitor_lag: 0\n")
     monitor = parse(["--config", str(path)]).build()
     assert monitor.config["stop_on_alert"] == ["all_rejected"] and monitor.config["pinned_fraction_threshold"] is None
     assert monitor.rules.rollout_lag == 0
@@ -273,3 +272,15 @@ def test_cli_switch_rejects_bad_values_naming_the_field(argv, match):
 
 def test_alert_names_are_the_documented_ones():
     assert ALERTS == ("policy_collapse", "all_rejected", "ess_collapse", "weights_pinned", "negative_kl")
+
+
+def test_preset_recipes_switch_the_monitor_on():
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    recipes = [p for p in glob.glob(os.path.join(root, "recipes", "*.yaml")) if not p.endswith("cpu_demo.yaml")]
+    assert recipes
+    for path in recipes:
+        monitor = parse(["--config", path]).build()
+        assert isinstance(monitor, RolloutCorrectionMonitor), path
+        assert monitor.rules.rollout_lag == 0 and monitor.config["stop_on_alert"] is False

@@ -94,6 +94,10 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ callback hooks
     def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:  # a fresh run, also when this object already watched another one
+            self.rules = AlertRules(rollout_lag=self.config["rollout_lag"],
+                                    **{k: self.config[k] for k in self.rules.config})
+            self.open_episodes, self.alerts = [], []
         # on resume, TrainerState (and our saved state inside it) is already loaded from the checkpoint
         self._restore((state.stateful_callbacks or {}).get(type(self).__name__))
         self.rows = self._read_csv(args, state.global_step) if state.global_step > 0 else []
