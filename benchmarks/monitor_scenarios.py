@@ -200,8 +200,9 @@ def replay_table(by_scenario: dict[str, list[dict]], every_list: list[int], **mo
                 stop = replay(rows, bypass=r["bypass"], stop_on_alert=True, **kw)
                 stops.append(str(stop.alerts[0]["step"]) if stop.alerts else "-")
             kinds = ", ".join(f"{n} x{names.count(n)}" for n in sorted(set(names))) or "none"
-            lines.append(f"| {s} | {r0:.2f} -> {r1:.2f} | every {every} | {statistics.fmean(rates):.2f} "
-                         f"({' '.join(f'{x:.1f}' for x in rates)}) | {' '.join(firsts)} | {kinds} | {' '.join(stops)} |")
+            per_seed = " ".join(f"{x:.1f}" for x in rates)
+            lines.append(f"| {s} | {r0:.2f} -> {r1:.2f} | every {every} | {statistics.fmean(rates):.2f} ({per_seed}) "
+                         f"| {' '.join(firsts)} | {kinds} | {' '.join(stops)} |")
     return "\n".join(lines)
 
 

@@ -67,6 +67,25 @@ def test_collapse_advice_follows_what_is_known_about_the_engine():
     assert "did not hold the policy" in decoupled and "switch to a decoupled" not in decoupled
 
 
+def test_collapse_without_a_correction_advises_one():
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+
+    from trl_rollout_corr import RolloutCorrectionConfig
+
+    monitor = RolloutCorrectionMonitor(write_csv=False, write_plot=False)
+    args = SimpleNamespace(output_dir=".", rollout_correction=RolloutCorrectionConfig.from_preset("disabled"))
+    monitor.on_train_begin(args, TrainerState(), TrainerControl())
+    assert monitor.rules.corrected is False and monitor.rules.bypass is False
+    for row in load(COLLAPSE)["rows"]:
+        monitor.on_log(args, TrainerState(global_step=int(row["step"])), TrainerControl(), logs=row)
+    assert "No rollout correction is active" in monitor.alerts[0]["message"]
+    args.rollout_correction = RolloutCorrectionConfig.from_preset("ppo_is_bypass")
+    monitor.on_train_begin(args, TrainerState(), TrainerControl())
+    assert monitor.rules.corrected is True and monitor.rules.bypass is True and monitor.alerts == []  # fresh run
+
+
 def test_switched_off_collapse_rule_stays_quiet_on_the_collapse():
     monitor = replay(load(COLLAPSE)["rows"], bypass=True, reward_drop=None)
     assert monitor.alerts == []
@@ -236,7 +255,8 @@ def parse(argv):
 
 
 def test_cli_switch_builds_the_configured_monitor():
-    args = parse(["--rollout_corr_monitor", "true", "--rollout_corr_monitor_stop_on_alert", "policy_collapse,all_rejected",
+    args = parse(["--rollout_corr_monitor", "true",
+                  "--rollout_corr_monitor_stop_on_alert", "policy_collapse,all_rejected",
                   "--rollout_corr_monitor_reward_drop", "0.3", "--rollout_corr_monitor_patience_steps", "3"])
     monitor = args.build(rollout_engine="stale", rollout_engine_lag=2)
     assert isinstance(monitor, RolloutCorrectionMonitor)

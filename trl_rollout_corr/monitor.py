@@ -101,7 +101,10 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         # on resume, TrainerState (and our saved state inside it) is already loaded from the checkpoint
         self._restore((state.stateful_callbacks or {}).get(type(self).__name__))
         self.rows = self._read_csv(args, state.global_step) if state.global_step > 0 else []
-        self.rules.bypass = bool(getattr(getattr(args, "rollout_correction", None), "bypass_mode", False))
+        rc = getattr(args, "rollout_correction", None)
+        self.rules.bypass = bool(getattr(rc, "bypass_mode", False))
+        enabled = getattr(rc, "is_enabled", None)
+        self.rules.corrected = None if rc is None or enabled is None else bool(enabled or self.rules.bypass)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

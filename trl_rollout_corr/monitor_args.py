@@ -24,7 +24,8 @@ class MonitorArguments:
     rollout_corr_monitor: bool = field(default=False, metadata={"help": "Attach RolloutCorrectionMonitor (alerts on "
                                        "policy collapse and on the correction failing; CSV/PNG in output_dir)."})
     rollout_corr_monitor_stop_on_alert: str = field(default="false", metadata={
-        "help": f"Stop (with a checkpoint) on an alert: true, false, or a comma-separated list of {', '.join(ALERTS)}."})
+        "help": "Stop (with a checkpoint) on an alert: true, false, or a comma-separated list of "
+                f"{', '.join(ALERTS)}."})
     rollout_corr_monitor_lag: int | None = field(default=None, metadata={
         "help": "Optimizer steps the rollout engine lags behind (0 = synchronous); default: known for an emulated "
                 "engine (rollout_engine), otherwise unknown. Decides whether a collapse under bypass is blamed on it."})
@@ -40,7 +41,8 @@ class MonitorArguments:
         "help": "policy_collapse: fall of the smoothed reward below its recent best, as a fraction of "
                 "max(|best|, reward_scale)."})
     rollout_corr_monitor_severe_reward_drop: float | None = field(default=DEFAULTS["severe_reward_drop"], metadata={
-        "help": "policy_collapse: a fall this large (same units as reward_drop) alerts without entropy / ESS evidence."})
+        "help": "policy_collapse: a fall this large (same units as reward_drop) alerts without entropy / ESS "
+                "evidence."})
     rollout_corr_monitor_reward_scale: float = field(default=DEFAULTS["reward_scale"], metadata={
         "help": "policy_collapse: smallest reward magnitude the drop is relative to."})
     rollout_corr_monitor_entropy_rise: float | None = field(default=DEFAULTS["entropy_rise"], metadata={
@@ -80,7 +82,9 @@ class MonitorArguments:
 
 
 def parse_stop_on_alert(value: Any) -> bool | list[str]:
-    """true / false / "a,b" / [a, b] (YAML or command line) -> bool or a list of alert names; bad input names the field."""
+    """true / false / "a,b" / [a, b] (YAML or command line) -> bool or a list of alert names.
+
+    Bad input raises ``ValueError`` naming the field."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str):

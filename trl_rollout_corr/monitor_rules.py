@@ -63,8 +63,8 @@ def validate(config: dict[str, Any], where: str = "RolloutCorrectionMonitor", pr
     for name in _INT_FIELDS:
         value = config[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
-            raise ValueError(f"{where}: {prefix}{name}={value!r}: use an integer >= {0 if name == 'warmup_steps' else 1} "
-                             "(optimizer steps).")
+            least = 0 if name == "warmup_steps" else 1
+            raise ValueError(f"{where}: {prefix}{name}={value!r}: use an integer >= {least} (optimizer steps).")
     for name in ("reward_drop", "severe_reward_drop", "reward_scale", "entropy_rise", "ess_threshold",
                  "rejected_fraction_threshold", "pinned_fraction_threshold", "negative_kl_tolerance"):
         value = config[name]
@@ -82,10 +82,12 @@ def validate(config: dict[str, Any], where: str = "RolloutCorrectionMonitor", pr
 class AlertRules:
     """Smoothed signals, the run's recent best and per-alert pending timers; ``update`` returns holding alerts."""
 
-    def __init__(self, bypass: bool = False, rollout_lag: int | None = None, **config: Any) -> None:
+    def __init__(self, bypass: bool = False, rollout_lag: int | None = None, corrected: bool | None = None,
+                 **config: Any) -> None:
         self.config = {**DEFAULTS, **config}
         validate(self.config)
-        self.bypass, self.rollout_lag = bypass, rollout_lag
+        # what the run is: a bypass preset; the engine's known lag (None: unknown); a correction active (None: unknown)
+        self.bypass, self.rollout_lag, self.corrected = bypass, rollout_lag, corrected
         self.ema: dict[str, float] = {}
         self.last_step: int | None = None
         self.first_step: int | None = None
@@ -198,16 +200,21 @@ class AlertRules:
         if "kl" not in self.ema and "ess" not in self.ema:
             return ("No rollout_corr/* metrics are logged: enable a rollout correction preset "
                     "(e.g. rollout_correction_preset=decoupled_token_is).")
+        if self.corrected is False and not self.bypass:
+            shown = f" (kl={kl:.3g})" if kl is not None else ""
+            return (f"No rollout correction is active (preset disabled){shown}: with a mismatched engine, enable one "
+                    "(rollout_correction_preset=decoupled_token_is; ppo_is_bypass for a stale engine).")
         if self.bypass and self.rollout_lag:
             return (f"The engine is known to lag {self.rollout_lag} optimizer step(s): bypass (PPO clipped against "
                     "pi_rollout) is the usual fix for a stale sampler, so the mismatch is staleness, not bypass; "
                     "lower the learning rate or the lag.")
         if self.bypass and kl is not None and kl > 0 and self.rollout_lag is not None:
             return (f"Bypass (pi_old := pi_rollout) runs against a synchronous but mismatched sampler (kl={kl:.3g} "
-                    f"does not come from staleness): PPO clipped against it anchors on the sampler; {_DECOUPLED_ADVICE}.")
+                    "does not come from staleness): PPO clipped against it anchors on the sampler; "
+                    f"{_DECOUPLED_ADVICE}.")
         if self.bypass and kl is not None and kl > 0:
             return ("Bypass (pi_old := pi_rollout) anchors the trust region on the sampler. If the engine is not "
                     f"stale (a quantized / low-precision engine), {_DECOUPLED_ADVICE}; if it lags, lower the learning "
                     "rate or the lag (pass rollout_lag to the monitor to say which).")
-        return ("The correction did not hold the policy: lower the learning rate, tighten rollout_is_threshold or use a "
-                "rejection preset, and check the rollout engine's weight sync / precision.")
+        return ("The correction did not hold the policy: lower the learning rate, tighten rollout_is_threshold or use "
+                "a rejection preset, and check the rollout engine's weight sync / precision.")
