@@ -1,115 +1,306 @@
-"""RolloutCorrectionMonitor: alerts once per episode, clean stop with a checkpoint, CSV/PNG, state across resume."""
+"""RolloutCorrectionMonitor: quiet on healthy runs, early on a collapse; each alert quiet and speaking; windows in
+optimizer steps; once per episode; stop with a checkpoint, CSV/PNG, state across resume; the CLI/YAML switch.
+
+The recorded traces in tests/data were made by ``benchmarks/monitor_scenarios.py`` (demo's tiny reverse task,
+64 x 8 completions per step, lr 3e-4, logging every step); whether a run is healthy or collapsing is judged by the
+policy's own held-out reward stored with it (``eval_curve``), independently of the monitor.
+"""
 
 import csv
+import json
 import logging
 import os
 
 import pytest
-from transformers import TrainerControl, TrainerState
 
 from trainer_utils import make_trainer
 from trl_rollout_corr import RolloutCorrectionMonitor
+from trl_rollout_corr.monitor_replay import aggregate, replay
+from trl_rollout_corr.monitor_rules import ALERTS, AlertRules
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 
-
-class Args:
-    def __init__(self, output_dir, bypass=False):
-        self.output_dir = str(output_dir)
-
-        class RC:
-            bypass_mode = bypass
-        self.rollout_correction = RC()
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+HEALTHY = ["monitor_stale4_ppo_is_bypass.json", "monitor_stale4_decoupled_token_is.json",
+           "monitor_int8_decoupled_token_is.json"]
+COLLAPSE = "monitor_wq3_ppo_is_bypass.json"
 
 
-def feed(monitor, args, rows):
-    state, control = TrainerState(), TrainerControl()
-    monitor.on_train_begin(args, state, control)
-    fired = []
-    for step, row in enumerate(rows, 1):
-        state.global_step = step
-        before = len(monitor.alerts)
-        monitor.on_log(args, state, control, logs=row)
-        fired.append([a["alert"] for a in monitor.alerts[before:]])
-    return fired, control
+def load(name):
+    with open(os.path.join(DATA, name)) as f:
+        trace = json.load(f)
+    trace["rows"] = [dict(zip(trace["columns"], r)) for r in trace["rows"]]
+    return trace
 
 
-def row(kl=0.0, k3=0.0, chi2=0.0, rejected=0.0, entropy=1.0, reward=0.5):
-    return {"rollout_corr/kl": kl, "rollout_corr/k3_kl": k3, "rollout_corr/chi2_token": chi2,
-            "rollout_corr/chi2_seq": 0.0, "rollout_corr/rejected_token_fraction": rejected,
-            "entropy": entropy, "reward": reward}
+# ---------------------------------------------------------------- recorded runs replayed (seeded, fast)
+@pytest.mark.parametrize("every", [1, 5, 10])
+@pytest.mark.parametrize("name", HEALTHY)
+def test_healthy_recorded_runs_stay_quiet(name, every):
+    trace = load(name)
+    curve = trace["eval_curve"]
+    assert curve[-1][1] > curve[0][1] + 0.1  # the policy really improved: a healthy run
+    rows = aggregate(trace["rows"], every)
+    monitor = replay(rows, bypass=trace["bypass"], rollout_lag=trace["lag"], stop_on_alert=True)
+    assert monitor.alerts == []
+    assert monitor.rules.last_step == 150  # never stopped
 
 
-def test_threshold_alerts_fire_once_per_episode_and_rearm(tmp_path):
-    monitor = RolloutCorrectionMonitor(write_plot=False)
-    fired, _ = feed(monitor, Args(tmp_path), [row(k3=0.1), row(k3=0.2), row(k3=0.0), row(k3=0.3, rejected=0.9)])
-    assert fired == [["k3_kl"], [], [], ["k3_kl", "rejected_fraction"]]
+@pytest.mark.parametrize("every", [1, 5, 10])
+def test_collapsing_recorded_run_stops_by_step_40_and_advises_a_decoupled_preset(every):
+    trace = load(COLLAPSE)
+    curve = dict(trace["eval_curve"])
+    assert curve[20] < 0.5 * curve[0]  # the policy really collapsed (held-out reward)
+    monitor = replay(aggregate(trace["rows"], every), bypass=True, rollout_lag=0, stop_on_alert=True)
+    assert [a["alert"] for a in monitor.alerts] == ["policy_collapse"]
+    assert monitor.alerts[0]["step"] <= 40 and monitor.rules.last_step == monitor.alerts[0]["step"]
+    message = monitor.alerts[0]["message"]
+    assert "decoupled_token_is" in message and "entropy" in message and "kl=" in message and "%" in message
 
 
-def test_negative_kl_and_entropy_reward_trends(tmp_path):
-    monitor = RolloutCorrectionMonitor(negative_kl_patience=3, trend_window=3, write_plot=False)
-    rows = [row(kl=-0.01, entropy=1.0, reward=0.6), row(kl=-0.02, entropy=1.1, reward=0.5),
-            row(kl=-0.01, entropy=1.3, reward=0.4)]
-    fired, _ = feed(monitor, Args(tmp_path), rows)
-    assert fired[:2] == [[], []] and sorted(fired[2]) == ["entropy_up_reward_down", "negative_kl"]
+def test_collapse_advice_follows_what_is_known_about_the_engine():
+    rows = load(COLLAPSE)["rows"]
+    stale = replay(rows, bypass=True, rollout_lag=4).alerts[0]["message"]
+    assert "lag 4" in stale and "not bypass" in stale and "switch to a decoupled" not in stale
+    unknown = replay(rows, bypass=True, rollout_lag=None).alerts[0]["message"]
+    assert "If the engine is not stale" in unknown and "rollout_lag" in unknown
+    decoupled = replay(rows, bypass=False, rollout_lag=0).alerts[0]["message"]
+    assert "did not hold the policy" in decoupled and "switch to a decoupled" not in decoupled
 
 
-def test_bypass_under_persistent_mismatch_advises_a_decoupled_preset(tmp_path, caplog):
-    rows = [row(kl=0.03)] * 3
-    fired, _ = feed(RolloutCorrectionMonitor(bypass_patience=3, write_plot=False), Args(tmp_path, bypass=False), rows)
-    assert fired == [[], [], []]  # a decoupled run is not warned
-    monitor = RolloutCorrectionMonitor(bypass_patience=3, write_plot=False)
-    with caplog.at_level(logging.WARNING):
-        fired, _ = feed(monitor, Args(tmp_path, bypass=True), rows)
-    assert fired == [[], [], ["bypass_persistent_mismatch"]]
-    assert "decoupled_token_is" in caplog.text and "0.03" in caplog.text
+def test_collapse_without_a_correction_advises_one():
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+
+    from trl_rollout_corr import RolloutCorrectionConfig
+
+    monitor = RolloutCorrectionMonitor(write_csv=False, write_plot=False)
+    args = SimpleNamespace(output_dir=".", rollout_correction=RolloutCorrectionConfig.from_preset("disabled"))
+    monitor.on_train_begin(args, TrainerState(), TrainerControl())
+    assert monitor.rules.corrected is False and monitor.rules.bypass is False
+    for row in load(COLLAPSE)["rows"]:
+        monitor.on_log(args, TrainerState(global_step=int(row["step"])), TrainerControl(), logs=row)
+    assert "No rollout correction is active" in monitor.alerts[0]["message"]
+    args.rollout_correction = RolloutCorrectionConfig.from_preset("ppo_is_bypass")
+    monitor.on_train_begin(args, TrainerState(), TrainerControl())
+    assert monitor.rules.corrected is True and monitor.rules.bypass is True and monitor.alerts == []  # fresh run
 
 
-def test_stop_on_a_chosen_alert_only(tmp_path):
-    monitor = RolloutCorrectionMonitor(stop_on_alert=["rejected_fraction"], write_plot=False)
-    fired, control = feed(monitor, Args(tmp_path), [row(k3=0.2)])
-    assert fired == [["k3_kl"]] and not control.should_training_stop  # warned, not a stop reason
-    fired, control = feed(monitor, Args(tmp_path), [row(k3=0.2, rejected=0.9)])
-    assert control.should_training_stop and control.should_save
+def test_switched_off_collapse_rule_stays_quiet_on_the_collapse():
+    monitor = replay(load(COLLAPSE)["rows"], bypass=True, reward_drop=None)
+    assert monitor.alerts == []
 
 
-@pytest.mark.parametrize("kwargs,match", [({"k3_kl_threshold": -1}, "k3_kl_threshold"),
-                                          ({"bypass_patience": 0}, "bypass_patience"),
-                                          ({"stop_on_alert": ["k3"]}, "unknown alerts")])
+# ---------------------------------------------------------------- synthetic rows: each alert quiet and speaking
+def ramp(step, start, end, a, b):
+    """a before ``start``, b after ``end``, linear in between."""
+    t = min(max((step - start) / (end - start), 0.0), 1.0)
+    return a + t * (b - a)
+
+
+def rows_of(n=60, reward=(0.6, 0.6), entropy=(1.0, 1.0), **extra):
+    out = []
+    for s in range(1, n + 1):
+        r = {"step": s, "reward": ramp(s, 20, 40, *reward), "entropy": ramp(s, 20, 40, *entropy),
+             "rollout_corr/kl": 0.02, "rollout_corr/rollout_is_eff_sample_size": 0.95,
+             "rollout_corr/rollout_is_ratio_fraction_high": 0.01, "rollout_corr/rejected_token_fraction": 0.0}
+        r.update({k: (v(s) if callable(v) else v) for k, v in extra.items()})
+        out.append(r)
+    return out
+
+
+def fired(rows, every=1, **kw):
+    return [(a["step"], a["alert"]) for a in replay(aggregate(rows, every), **kw).alerts]
+
+
+@pytest.mark.parametrize("case,expected", [
+    ({"reward": (0.6, 0.4), "entropy": (1.0, 1.6)}, ["policy_collapse"]),       # -33% + entropy up
+    ({"reward": (0.6, 0.4), "entropy": (1.0, 0.8)}, []),                        # -33%, entropy falls: not a collapse
+    ({"reward": (0.6, 0.2), "entropy": (1.0, 0.8)}, ["policy_collapse"]),       # -67%: the severe drop on its own
+    ({"reward": (0.6, 0.7), "entropy": (1.0, 1.6)}, []),                        # entropy up, reward holds
+    ({"reward": (0.6, 0.5), "entropy": (1.0, 1.6)}, []),                        # -17%: a dip, not a collapse
+    ({"reward": (0.6, 0.4), "entropy": (1.0, 0.8),                              # -33% + ESS collapse
+      "rollout_corr/rollout_is_eff_sample_size": lambda s: ramp(s, 20, 40, 0.95, 0.1)},
+     ["ess_collapse", "policy_collapse"]),
+])
+def test_policy_collapse_quiet_and_speaking(case, expected):
+    assert sorted({name for _, name in fired(rows_of(**case))}) == expected
+
+
+# smoothing_steps=1: a = 1/2 per step, so after k steps of `bad` following `good`, ema = bad + (good - bad) / 2^k;
+# the condition first holds at step 20 + k and, with 5 steps of patience, fires at step 20 + k + 4.
+@pytest.mark.parametrize("alert,key,bad,good,k", [
+    ("all_rejected", "rollout_corr/rejected_token_fraction", 0.97, 0.6, 3),    # 0.97 - 0.37/8 = 0.924 >= 0.9
+    ("ess_collapse", "rollout_corr/rollout_is_eff_sample_size", 0.15, 0.6, 2),  # 0.15 + 0.45/4 = 0.263 <= 0.3
+    ("weights_pinned", "rollout_corr/rollout_is_ratio_fraction_high", 0.5, 0.1, 1),  # 0.5 - 0.4/2 = 0.3 >= 0.3
+    ("negative_kl", "rollout_corr/kl", -0.01, -5e-4, 1),                      # -0.01 + 0.0095/2 <= -0.001
+])
+def test_correction_failure_alerts_quiet_and_speaking(alert, key, bad, good, k):
+    rows = rows_of(**{key: lambda s: bad if s > 20 else good})
+    assert fired(rows, smoothing_steps=1) == [(20 + k + 4, alert)]
+    assert fired(rows_of(**{key: good})) == []
+    assert fired(rows) and fired(rows)[0][0] >= 20 + k + 4  # the default, slower smoothing: not earlier
+
+
+def test_mismatch_levels_never_trigger():
+    rows = rows_of(**{"rollout_corr/kl": 5.0, "rollout_corr/k3_kl": 5.0, "rollout_corr/chi2_token": 1e3})
+    assert fired(rows, rollout_lag=0) == [] and fired(rows, bypass=True, rollout_lag=0) == []
+
+
+def test_windows_are_optimizer_steps_not_log_lines():
+    rows = rows_of(reward=(0.6, 0.2), entropy=(1.0, 1.6))
+    firsts = {every: fired(rows, every)[0][0] for every in (1, 2, 5, 10)}
+    assert all(abs(step - firsts[1]) < every + 1 for every, step in firsts.items()), firsts
+    # a short blip (2 steps) does not last the 5-step patience, whatever the logging interval
+    blip = rows_of(**{"rollout_corr/rejected_token_fraction": lambda s: 1.0 if s in (30, 31) else 0.0})
+    assert fired(blip, 1, smoothing_steps=1) == [] and fired(blip, 2, smoothing_steps=1) == []
+
+
+def test_smoothing_is_a_step_weighted_ema_started_as_a_running_mean():
+    rules = AlertRules(smoothing_steps=5)
+    for step, value in ((1, 0.0), (2, 1.0), (3, 1.0), (20, 0.0)):
+        rules.update(step, {"reward": value})
+        if step == 2:
+            assert rules.ema["reward"] == pytest.approx(0.5)  # a = max(1 - 2^(-1/5), 1/2) = 1/2
+        if step == 3:
+            assert rules.ema["reward"] == pytest.approx(0.5 + (1 / 3) * 0.5)  # a = 1/3
+    a = 1 - 2 ** (-17 / 5)  # 0.905 > 17/20
+    assert rules.ema["reward"] == pytest.approx((2 / 3) * (1 - a))
+
+
+def test_alerts_fire_once_per_episode_and_rearm():
+    key = "rollout_corr/rejected_token_fraction"
+    rows = rows_of(n=80, **{key: lambda s: 0.99 if 11 <= s <= 30 or s > 55 else 0.0})
+    # ema = 0.99 (1 - 2^-k) >= 0.9 from k = 4 (steps 14 and 59), + 4 steps of patience; it clears at step 31
+    assert fired(rows, smoothing_steps=1) == [(18, "all_rejected"), (63, "all_rejected")]
+
+
+def test_stop_on_a_chosen_alert_only():
+    rows = rows_of(**{"rollout_corr/rollout_is_ratio_fraction_high": 0.5, "rollout_corr/kl": -0.01})
+    monitor = replay(rows, stop_on_alert=["negative_kl"], negative_kl_tolerance=None)
+    assert [a["alert"] for a in monitor.alerts] == ["weights_pinned"] and monitor.rules.last_step == 60
+    monitor = replay(rows, stop_on_alert=["negative_kl"])
+    assert {a["alert"] for a in monitor.alerts} == {"weights_pinned", "negative_kl"}
+    assert monitor.rules.last_step == 15
+
+
+@pytest.mark.parametrize("kwargs,match", [({"reward_drop": -1}, "reward_drop"),
+                                          ({"ess_threshold": 1.5}, "ess_threshold"),
+                                          ({"patience_steps": 0}, "patience_steps"),
+                                          ({"smoothing_steps": 2.5}, "smoothing_steps"),
+                                          ({"rollout_lag": -1}, "rollout_lag"),
+                                          ({"stop_on_alert": ["k3_kl"]}, "unknown alerts"),
+                                          ({"stop_on_alert": "yes"}, "stop_on_alert")])
 def test_bad_monitor_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RolloutCorrectionMonitor(**kwargs)
 
 
-def test_stop_leaves_a_checkpoint_csv_and_png_and_resume_does_not_rewarn(tmp_path, caplog):
-    """A persistently mismatched (3-bit) sampler and a k3 threshold set very low: the run stops at step 1."""
+# ---------------------------------------------------------------- one real run: stop, checkpoint, CSV/PNG, resume
+def test_real_run_stops_with_a_checkpoint_csv_and_png_and_resume_does_not_rewarn(tmp_path, caplog):
+    """A 3-bit sampler and a rejection band so tight that every token is rejected: all_rejected at step 1, stop."""
     out = tmp_path / "run"
 
     def build(max_steps):
-        monitor = RolloutCorrectionMonitor(k3_kl_threshold=1e-9, stop_on_alert=True)
-        trainer, logs = make_trainer(out, preset="decoupled_token_is", max_steps=max_steps, callbacks=[monitor],
-                                     rollout_sampler=EmulatedRolloutEngine("wq3"), save_strategy="no")
+        monitor = RolloutCorrectionMonitor(warmup_steps=0, patience_steps=1, stop_on_alert=True)
+        trainer, logs = make_trainer(out, preset="decoupled_geo_rs", max_steps=max_steps, callbacks=[monitor],
+                                     rollout_sampler=EmulatedRolloutEngine("wq3"), save_strategy="no",
+                                     rollout_rs_threshold=1.0001)
         return trainer, monitor, logs
 
-    trainer, monitor, _ = build(6)
+    trainer, monitor, _ = build(4)
     with caplog.at_level(logging.WARNING):
         trainer.train()
     assert trainer.state.global_step == 1
-    assert [a["alert"] for a in monitor.alerts] == ["k3_kl"]
+    assert [a["alert"] for a in monitor.alerts] == ["all_rejected"]
+    assert "RolloutCorrectionMonitor [all_rejected] at step 1" in caplog.text
     checkpoint = out / "checkpoint-1"
     assert (checkpoint / "trainer_state.json").exists()
     assert (checkpoint / "rollout_correction_config.json").exists()
     with open(out / "rollout_corr_metrics.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [float(r["step"]) for r in rows] == [1.0] and "rollout_corr/k3_kl" in rows[0]
+    assert [float(r["step"]) for r in rows] == [1.0] and float(rows[0]["rollout_corr/rejected_token_fraction"]) > 0.9
     assert os.path.getsize(out / "rollout_corr_metrics.png") > 1000
 
-    resumed, monitor2, _ = build(4)
+    resumed, monitor2, _ = build(3)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.state.global_step == 4  # continued past the alert: the episode was already reported
-    assert [a["alert"] for a in monitor2.alerts] == ["k3_kl"]  # restored history, nothing new
-    assert "RolloutCorrectionMonitor [k3_kl]" not in caplog.text
+    assert resumed.state.global_step == 3  # continued past the alert: the episode was already reported
+    assert [a["alert"] for a in monitor2.alerts] == ["all_rejected"]  # restored history, nothing new
+    assert "RolloutCorrectionMonitor [all_rejected]" not in caplog.text
     with open(out / "rollout_corr_metrics.csv") as fh:
-        assert [float(r["step"]) for r in csv.DictReader(fh)] == [1.0, 2.0, 3.0, 4.0]
-    assert monitor2.open_episodes == ["k3_kl"]  # the mismatch persists: still the same episode
+        assert [float(r["step"]) for r in csv.DictReader(fh)] == [1.0, 2.0, 3.0]
+    assert monitor2.open_episodes == ["all_rejected"]  # everything still rejected: still the same episode
+    assert monitor2.rules.last_step == 3 and monitor2.rules.ema["rejected"] > 0.9
+
+
+def test_resumed_replay_matches_an_uninterrupted_one():
+    rows = load(COLLAPSE)["rows"]
+    whole = replay(rows, bypass=True, rollout_lag=0)
+    first = replay([r for r in rows if r["step"] <= 12], bypass=True, rollout_lag=0)
+    second = RolloutCorrectionMonitor(rollout_lag=0, write_csv=False, write_plot=False)
+    second._restore(json.loads(json.dumps(first.state())))  # what a checkpoint stores
+    second.on_train_begin = lambda *a, **k: None  # keep the restored state (replay() calls it with a fresh state)
+    second.rules.bypass = True
+    replay([r for r in rows if r["step"] > 12], monitor=second, bypass=True)
+    assert second.alerts == whole.alerts
+
+
+# ---------------------------------------------------------------- the CLI / YAML switch
+def parse(argv):
+    from trl_rollout_corr.cli import parse_train_args
+
+    return parse_train_args(["--use_cpu", "true", *argv])[3]
+
+
+def test_cli_switch_builds_the_configured_monitor():
+    args = parse(["--rollout_corr_monitor", "true",
+                  "--rollout_corr_monitor_stop_on_alert", "policy_collapse,all_rejected",
+                  "--rollout_corr_monitor_reward_drop", "0.3", "--rollout_corr_monitor_patience_steps", "3"])
+    monitor = args.build(rollout_engine="stale", rollout_engine_lag=2)
+    assert isinstance(monitor, RolloutCorrectionMonitor)
+    assert monitor.config["stop_on_alert"] == ["policy_collapse", "all_rejected"]
+    assert monitor.config["reward_drop"] == 0.3 and monitor.config["patience_steps"] == 3
+    assert monitor.rules.rollout_lag == 2  # a stale emulated engine: its lag is known
+    assert args.build(rollout_engine="wq3").rules.rollout_lag == 0 and args.build().rules.rollout_lag is None
+    assert parse([]).build() is None  # off by default
+
+
+def test_yaml_switch_with_a_list_and_a_null_threshold(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("rollout_corr_monitor: true\nrollout_corr_monitor_stop_on_alert: [all_rejected]\n"
+                    "rollout_corr_monitor_pinned_fraction_threshold: null\nrollout_corr_monitor_lag: 0\n")
+    monitor = parse(["--config", str(path)]).build()
+    assert monitor.config["stop_on_alert"] == ["all_rejected"] and monitor.config["pinned_fraction_threshold"] is None
+    assert monitor.rules.rollout_lag == 0
+    path.write_text("rollout_corr_monitor: true\nrollout_corr_monitor_stop_on_alert: true\n")
+    assert parse(["--config", str(path)]).build().config["stop_on_alert"] is True
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rollout_corr_monitor_stop_on_alert", "k3_kl"], "rollout_corr_monitor_stop_on_alert has unknown alert"),
+    (["--rollout_corr_monitor_ess_threshold", "2"], "rollout_corr_monitor_ess_threshold=2.0 is a fraction"),
+    (["--rollout_corr_monitor_reward_drop", "-0.1"], "rollout_corr_monitor_reward_drop"),
+    (["--rollout_corr_monitor_patience_steps", "0"], "rollout_corr_monitor_patience_steps"),
+    (["--rollout_corr_monitor_lag", "-2"], "rollout_corr_monitor_lag"),
+])
+def test_cli_switch_rejects_bad_values_naming_the_field(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse(argv)
+
+
+def test_alert_names_are_the_documented_ones():
+    assert ALERTS == ("policy_collapse", "all_rejected", "ess_collapse", "weights_pinned", "negative_kl")
+
+
+def test_preset_recipes_switch_the_monitor_on():
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    recipes = [p for p in glob.glob(os.path.join(root, "recipes", "*.yaml")) if not p.endswith("cpu_demo.yaml")]
+    assert recipes
+    for path in recipes:
+        monitor = parse(["--config", path]).build()
+        assert isinstance(monitor, RolloutCorrectionMonitor), path
+        assert monitor.rules.rollout_lag == 0 and monitor.config["stop_on_alert"] is False

@@ -4,7 +4,8 @@
     trl-rollout-corr demo [--steps ...]      the same, with options (see ``demo --help``)
     trl-rollout-corr demo --int8_diagnostics the short INT8-sampler diagnostics mode
     trl-rollout-corr train --config recipes/decoupled_token_is.yaml [--field value ...]
-                                             train a model (TrlParser: YAML config + command-line overrides)
+                                             train a model (TrlParser: YAML config + command-line overrides;
+                                             --rollout_corr_monitor true attaches RolloutCorrectionMonitor)
     trl-rollout-corr tensors [--preset NAME] the correction on sample tensors
 """
 
@@ -54,14 +55,15 @@ def tensor_demo(preset: str) -> None:
 def parse_train_args(argv: list[str]):
     from trl import ModelConfig, TrlParser
 
+    from .monitor_args import MonitorArguments
     from .trainer import RolloutCorrGRPOConfig
 
-    parser = TrlParser((ScriptArguments, RolloutCorrGRPOConfig, ModelConfig))
+    parser = TrlParser((ScriptArguments, RolloutCorrGRPOConfig, ModelConfig, MonitorArguments))
     return parser.parse_args_and_config(args=argv)
 
 
 def train(argv: list[str]) -> None:
-    script_args, training_args, model_args = parse_train_args(argv)[:3]
+    script_args, training_args, model_args, monitor_args = parse_train_args(argv)[:4]
     if not model_args.model_name_or_path:
         from .demo import run_demo_cli
 
@@ -85,8 +87,10 @@ def train(argv: list[str]) -> None:
         dataset = Dataset.from_dict({"prompt": reverse_prompts(4096)})
     sampler = EmulatedRolloutEngine(script_args.rollout_engine, lag=script_args.rollout_engine_lag) \
         if script_args.rollout_engine else None
+    monitor = monitor_args.build(script_args.rollout_engine, script_args.rollout_engine_lag)
     trainer = RolloutCorrGRPOTrainer(model=model_args.model_name_or_path, reward_funcs=REWARDS[script_args.reward],
-                                     args=training_args, train_dataset=dataset, rollout_sampler=sampler)
+                                     args=training_args, train_dataset=dataset, rollout_sampler=sampler,
+                                     callbacks=[monitor] if monitor else None)
     trainer.train()
     trainer.save_model(training_args.output_dir)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -40,11 +41,13 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
+    from .monitor import RolloutCorrectionMonitor
     from .rollout.emulated import EmulatedRolloutEngine
     from .tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward, supervised_warmup
     from .trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
+    logging.getLogger("trl_rollout_corr.monitor").setLevel(logging.ERROR)  # alerts go to the table, not stderr
     t0 = time.time()
     preset, stale = VARIANTS[variant]
     tok = build_tokenizer()
@@ -91,10 +94,13 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
             disable_tqdm=True, dataloader_num_workers=0,
         )
         sampler = EmulatedRolloutEngine(engine, lag=lag) if stale else None
+        # warn-only monitor (no stop); the engine's lag is known here: `lag` for a stale engine, else synchronous
+        monitor = RolloutCorrectionMonitor(rollout_lag=lag if stale and engine == "stale" else 0, write_csv=False,
+                                           write_plot=False)
         trainer = RolloutCorrGRPOTrainer(
             model=model, reward_funcs=reverse_reward, args=args, processing_class=tok,
             train_dataset=Dataset.from_dict({"prompt": reverse_prompts(steps * 8 + 64, 6, seed=seed)}),
-            callbacks=[Recorder(), LogRecorder()], rollout_sampler=sampler)
+            callbacks=[Recorder(), LogRecorder(), monitor], rollout_sampler=sampler)
         trainer.train()
     tail = [r for s, r in curve if s >= 0.8 * steps]
     result = {
@@ -103,6 +109,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
         "metrics": {k: statistics.fmean(log[k] for log in logs if k in log) if any(k in log for log in logs) else 0.0
                     for k in METRICS},
         "kl_curve": [(log["step"], log.get("rollout_corr/kl", 0.0)) for log in logs],
+        "alerts": [(a["step"], a["alert"]) for a in monitor.alerts],
     }
     with open(out, "w") as f:
         json.dump(result, f)
@@ -150,7 +157,7 @@ def summarize(results: list[dict], variants: list[str], output_dir: str, engine:
     naive = mean_sd([r["eval_reward"] for r in by_variant.get("stale_uncorrected", [])])[0] \
         if by_variant.get("stale_uncorrected") else None
     head = (f"{'variant':22s} {'held-out reward':>17s} {'vs on-policy':>12s} {'gap closed':>10s} {'kl':>9s} "
-            f"{'k3_kl':>9s} {'chi2_token':>10s} {'rejected':>8s} {'s/run':>6s}")
+            f"{'k3_kl':>9s} {'chi2_token':>10s} {'rejected':>8s} {'s/run':>6s}  monitor alerts (per seed)")
     lines = [f"sampler: {engine} (lag {lag}) for every variant but on_policy; seeds: "
              f"{sorted({r['seed'] for r in results})}", head, "-" * len(head)]
     rows = []
@@ -165,12 +172,13 @@ def summarize(results: list[dict], variants: list[str], output_dir: str, engine:
             closed = f"{(m - naive) / (base - naive) * 100:.0f}%"
         met = {k: statistics.fmean(r["metrics"][k] for r in runs) for k in METRICS}
         secs = statistics.fmean(r["seconds"] for r in runs)
+        alerts = format_alerts(sorted(runs, key=lambda r: r["seed"]))
         lines.append(f"{v:22s} {m:8.3f} ± {sd:5.3f} {rel:>12s} {closed:>10s} {met[METRICS[0]]:9.4f} "
-                     f"{met[METRICS[1]]:9.4f} {met[METRICS[2]]:10.4f} {met[METRICS[3]]:8.3f} {secs:6.0f}")
+                     f"{met[METRICS[1]]:9.4f} {met[METRICS[2]]:10.4f} {met[METRICS[3]]:8.3f} {secs:6.0f}  {alerts}")
         rows.append({"variant": v, "n_seeds": len(runs), "eval_reward_mean": m, "eval_reward_sd": sd,
                      "per_seed": " ".join(f"{r['eval_reward']:.3f}" for r in sorted(runs, key=lambda r: r["seed"])),
                      "rel_to_on_policy": rel, "gap_closed": closed, **{k.split("/")[-1]: met[k] for k in METRICS},
-                     "seconds_per_run": secs})
+                     "seconds_per_run": secs, "monitor_alerts": alerts})
     with open(os.path.join(output_dir, "demo_results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -181,6 +189,11 @@ def summarize(results: list[dict], variants: list[str], output_dir: str, engine:
     except ImportError:
         lines.append(f"wrote {output_dir}/demo_results.csv (install matplotlib for the plot)")
     return "\n".join(lines)
+
+
+def format_alerts(runs: list[dict]) -> str:
+    """RolloutCorrectionMonitor alerts of each seed's run: ``name@step`` (``-`` when the monitor stayed quiet)."""
+    return " | ".join(",".join(f"{name}@{step}" for step, name in r.get("alerts", [])) or "-" for r in runs)
 
 
 def plot(by_variant: dict, path: str) -> None:

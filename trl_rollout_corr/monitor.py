@@ -1,22 +1,26 @@
-"""RolloutCorrectionMonitor: warn (and optionally stop) when the off-policy diagnostics precede a collapse.
+"""RolloutCorrectionMonitor: warn (and optionally stop) when the correction fails, not when a mismatch exists.
 
-A ``transformers.TrainerCallback`` that reads the logged ``rollout_corr/*`` metrics. Alerts (each warns once per
-episode, i.e. until its condition clears; every threshold can be set to ``None`` to switch the alert off):
+A ``transformers.TrainerCallback`` that reads the logged metrics. Alerts are outcomes and failure modes of the
+correction (rules and formulas in :mod:`trl_rollout_corr.monitor_rules`; every window is in optimizer steps):
 
-* ``k3_kl``, ``chi2_token``, ``chi2_seq``, ``rejected_token_fraction`` above a threshold;
-* ``negative_kl``: ``rollout_corr/kl`` < 0 for ``negative_kl_patience`` consecutive logs (pi_rollout assigns
-  more mass to its own samples than the trainer: the usual signature of a broken log-prob hand-over);
-* ``entropy_up_reward_down``: over the last ``trend_window`` logs, ``entropy`` rose and ``reward`` fell;
-* ``bypass_persistent_mismatch``: a bypass preset runs while ``rollout_corr/kl`` stays >= ``bypass_kl_threshold``
-  for ``bypass_patience`` logs. PPO clipped against pi_rollout anchors on the sampler: under a mismatch that never
-  shrinks (a quantized engine), it was measured to collapse (entropy 0.5 -> 1.27 nats/token at kl 0.01-0.08),
-  while it is the best fix for a stale sampler. Switch to a decoupled preset.
+* ``policy_collapse``: the smoothed reward falls well below the run's own recent best while the entropy rises or
+  the effective sample size collapses; the message names a cause only where the evidence supports one (a bypass
+  preset under a synchronous, mismatched engine -> a decoupled preset; a known stale engine -> not bypass);
+* ``all_rejected``: (nearly) every token rejected by the correction;
+* ``ess_collapse``: the IS weights' effective sample size collapsed;
+* ``weights_pinned``: a large fraction of tokens has rho above the truncation bound C;
+* ``negative_kl``: ``rollout_corr/kl`` stays below 0 (the pi_rollout log-probs are not the sampler's).
+
+The mismatch levels (``kl``, ``k3_kl``, ``chi2_*``) are diagnostics: they are quoted in messages, never a trigger.
+Each alert warns once per episode, i.e. until its condition clears. Set a threshold to ``None`` to switch that
+alert off. ``rollout_lag`` says what is known about the engine: the optimizer steps it lags behind (an
+asynchronous engine), 0 for a synchronous one, None (default) for unknown.
 
 With ``stop_on_alert`` (True, or a list of alert names) the run stops cleanly at the alerting step and a
-checkpoint is saved. Every log row goes
-to ``<output_dir>/rollout_corr_metrics.csv`` and a plot to ``<output_dir>/rollout_corr_metrics.png`` (needs
-matplotlib). The monitor's state (open episodes, alert history, windows) is saved with each checkpoint and
-restored on resume, so a resumed run does not warn again about an episode it already reported.
+checkpoint is saved. Every log row goes to ``<output_dir>/rollout_corr_metrics.csv`` and a plot to
+``<output_dir>/rollout_corr_metrics.png`` (needs matplotlib). The monitor's state (smoothed signals, open
+episodes, alert history) is saved with each checkpoint and restored on resume, so a resumed run does not warn
+again about an episode it already reported.
 """
 
 from __future__ import annotations
@@ -30,58 +34,54 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .monitor_rules import ALERTS, DEFAULTS, AlertRules, validate
+
 logger = logging.getLogger(__name__)
 CSV_NAME = "rollout_corr_metrics.csv"
 PNG_NAME = "rollout_corr_metrics.png"
-_PLOTTED = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/rejected_token_fraction",
-            "entropy", "reward")
-ALERTS = ("k3_kl", "chi2_token", "chi2_seq", "rejected_fraction", "negative_kl", "entropy_up_reward_down",
-          "bypass_persistent_mismatch")
-_DECOUPLED_ADVICE = ("switch to a decoupled preset (rollout_correction_preset=decoupled_token_is or decoupled_geo_rs), "
-                     "which anchors the trust region on pi_old instead of the mismatched sampler")
+_PLOTTED = ("reward", "entropy", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rejected_token_fraction",
+            "rollout_corr/kl", "rollout_corr/k3_kl")
+__all__ = ["ALERTS", "RolloutCorrectionMonitor"]
 
 
 class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
-    """Watch the rollout-correction diagnostics; warn once per episode, optionally stop, write CSV and PNG."""
+    """Watch the run and the correction; warn once per episode, optionally stop, write CSV and PNG."""
 
-    def __init__(self, k3_kl_threshold: float | None = 0.05, chi2_token_threshold: float | None = 1.0,
-                 chi2_seq_threshold: float | None = 100.0, rejected_fraction_threshold: float | None = 0.5,
-                 negative_kl_patience: int | None = 5, trend_window: int | None = 5,
-                 bypass_kl_threshold: float | None = 0.01, bypass_patience: int = 5,
-                 stop_on_alert: bool | list[str] = False,
+    def __init__(self, smoothing_steps: int = DEFAULTS["smoothing_steps"], warmup_steps: int = DEFAULTS["warmup_steps"],
+                 patience_steps: int = DEFAULTS["patience_steps"], collapse_window: int = DEFAULTS["collapse_window"],
+                 reward_drop: float | None = DEFAULTS["reward_drop"],
+                 severe_reward_drop: float | None = DEFAULTS["severe_reward_drop"],
+                 reward_scale: float = DEFAULTS["reward_scale"],
+                 entropy_rise: float | None = DEFAULTS["entropy_rise"],
+                 ess_threshold: float | None = DEFAULTS["ess_threshold"],
+                 rejected_fraction_threshold: float | None = DEFAULTS["rejected_fraction_threshold"],
+                 pinned_fraction_threshold: float | None = DEFAULTS["pinned_fraction_threshold"],
+                 negative_kl_tolerance: float | None = DEFAULTS["negative_kl_tolerance"],
+                 rollout_lag: int | None = None, stop_on_alert: bool | list[str] = False,
                  write_csv: bool = True, write_plot: bool = True) -> None:
-        self.config = dict(
-            k3_kl_threshold=k3_kl_threshold, chi2_token_threshold=chi2_token_threshold,
-            chi2_seq_threshold=chi2_seq_threshold, rejected_fraction_threshold=rejected_fraction_threshold,
-            negative_kl_patience=negative_kl_patience, trend_window=trend_window,
-            bypass_kl_threshold=bypass_kl_threshold, bypass_patience=bypass_patience, stop_on_alert=stop_on_alert,
-            write_csv=write_csv, write_plot=write_plot)
-        for name in ("k3_kl_threshold", "chi2_token_threshold", "chi2_seq_threshold", "rejected_fraction_threshold",
-                     "bypass_kl_threshold"):
-            value = self.config[name]
-            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
-                raise ValueError(f"RolloutCorrectionMonitor({name}={value!r}): use a finite number >= 0, or None to "
-                                 "switch the alert off.")
-        for name in ("negative_kl_patience", "trend_window", "bypass_patience"):
-            value = self.config[name]
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"RolloutCorrectionMonitor({name}={value!r}): use an integer >= 1 (or None).")
-        if not isinstance(stop_on_alert, bool):
-            unknown = sorted(set(stop_on_alert) - set(ALERTS))
-            if unknown:
-                raise ValueError(f"RolloutCorrectionMonitor(stop_on_alert=...) has unknown alerts {unknown}; use True, "
-                                 f"False or a list of: {', '.join(ALERTS)}.")
-            self.config["stop_on_alert"] = list(stop_on_alert)
-        self._bypass = False
+        rules = dict(smoothing_steps=smoothing_steps, warmup_steps=warmup_steps, patience_steps=patience_steps,
+                     collapse_window=collapse_window, reward_drop=reward_drop,
+                     severe_reward_drop=severe_reward_drop, reward_scale=reward_scale,
+                     entropy_rise=entropy_rise, ess_threshold=ess_threshold,
+                     rejected_fraction_threshold=rejected_fraction_threshold,
+                     pinned_fraction_threshold=pinned_fraction_threshold, negative_kl_tolerance=negative_kl_tolerance)
+        validate(rules)
+        if rollout_lag is not None and (isinstance(rollout_lag, bool) or not isinstance(rollout_lag, int)
+                                        or rollout_lag < 0):
+            raise ValueError(f"RolloutCorrectionMonitor(rollout_lag={rollout_lag!r}): use the optimizer steps the "
+                             "engine lags behind (an integer >= 0; 0 = synchronous), or None if unknown.")
+        stop_on_alert = _check_stop_on_alert(stop_on_alert)
+        self.config = dict(rules, rollout_lag=rollout_lag, stop_on_alert=stop_on_alert, write_csv=write_csv,
+                           write_plot=write_plot)
+        self.rules = AlertRules(rollout_lag=rollout_lag, **rules)
         self.open_episodes: list[str] = []  # alerts whose condition still holds (warned already)
         self.alerts: list[dict[str, Any]] = []  # history: step, alert, message
-        self.history: list[dict[str, float]] = []  # recent logs: kl, entropy, reward (bounded)
         self.rows: list[dict[str, float]] = []  # every logged row, for the CSV / PNG
 
     # ------------------------------------------------------------------ ExportableState (saved in checkpoints)
     def state(self) -> dict:
         return {"args": self.config, "attributes": {
-            "open_episodes": list(self.open_episodes), "alerts": list(self.alerts), "history": list(self.history)}}
+            "open_episodes": list(self.open_episodes), "alerts": list(self.alerts), "rules": self.rules.state()}}
 
     def _restore(self, saved: Any) -> None:
         if isinstance(saved, list):
@@ -90,25 +90,32 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
             attributes = saved["attributes"]
             self.open_episodes = list(attributes.get("open_episodes", []))
             self.alerts = list(attributes.get("alerts", []))
-            self.history = list(attributes.get("history", []))
+            self.rules.load_state(attributes.get("rules", {}))
 
     # ------------------------------------------------------------------ callback hooks
     def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:  # a fresh run, also when this object already watched another one
+            self.rules = AlertRules(rollout_lag=self.config["rollout_lag"],
+                                    **{k: self.config[k] for k in self.rules.config})
+            self.open_episodes, self.alerts = [], []
         # on resume, TrainerState (and our saved state inside it) is already loaded from the checkpoint
         self._restore((state.stateful_callbacks or {}).get(type(self).__name__))
         self.rows = self._read_csv(args, state.global_step) if state.global_step > 0 else []
-        self._bypass = bool(getattr(getattr(args, "rollout_correction", None), "bypass_mode", False))
+        rc = getattr(args, "rollout_correction", None)
+        self.rules.bypass = bool(getattr(rc, "bypass_mode", False))
+        enabled = getattr(rc, "is_enabled", None)
+        self.rules.corrected = None if rc is None or enabled is None else bool(enabled or self.rules.bypass)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
-        if "rollout_corr/kl" not in logs:  # train-end summaries, eval logs
+        if "reward" not in logs and "rollout_corr/kl" not in logs:  # train-end summaries, eval logs
             return control
         row = {"step": float(state.global_step)}
         row.update({k: float(v) for k, v in logs.items()
-                    if (k.startswith("rollout_corr/") or k in ("entropy", "reward", "loss")) and _is_number(v)})
+                    if (k.startswith("rollout_corr/") or k in ("entropy", "reward", "reward_std", "loss"))
+                    and _is_number(v)})
         self.rows.append(row)
-        self.history = (self.history + [{k: row[k] for k in ("rollout_corr/kl", "entropy", "reward") if k in row}])[-64:]
         # every rank sees the same globally reduced metrics, so every rank takes the same decision; one rank speaks
         fired = self._check(row, state.global_step, speak=state.is_world_process_zero)
         if state.is_world_process_zero and self.config["write_csv"]:
@@ -130,41 +137,10 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         return control
 
     # ------------------------------------------------------------------ the alerts
-    def conditions(self, row: dict[str, float]) -> dict[str, str]:
-        """Alert name -> message for every condition that holds on this row (and the recent history)."""
-        c, out = self.config, {}
-        for alert, key, threshold in (("k3_kl", "rollout_corr/k3_kl", c["k3_kl_threshold"]),
-                                      ("chi2_token", "rollout_corr/chi2_token", c["chi2_token_threshold"]),
-                                      ("chi2_seq", "rollout_corr/chi2_seq", c["chi2_seq_threshold"]),
-                                      ("rejected_fraction", "rollout_corr/rejected_token_fraction",
-                                       c["rejected_fraction_threshold"])):
-            if threshold is not None and key in row and row[key] > threshold:
-                out[alert] = (f"{key}={row[key]:.4g} > {threshold:g}: the sampler and the trainer disagree beyond what "
-                              "the correction handles well; check the weight sync / precision of the rollout engine.")
-        kls = [h["rollout_corr/kl"] for h in self.history if "rollout_corr/kl" in h]
-        n = c["negative_kl_patience"]
-        if n is not None and len(kls) >= n and all(k < 0 for k in kls[-n:]):
-            out["negative_kl"] = (f"rollout_corr/kl < 0 for {n} logs ({', '.join(f'{k:.3g}' for k in kls[-n:])}): "
-                                  "pi_rollout log-probs look inconsistent (temperature / processed log-probs?).")
-        w = c["trend_window"]
-        recent = [h for h in self.history if "entropy" in h and "reward" in h][-w:] if w else []
-        if w is not None and len(recent) >= max(w, 2):
-            d_entropy = recent[-1]["entropy"] - recent[0]["entropy"]
-            d_reward = recent[-1]["reward"] - recent[0]["reward"]
-            if d_entropy > 0 and d_reward < 0:
-                out["entropy_up_reward_down"] = (
-                    f"over the last {len(recent)} logs entropy rose by {d_entropy:.3g} while reward fell by "
-                    f"{-d_reward:.3g}: a typical precursor of off-policy collapse.")
-        p, kl_min = c["bypass_patience"], c["bypass_kl_threshold"]
-        if getattr(self, "_bypass", False) and kl_min is not None and len(kls) >= p and all(k >= kl_min for k in kls[-p:]):
-            out["bypass_persistent_mismatch"] = (
-                f"a bypass preset (pi_old := pi_rollout) runs under a persistent mismatch: rollout_corr/kl >= {kl_min:g} "
-                f"for {p} logs ({', '.join(f'{k:.3g}' for k in kls[-p:])}). PPO clipped against a persistently "
-                f"mismatched sampler was measured to collapse; {_DECOUPLED_ADVICE}.")
-        return out
-
     def _check(self, row: dict[str, float], step: int, speak: bool = True) -> list[str]:
-        holding = self.conditions(row)
+        if self.rules.last_step is not None and step <= self.rules.last_step:
+            return []  # the same step logged twice (a train-end summary): no new evidence
+        holding = self.rules.update(step, row)
         fired = [name for name in holding if name not in self.open_episodes]
         self.open_episodes = list(holding)  # cleared conditions re-arm
         for name in fired:
@@ -216,6 +192,19 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         fig.tight_layout()
         fig.savefig(os.path.join(args.output_dir, PNG_NAME), dpi=90)
         plt.close(fig)
+
+
+def _check_stop_on_alert(value: Any) -> bool | list[str]:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"RolloutCorrectionMonitor(stop_on_alert={value!r}): use True, False or a list of alert "
+                         f"names from: {', '.join(ALERTS)}.")
+    unknown = sorted(set(value) - set(ALERTS))
+    if unknown:
+        raise ValueError(f"RolloutCorrectionMonitor(stop_on_alert=...) has unknown alerts {unknown}; use True, "
+                         f"False or a list of: {', '.join(ALERTS)}.")
+    return list(value)
 
 
 def _is_number(value: Any) -> bool:
