@@ -293,3 +293,31 @@ def test_is_weights_multiply_each_token_and_rejected_tokens_leave_every_count(tm
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-7)
     for a, p in zip(ours, trainer.model.parameters()):
         torch.testing.assert_close(a, p.grad.to(a.dtype), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "sapo", "vespo"])
+def test_policy_gradient_mode_has_the_reinforce_gradient(tmp_path, loss_type):
+    """use_policy_gradient: gradient = that of -sg(w) A log pi_theta, w = min(prod_t pi_theta / pi_rollout, C)."""
+    trainer = build(RolloutCorrGRPOTrainer, tmp_path, build_model(hidden_size=32), preset="pg_is", loss_type=loss_type,
+                    rollout_is_threshold=1e6)
+    batch = one_micro_batch(trainer, ROWS[:8])
+    trainer.model.zero_grad()
+    trainer.compute_loss(trainer.model, batch).backward()
+    ours = [p.grad.clone() for p in trainer.model.parameters()]
+    trainer.model.zero_grad()
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention,
+                                                             batch["completion_ids"].size(1))
+    mask = batch["completion_mask"].double()  # (B, T)
+    log_w = ((logps.detach().double() - batch["sampling_per_token_logps"].double()) * mask).sum(-1, keepdim=True)
+    w = torch.exp(log_w.clamp(-20, 20)).clamp(max=1e6)  # (B, 1) sequence IS weight, untruncated here
+    assert w.max() / w.min() > 10  # the weights really differ between sequences
+    per_token = -w * batch["advantages"].double().unsqueeze(1) * logps.double()  # (B, T)
+    if loss_type in ("grpo", "sapo"):
+        expected = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    else:
+        expected = (per_token * mask).sum() / batch["num_items_in_batch"]
+    expected.backward()
+    for a, p in zip(ours, trainer.model.parameters()):
+        torch.testing.assert_close(a, p.grad.to(a.dtype), rtol=1e-4, atol=1e-7)
