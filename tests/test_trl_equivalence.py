@@ -321,3 +321,19 @@ def test_policy_gradient_mode_has_the_reinforce_gradient(tmp_path, loss_type):
     expected.backward()
     for a, p in zip(ours, trainer.model.parameters()):
         torch.testing.assert_close(a, p.grad.to(a.dtype), rtol=1e-4, atol=1e-7)
+
+
+def test_evaluate_returns_the_same_metrics_as_trl(tmp_path):
+    """evaluate() on the same eval set: TRL's eval metrics (loss, entropy, clip ratios, ...) equal, ours added."""
+    results = {}
+    for cls in (GRPOTrainer, RolloutCorrGRPOTrainer):
+        trainer = build(cls, tmp_path / cls.__name__, build_model(hidden_size=32), per_device_eval_batch_size=8,
+                        num_generations_eval=4)
+        torch.manual_seed(0)
+        results[cls] = trainer.evaluate(eval_dataset=Dataset.from_list(ROWS[:16]))
+    theirs, ours = results[GRPOTrainer], results[RolloutCorrGRPOTrainer]
+    assert {"eval_loss", "eval_entropy", "eval_clip_ratio/low_min"} <= set(theirs)
+    for key, value in theirs.items():
+        if not key.endswith(("_runtime", "_per_second", "_preparation_time")):
+            assert ours[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert "eval_rollout_corr/kl" in ours

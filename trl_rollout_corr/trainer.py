@@ -404,7 +404,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                         int(floats["loss.micro_batches"]), metrics.get("rollout_corr/rejected_token_fraction", 1.0))
             if mode == "eval":
                 metrics = {f"eval_{k}": v for k, v in metrics.items()}
-            logs = {**logs, **metrics}
+            logs.update(metrics)  # in place, as TRL does: evaluate() returns this dict
         super().log(logs, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
