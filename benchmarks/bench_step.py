@@ -6,6 +6,15 @@ optimizer. The baseline ``trl_vllm_is`` is TRL 1.16's GRPOTrainer on its vLLM pa
 it runs the no-grad pi_old forward every step (the vLLM flags are set on the instance; the weight sync is a no-op).
 ``trl_no_old`` is TRL without that forward: the floor a bypass mode can reach.
 
+The default-configuration comparison (issue 13): TRL's defaults (gradient_accumulation_steps=1, num_iterations=1)
+let ``decoupled_token_is`` run "free" (pi_old = pi_theta at the loss, no pi_old forward), while TRL's vLLM IS path
+always pays that forward; ``decoupled_token_is_forward`` forces the forward (the path used when
+num_iterations > 1 or steps_per_generation > gradient_accumulation_steps) for comparison. Goal: decoupled_token_is
+<= 0.85x trl_vllm_is.
+
+Step time is reported twice: wall clock, and the process's CPU time per step (``time.process_time``), which with
+``--threads 1`` is the step's own compute and barely moves when other jobs share the cores (wall time does).
+
 Every variant runs in its own process (a first ``train()`` in a process slows later work); variants are interleaved
 and repeated, and medians are reported as ratios against ``trl_vllm_is`` measured in the same run.
 
@@ -26,9 +35,10 @@ import tempfile
 import time
 import zlib
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package, not the venv's
 BASELINE = "trl_vllm_is"
 VARIANTS = [BASELINE, "trl_no_old", "decoupled_token_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-            "decoupled_all_metrics", "ppo_is_bypass", "pg_is", "pg_rs"]
+            "decoupled_all_metrics", "ppo_is_bypass", "pg_is", "pg_rs", "decoupled_token_is_forward"]
 
 
 def parse_args(argv=None):
@@ -104,26 +114,33 @@ def run_variant(opts) -> dict:
                          rollout_rs="token", rollout_rs_threshold=5.0, rollout_token_veto_threshold=1e-6,
                          rollout_rs_criteria="seq_mean_k3,seq_max_k2", rollout_rs_criteria_threshold="50,100")
         else:
-            extra = dict(rollout_correction_preset=variant)
+            extra = dict(rollout_correction_preset=variant.removesuffix("_forward"))
         trainer = RolloutCorrGRPOTrainer(model=model, reward_funcs=reward, args=RolloutCorrGRPOConfig(**common, **extra),
                                          train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout_func)
+        if variant.endswith("_forward"):  # the pi_old forward once per generation batch, as with num_iterations > 1
+            trainer._rc_free_decoupled = False
 
     times: list[float] = []
+    cpu_times: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter() - self.start)
+            cpu_times.append(time.process_time() - self.cpu_start)
 
     trainer.add_callback(Timer())
-    with count_host_syncs() as syncs:
+    with count_host_syncs(everywhere=True) as syncs:
         trainer.train()
     timed = times[2:]
+    ours = sum(n for site, n in syncs.items() if not site.startswith("ext:"))
     return {"variant": variant, "step_s": statistics.median(timed), "steps": timed,
+            "cpu_s": statistics.median(cpu_times[2:]),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "syncs_per_step": sum(syncs.values()) / len(times), "sync_sites": dict(syncs)}
+            "syncs_per_step": ours / len(times), "all_syncs_per_step": sum(syncs.values()) / len(times),
+            "sync_sites": dict(syncs)}
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -163,13 +180,17 @@ def main(argv=None) -> None:
     print(f"\nmodel: Qwen2 hidden {opts.hidden}, {opts.layers} layers, vocab {opts.vocab}; {opts.batch} sequences x "
           f"{opts.completion} completion tokens per step; {opts.repeats} repeats x {opts.steps} timed steps; "
           f"torch threads {opts.threads or 'default'}; {os.cpu_count()} CPUs; wall {time.time() - started:.0f} s\n")
-    print(f"| variant | step (ms, median) | vs {BASELINE} | peak RSS (MB) | vs {BASELINE} | host syncs / step (ours) |")
-    print("|---|---|---|---|---|---|")
+    base_c = med(BASELINE, "cpu_s")
+    print(f"| variant | step (ms, median) | vs {BASELINE} | step CPU time (ms) | vs {BASELINE} | peak RSS (MB) "
+          f"| vs {BASELINE} | host syncs / step (ours) | host syncs / step (all code) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
-        t, m = med(variant, "step_s"), med(variant, "peak_rss_mb")
+        t, m, c = med(variant, "step_s"), med(variant, "peak_rss_mb"), med(variant, "cpu_s")
         syncs = med(variant, "syncs_per_step") if not variant.startswith("trl_") else float("nan")
         sync_text = "—" if variant.startswith("trl_") else f"{syncs:.2f}"
-        print(f"| {variant} | {t * 1e3:.1f} | {t / base_t:.3f} | {m:.0f} | {m / base_m:.3f} | {sync_text} |")
+        print(f"| {variant} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} | {m:.0f} "
+              f"| {m / base_m:.3f} | {sync_text} "
+              f"| {med(variant, 'all_syncs_per_step'):.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One tiny RolloutCorrGRPOTrainer run, launched by tests/test_distributed.py under torchrun / accelerate launch.
 
 Usage: python dist_worker.py OUT_JSON [--engine ddp|deepspeed] [--rollout fixed|generate] [--per_device B]
-                             [--preset P] [--correction JSON] [--max_steps N]
+                             [--preset P] [--correction JSON] [--max_steps N] [--num_iterations N]
 
 ``--rollout fixed`` feeds completions and pi_rollout log-probs that are a pure function of the prompt (a
 ``rollout_func``), so a 1-process and a 2-process run see the same global batch. ``--rollout generate`` samples
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--correction", default="{}", help="JSON dict of rollout_* fields")
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--num_iterations", type=int, default=1)
     opts = parser.parse_args()
 
     tokenizer = build_tokenizer()
@@ -65,7 +66,7 @@ def main() -> None:
     args = RolloutCorrGRPOConfig(
         output_dir=os.path.join(os.path.dirname(opts.out), "run"), per_device_train_batch_size=opts.per_device,
         gradient_accumulation_steps=1, num_generations=NUM_GENERATIONS, max_completion_length=COMPLETION_LEN,
-        max_steps=opts.max_steps, learning_rate=opts.learning_rate, logging_steps=1, save_strategy="no", report_to="none",
+        max_steps=opts.max_steps, learning_rate=opts.learning_rate, num_iterations=opts.num_iterations, logging_steps=1, save_strategy="no", report_to="none",
         bf16=False, seed=0, temperature=1.0, dataloader_num_workers=0, rollout_correction_preset=opts.preset,
         **device_kwargs, **json.loads(opts.correction))
     sampler = EmulatedRolloutEngine("stale", lag=1) if opts.rollout == "generate" else None

@@ -22,12 +22,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "dist_worker.py")
 GLOBAL_BATCH = 16
 
-# token- and sequence-level decoupled corrections and a bypass policy-gradient one, all with RS and batch norm
+# token- and sequence-level decoupled corrections and a bypass policy-gradient one, all with RS and batch norm.
+# GA=1 and num_iterations=1: decoupled presets correct at loss time ("free decoupled", micro-batch = generation
+# batch here); the "_forward" case (num_iterations=2) takes the path with a pi_old forward per generation batch.
 CASES = {
     "token_rs_bn_veto": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold=3.0,
                              rollout_is_batch_normalize=True, rollout_token_veto_threshold=0.05),
     "seq_rs_bn": dict(rollout_is="sequence", rollout_is_threshold=3.0, rollout_rs="sequence", rollout_rs_threshold=5.0,
                       rollout_is_batch_normalize=True),
+    "token_rs_bn_veto_forward": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token",
+                                     rollout_rs_threshold=3.0, rollout_is_batch_normalize=True,
+                                     rollout_token_veto_threshold=0.05),
     "bypass_pg_geo_rs_bn": dict(bypass_mode=True, use_policy_gradient=True, rollout_is="token", rollout_rs="geometric",
                                 rollout_rs_threshold=2.5, rollout_is_batch_normalize=True),
 }
@@ -40,7 +45,10 @@ def _free_port() -> int:
 
 
 def _run(cmd: list[str], out: Path, extra_env: dict | None = None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
+    # the workers run in tmp_path: put this checkout first on the path, not whatever copy is installed in the venv
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path,
+           **(extra_env or {})}
     proc = subprocess.run(cmd, cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -56,6 +64,8 @@ def _metric_logs(result: dict) -> list[dict]:
 def test_two_processes_log_the_same_metrics_as_one(tmp_path, case):
     # learning rate 0: both steps run on identical weights, so only the reduction of the statistics can differ
     common = ["--correction", json.dumps(CASES[case]), "--learning_rate", "0"]
+    if case.endswith("_forward"):
+        common += ["--num_iterations", "2"]
     one = _run([sys.executable, WORKER, str(tmp_path / "one.json"), "--per_device", str(GLOBAL_BATCH), *common],
                tmp_path / "one.json")
     two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -68,6 +78,7 @@ def test_two_processes_log_the_same_metrics_as_one(tmp_path, case):
     assert len(logs_one[0]) >= 40 and logs_one[0].keys() == logs_two[0].keys()
     assert "rollout_corr/rollout_is_batch_norm_factor" in logs_one[0]
     assert logs_one[0]["rollout_corr/rejected_token_fraction"] > 0  # RS really acts on this data
+    assert one["rollout_forward_calls"] == (1 if case.endswith("_forward") else 0)  # pi_old forwards
     for step in range(2):  # every metric, and the globally normalized loss, over the same global batch
         for name, value in logs_one[step].items():
             assert logs_two[step][name] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, name)
@@ -91,11 +102,13 @@ def test_deepspeed_zero_trains_with_two_processes(tmp_path, stage, preset):
     launch["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "ds.json")
     (tmp_path / "launch.yaml").write_text(yaml.safe_dump(launch))
     accelerate = str(Path(sys.executable).parent / "accelerate")
+    # decoupled with num_iterations=2 keeps the pi_old forward (with 1, pi_old = pi_theta at the loss: no forward)
+    iterations = [] if preset == "ppo_is_bypass" else ["--num_iterations", "2", "--max_steps", "4"]
     for attempt in range(2):  # one retry with a fresh rendezvous port (a port taken between probe and bind)
         try:
             result = _run([accelerate, "launch", "--config_file", str(tmp_path / "launch.yaml"), "--main_process_port",
                            str(_free_port()), WORKER, str(tmp_path / "out.json"), "--engine", "deepspeed", "--rollout",
-                           "generate", "--per_device", str(GLOBAL_BATCH // 2), "--preset", preset],
+                           "generate", "--per_device", str(GLOBAL_BATCH // 2), "--preset", preset, *iterations],
                           tmp_path / "out.json", {"DS_ACCELERATOR": "cpu"})
             break
         except AssertionError as error:
@@ -105,12 +118,14 @@ def test_deepspeed_zero_trains_with_two_processes(tmp_path, stage, preset):
     assert result["zero_stage"] == stage
     if stage == 3:  # parameters really partitioned: this rank holds no full tensor
         assert result["local_param_numel"] == 0 < result["full_param_numel"]
-    # decoupled: one pi_old forward per generation batch (under sharding); bypass: none
+    # decoupled runs num_iterations=2: one pi_old forward per generation batch (under sharding); bypass: none
     assert result["rollout_forward_calls"] == (0 if preset == "ppo_is_bypass" else 2)
     logs = [log for log in result["logs"] if "loss" in log]
-    assert len(logs) == 2
+    assert len(logs) == (2 if preset == "ppo_is_bypass" else 4)
     for log in logs:
         assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"])
         assert all(math.isfinite(log[k]) for k in log if k.startswith("rollout_corr/"))
-        assert "rollout_corr/kl" in log and "rollout_corr/rollout_is_mean" in log
-    assert logs[1]["rollout_corr/kl"] != 0.0  # the stale engine (a gathered full copy) lags one step behind
+    # with num_iterations=2 the correction's metrics arrive with each generation batch (steps 1 and 3)
+    generation_logs = [log for log in logs if "rollout_corr/kl" in log]
+    assert len(generation_logs) == 2 and all("rollout_corr/rollout_is_mean" in log for log in generation_logs)
+    assert generation_logs[-1]["rollout_corr/kl"] != 0.0  # the stale engine (a gathered full copy) lags one step behind

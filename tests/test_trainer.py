@@ -45,8 +45,11 @@ def test_every_preset_trains_and_logs_full_metric_set(preset, tmp_path):
         assert all(math.isfinite(v) for k, v in log.items() if k.startswith(P))
 
 
-def test_alignment_on_policy_fp32(tmp_path):
+@pytest.mark.parametrize("free", [True, False], ids=["free_decoupled", "with_forward"])
+def test_alignment_on_policy_fp32(tmp_path, free):
     trainer, col = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1)
+    assert trainer._rc_free_decoupled  # TRL's default: one generation batch per optimizer step
+    trainer._rc_free_decoupled = free
     captured = {}
     original = trainer._generate_and_score_completions
 
@@ -57,9 +60,10 @@ def test_alignment_on_policy_fp32(tmp_path):
 
     trainer._generate_and_score_completions = spy
     trainer.train()
-    mask = captured["completion_mask"].bool()
-    diff = (captured["sampling_per_token_logps"] - captured["old_per_token_logps"]).abs()[mask]
-    assert diff.max() < 1e-4
+    if not free:
+        mask = captured["completion_mask"].bool()
+        diff = (captured["sampling_per_token_logps"] - captured["old_per_token_logps"]).abs()[mask]
+        assert diff.max() < 1e-4
     log = train_logs(col)[0]
     assert abs(log[P + "kl"]) < 1e-5 and log[P + "rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
     assert log[P + "rollout_is_max"] < 1.001
@@ -91,7 +95,8 @@ def count_no_grad_forwards(trainer):
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
-def test_bypass_skips_exactly_the_pi_old_forward(tmp_path, num_iterations):
+def test_no_pi_old_forward_unless_pi_old_differs(tmp_path, num_iterations):
+    """Bypass never runs the pi_old forward; decoupled runs one per generation batch only when pi_old != pi_theta."""
     counts = {}
     for preset in ("decoupled_token_is", "ppo_is_bypass"):
         trainer, _ = make_trainer(tmp_path / preset, preset=preset, max_steps=2 * num_iterations,
@@ -100,7 +105,8 @@ def test_bypass_skips_exactly_the_pi_old_forward(tmp_path, num_iterations):
         trainer.train()
         counts[preset] = calls["n"]
     generations = 2
-    assert counts["decoupled_token_is"] == generations  # one pi_old forward per generation batch (1 chunk of 8)
+    # num_iterations=1: pi_old = pi_theta at the loss (free decoupled); 2: one forward per generation batch (8 rows)
+    assert counts["decoupled_token_is"] == (0 if num_iterations == 1 else generations)
     assert counts["ppo_is_bypass"] == 0
 
 
@@ -113,6 +119,7 @@ def test_decoupled_token_is_equals_trl_token_truncate(tmp_path):
                               rollout_sampler=EmulatedRolloutEngine("wq3"), loss_type="dapo")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer inside train()
+    trainer._rc_free_decoupled = False  # the path with a pi_old forward (free decoupled: test_free_decoupled.py)
     batch = trainer._generate_and_score_completions(trainer.train_dataset.select(range(8)).to_list())
     assert (batch["rc_is_weights"] < C - 1e-6).any() and (batch["rc_is_weights"] >= C - 1e-6).any()
 
@@ -201,11 +208,16 @@ def test_config_preset_overrides_and_refusals(tmp_path):
     assert saved
 
 
-def test_unsupported_trl_settings_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
-        make_trainer(tmp_path, loss_type="cispo")
-    with pytest.raises(ValueError, match="entropy bonus"):
-        make_trainer(tmp_path, entropy_coef=0.01)
+def test_only_contradicting_trl_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="continuous batching path returns no per-token log-probs"):
+        make_trainer(tmp_path, use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="would correct the same mismatch twice"):
+        make_trainer(tmp_path, vllm_importance_sampling_correction=True)
+    # each of these composes with the correction (tests/test_trl_equivalence.py checks them against TRL)
+    for setting in (dict(loss_type="cispo"), dict(loss_type="sapo"), dict(loss_type="luspo"), dict(loss_type="vespo"),
+                    dict(importance_sampling_level="sequence", loss_type="grpo"), dict(entropy_coef=0.01),
+                    dict(top_entropy_quantile=0.5), dict(off_policy_mask_threshold=0.5)):
+        make_trainer(tmp_path, preset="decoupled_token_is", **setting)
 
 
 def test_resolved_config_saved_with_model(tmp_path):

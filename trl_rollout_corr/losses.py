@@ -1,93 +1,67 @@
-"""Policy losses with rollout correction (pure tensor functions, no TRL import).
+"""How the correction enters TRL's own loss (pure tensor functions, no TRL import).
 
-pi_old is the PPO anchor: the trainer's recomputed log-probs in decoupled mode, pi_rollout in bypass
-mode. ``mask`` is the loss mask *after* rejection and veto, so rejected tokens leave every term and
-every token count below.
+The trainer does not re-implement TRL's policy losses. It hands TRL's ``_compute_loss`` a shallow copy of the
+micro-batch in which
+
+* the loss mask is shrunk:  m'_t = m_t * keep_t  (``tool_mask``; TRL's loss mask, not the attention mask), so
+  rejected / vetoed tokens leave the loss and every count TRL forms from the mask;
+* the advantage carries the IS weight:  A'_t = A * stopgrad(w_t)  with w_t = min(rho_t, C) > 0 (or 1 without IS).
+  Every TRL loss type is positively homogeneous in A per token (PPO-clip ``-min(r A, clip(r) A)``, CISPO
+  ``-sg(min(r, eps)) A log pi``, SAPO ``-f_sign(A)(r) A``, VESPO ``-phi_sign(A)(w) A log pi``, LUSPO/GSPO the
+  clip form): for w > 0, l(r, A w) = w l(r, A) and every sign test on A (clip metrics, SAPO's temperature,
+  VESPO's gamma branch, TRL's off-policy mask) is unchanged, so the IS weight multiplies each token's policy
+  loss, detached, and not the KL or entropy terms;
+* the PPO anchor ``old_per_token_logps`` is pi_old (decoupled), pi_rollout (bypass) or pi_theta detached
+  (free decoupled, policy gradient), with non-finite or masked entries replaced so no NaN/inf reaches the graph;
+* ``num_items_in_batch`` (the token normalizer of ``dapo``/``cispo``/``vespo``) counts kept tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
+def corrected_loss_mask(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None,
+                        keep: torch.Tensor) -> torch.Tensor:
+    """TRL's ``tool_mask`` slot with the rejection mask folded in:  (tool_mask or 1) * keep.   (B, T)
 
-def ppo_clip_per_token_loss(
-    per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    is_weights: torch.Tensor | None = None,
-    delta: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO-clip times a stop-grad IS weight.
-
-    r_t = pi_theta / pi_old;  l_t = -w_t * min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A)
-    (decoupled: w = min(pi_old / pi_rollout, C); bypass: pi_old = pi_rollout and w = 1).
-    ``delta`` caps r_t from above (TRL's two-sided clipping). Returns ``(l (B, T), r (B, T))``.
+    TRL's loss mask is ``completion_mask * tool_mask``; ``keep`` <= that mask, so the product is the kept mask.
     """
-    ratio = torch.exp(per_token_logps - old_per_token_logps)  # (B, T)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # (B, T)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # (B, T)
+    base = tool_mask if tool_mask is not None else torch.ones_like(completion_mask)  # (B, T)
+    return base * keep.to(base.dtype)  # (B, T)
+
+
+def weighted_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | None,
+                        sequence_level: bool) -> torch.Tensor:
+    """A' = A * stopgrad(w): (B,) or (B, 1) advantages times (B, T) IS weights.
+
+    Sequence-level weights (one value per row, 0 on padding) keep the (B, 1) shape, so TRL's per-sequence
+    quantities (GSPO's clip metrics, VESPO's phi) keep their per-sequence meaning. Returns ``advantages``
+    unchanged when there are no weights.
+    """
+    if is_weights is None:
+        return advantages
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, 1) or (B, T)
-    per_token_loss = -torch.min(unclipped * adv, clipped * adv)  # (B, T)
-    if is_weights is not None:
-        per_token_loss = per_token_loss * is_weights.detach()  # (B, T)
-    return per_token_loss, ratio
+    w = is_weights.detach().to(adv.dtype)  # (B, T)
+    if sequence_level and adv.size(1) == 1:
+        w = w.amax(dim=-1, keepdim=True)  # (B, 1) the sequence weight (padding is 0, weights are > 0)
+    return adv * w  # (B, 1) or (B, T)
 
 
-def policy_gradient_per_token_loss(
-    per_token_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    is_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """REINFORCE with a stop-grad IS weight:  l_t = -stopgrad(w_t) * log pi_theta(a_t) * A.   (B, T)
+def safe_anchor(anchor: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``anchor`` where it is finite on a kept token, ``fallback`` (detached pi_theta) elsewhere.   (B, T)
 
-    w = min(pi_theta / pi_rollout, C) (token or sequence), 1 when no IS level is set.
+    Masked positions still enter TRL's elementwise loss before the mask multiplies it: a NaN/inf there would
+    turn ``0 * nan`` into NaN. Values on kept tokens are unchanged.
     """
-    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, 1)
-    per_token_loss = -per_token_logps * adv  # (B, T)
-    if is_weights is not None:
-        per_token_loss = per_token_loss * is_weights.detach()  # (B, T)
-    return per_token_loss
+    ok = torch.isfinite(anchor) & mask.bool()  # (B, T)
+    return torch.where(ok, anchor, fallback.detach().to(anchor.dtype))  # (B, T)
 
 
-def kl_penalty(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1.   (B, T)"""
-    diff = ref_per_token_logps - per_token_logps  # (B, T)
-    return torch.exp(diff) - diff - 1
+def kept_token_items(kept_tokens: torch.Tensor, steps_per_generation: int) -> torch.Tensor:
+    """``num_items_in_batch`` that makes TRL's dapo/cispo/vespo normalizer the kept-token count of this micro-batch.
 
-
-def aggregate_loss(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    *,
-    max_completion_length: int,
-    gradient_accumulation_steps: int,
-    token_normalizer: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reduce (B, T) per-token losses to the GA-scaled scalar, with rejected tokens out of every count.
-
-    grpo:    sum_i [ sum_t l m / sum_t m ] / #(sequences with a kept token) / GA
-    bnpo:    sum l m / sum m / GA
-    dr_grpo: sum l m / (B * max_completion_length) / GA
-    dapo:    sum l m / token_normalizer  (the caller passes the GA-scaled, per-process kept-token count)
-    A batch with nothing kept gives an exact 0 that still depends on the graph (no NaN, no missing grads).
+    TRL divides ``num_items_in_batch / num_processes * GA / steps_per_generation`` (train). With N = the kept
+    tokens of this micro-batch summed over processes, passing N * steps_per_generation gives N / num_processes * GA.
     """
-    mask = mask.to(per_token_loss.dtype)  # (B, T)
-    masked = per_token_loss * mask  # (B, T)
-    if loss_type == "grpo":
-        tokens = mask.sum(-1)  # (B,)
-        per_seq = masked.sum(-1) / tokens.clamp(min=1.0)  # (B,)
-        return per_seq.sum() / (tokens > 0).sum().clamp(min=1) / gradient_accumulation_steps
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
-    if loss_type == "dr_grpo":
-        return masked.sum() / (per_token_loss.size(0) * max_completion_length) / gradient_accumulation_steps
-    if loss_type == "dapo":
-        if token_normalizer is None:
-            raise ValueError("loss_type='dapo' needs token_normalizer (the kept-token count).")
-        return masked.sum() / token_normalizer.clamp(min=1.0)
-    raise ValueError(f"loss_type={loss_type!r} is not supported with rollout correction; use one of {SUPPORTED_LOSS_TYPES}.")
+    return kept_tokens * steps_per_generation  # 0-dim

@@ -1,10 +1,23 @@
 """RolloutCorrGRPOConfig and RolloutCorrGRPOTrainer: the correction wired into TRL 1.16's GRPO hooks.
 
 Overrides (each calls ``super()``): ``_generate`` (validate pi_rollout), ``_generate_single_turn``
-(capture pi_rollout on the transformers path), ``_generate_and_score_completions`` (decoupled: pi_old,
-weights and masks once per generation batch), ``_get_per_token_logps_and_entropies`` (bypass: skip
-the pi_old forward), ``compute_loss`` (the corrected loss), ``log`` (reduce metrics once per log),
-``save_model`` (publish the resolved config).
+(capture pi_rollout on the transformers path), ``_generate_and_score_completions`` (decoupled with a pi_old
+forward: pi_old, weights and masks once per generation batch), ``_get_per_token_logps_and_entropies`` (bypass:
+skip the pi_old forward; hand compute_loss's forward to TRL's loss), ``compute_loss`` (the correction, then TRL's
+own loss on the corrected micro-batch), ``log`` (reduce metrics once per log), ``save_model`` (publish the
+resolved config).
+
+Three ways to get pi_old (the PPO anchor) and rho = pi_train / pi_rollout:
+
+* bypass: pi_old := pi_rollout, rho = pi_theta / pi_rollout at loss time, no pi_old forward;
+* free decoupled (decoupled presets when each generation batch feeds one optimizer step, TRL's condition
+  ``gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0``, its default): pi_old = pi_theta
+  at every micro-batch's loss, so rho = pi_old / pi_rollout is computed from pi_theta detached, no forward;
+* decoupled with a forward (``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``):
+  one no-grad pi_old forward per generation batch.
+
+At loss time, statistics with a batch scope (IS batch normalization, ``dapo``'s kept-token count with RS/veto)
+cover the micro-batch across processes; with a forward, the generation batch across processes.
 """
 
 from __future__ import annotations
@@ -22,13 +35,15 @@ from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.stats import STAT_DTYPE, RolloutStats
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
-from .losses import SUPPORTED_LOSS_TYPES, aggregate_loss, kl_penalty, policy_gradient_per_token_loss, ppo_clip_per_token_loss
+from .losses import corrected_loss_mask, kept_token_items, safe_anchor, weighted_advantages
 from .rollout.capture import capture_sampling_logprobs, validate_rollout_logprobs
 from .rollout.support import KeptMassProbe
 
 logger = logging.getLogger(__name__)
 _CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
 _NONE_STRINGS = ("none", "null", "None")
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 @dataclass
@@ -109,11 +124,18 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             and ``generate(**kwargs)``.
     """
 
-    def __init__(self, *args: Any, rollout_sampler: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.args, RolloutCorrGRPOConfig):
-            raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...), got "
-                            f"{type(self.args).__name__}.")
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, *rest: Any,
+                 rollout_sampler: Any = None, **kwargs: Any) -> None:
+        if args is None:  # the default config, named as TRL names its own
+            from trl.trainer.utils import get_config_model_id
+
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = RolloutCorrGRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
+        if not isinstance(args, RolloutCorrGRPOConfig):
+            raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
+                            f"rollout-correction fields), got {type(args).__name__}. Replace GRPOConfig by "
+                            "RolloutCorrGRPOConfig with the same arguments.")
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
         self.vllm_importance_sampling_correction = False  # we own the correction (see TRL P1)
         self.rollout_sampler = rollout_sampler
@@ -122,7 +144,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._check_supported()
         self._rc_stats = {"train": RolloutStats(), "eval": RolloutStats()}
         self._rc_skip_old_forward = False
-        self._rc_forward_calls = 0  # no-grad forwards issued by generation-time code (tests count them)
+        self._rc_forward_calls = 0  # no-grad policy forwards outside the loss (tests count them)
+        # pi_old == pi_theta at every micro-batch's loss (TRL's own test for skipping its pi_old forward): decoupled
+        # presets then correct at loss time from pi_theta detached, with no pi_old forward ("free decoupled")
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        self._rc_free_decoupled = (not self.rollout_correction.bypass_mode
+                                   and self.args.gradient_accumulation_steps % generate_every == 0)
+        self._rc_in_loss = False
+        self._rc_loss_forward: tuple | None = None  # compute_loss's forward, handed to TRL's loss
         self._rc_truncation = self._resolve_sampling_truncation()
         switch = self.args.truncated_support_correction
         self._rc_apply_truncation = self._rc_truncation is not None and switch is not False
@@ -147,21 +176,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ configuration checks
     def _check_supported(self) -> None:
-        refuse = []
-        if self.loss_type not in SUPPORTED_LOSS_TYPES:
-            refuse.append(f"loss_type={self.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
-        if self.importance_sampling_level != "token":
-            refuse.append("importance_sampling_level='sequence' (GSPO); use rollout_is='sequence' for sequence weights")
-        if self.top_entropy_quantile < 1.0:
-            refuse.append("top_entropy_quantile < 1")
-        if self._entropy_bonus_enabled:
-            refuse.append("an entropy bonus (entropy_coef / use_adaptive_entropy)")
-        if self.off_policy_mask_threshold is not None:
-            refuse.append("off_policy_mask_threshold (use rollout_rs / rollout_token_veto_threshold)")
+        """Refuse only what contradicts the correction (every TRL loss type, GSPO, the entropy bonus and filter and
+        TRL's off-policy mask compose with it: see :mod:`trl_rollout_corr.losses`)."""
         if self.use_transformers_continuous_batching:
-            refuse.append("use_transformers_continuous_batching (its log-probs are not captured; use plain generate or vLLM)")
-        if refuse:
-            raise ValueError("RolloutCorrGRPOTrainer does not support " + "; ".join(refuse) + ". Change these settings.")
+            raise ValueError(
+                "RolloutCorrGRPOTrainer does not support use_transformers_continuous_batching=True: TRL's continuous "
+                "batching path returns no per-token log-probs, so there is no pi_rollout to correct against. Use plain "
+                "generate (use_transformers_continuous_batching=False), vLLM or a rollout_func.")
 
     # ------------------------------------------------------------------ distributed helpers
     def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -198,7 +219,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ generation-time correction (decoupled)
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if not torch.is_grad_enabled():
+        cached = self._rc_loss_forward
+        if cached is not None and cached[0].shape == (input_ids.size(0), logits_to_keep):
+            self._rc_loss_forward = None  # TRL's loss asks for the forward compute_loss already ran: hand it over
+            return cached
+        if not torch.is_grad_enabled() and not self._rc_in_loss:
             if self._rc_skip_old_forward:  # bypass: TRL asked for pi_old, which is pi_rollout here
                 self._rc_skip_old_forward = False
                 return input_ids.new_zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32), None, None
@@ -228,6 +253,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         return truncated_support_logprobs(train_logps, log_mass, in_support)  # (B, T)
 
     def _generate_and_score_completions(self, inputs):
+        """Decoupled with a pi_old forward: pi_old, weights and masks once per generation batch (they travel with the
+        samples through TRL's buffering). Bypass and free decoupled correct in the loss instead."""
         cfg = self.rollout_correction
         generate_every = self.args.steps_per_generation * self.num_iterations
         # bypass needs no pi_old; with a truncating sampler, pi_old is computed below together with the kept mass
@@ -239,6 +266,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
         if cfg.bypass_mode:
             output["old_per_token_logps"] = rollout  # pi_old := pi_rollout; no forward pass
+            return output
+        if self._rc_free_decoupled:
+            output.pop("old_per_token_logps", None)  # pi_old = pi_theta at the loss: no forward, nothing to carry
             return output
         old = output.get("old_per_token_logps")
         if old is None or self._rc_truncation is not None:
@@ -261,100 +291,96 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
         batch_size = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
-        mm = {k: output[k] for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
-                                     "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
-                                     "mm_token_type_ids", "image_position_ids") if k in output}
+        mm = {k: output[k] for k in _MULTIMODAL_KEYS if k in output}
         logps, _, _ = self._get_per_token_logps_and_entropies(
             self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size, **mm)
         return logps
 
     # ------------------------------------------------------------------ the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if return_outputs:
-            raise ValueError("RolloutCorrGRPOTrainer does not support returning outputs")
+        """TRL's own loss on the corrected micro-batch (see :mod:`trl_rollout_corr.losses`).
+
+        One grad-enabled policy forward (log pi_theta, entropies, MoE aux loss; plus the kept-mass probe when the
+        correction runs now and the sampler truncates). The correction comes from generation time (decoupled with
+        a pi_old forward) or is computed now from pi_theta detached (bypass: rho = pi_theta / pi_rollout; free
+        decoupled: pi_old = pi_theta, rho = pi_old / pi_rollout). Then ``GRPOTrainer.compute_loss`` runs on a
+        shallow copy of ``inputs`` with the kept mask in ``tool_mask``, A * w in ``advantages``, the PPO anchor in
+        ``old_per_token_logps`` and the kept-token count in ``num_items_in_batch``; its call for the policy
+        forward gets the cached result. Every loss type, GSPO, the entropy bonus and filter, the off-policy mask,
+        the KL term, the aux loss and every TRL metric are TRL's.
+        """
         cfg = self.rollout_correction
         mode = self._mode()
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # (B, P+T)
-        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)  # (B, P+T)
-        mm = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
-                                         "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
-                                         "mm_token_type_ids", "image_position_ids")}
-        self._rc_probe_next_forward = cfg.bypass_mode and self._rc_truncation is not None
-        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled, **mm)  # (B, T)
-        loss_mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask  # (B, T)
-        rollout = inputs["sampling_per_token_logps"]  # (B, T)
-        ga = self.current_gradient_accumulation_steps if mode == "train" else 1
-        spg = self.args.steps_per_generation if mode == "train" else 1
-        nproc = self.accelerator.num_processes
-        is_weights = None
-        ratio_logps = logps  # (B, T) the policy log-probs compared with pi_old
-        if cfg.bypass_mode:
-            # pi_theta on the sampler's truncated support (log M enters as a constant: same gradient as log pi_theta)
-            ratio_logps = self._ratio_logps(logps, loss_mask, mode)  # (B, T)
-            result = compute_rollout_correction_stats(
-                ratio_logps.detach(), rollout, loss_mask, **cfg.pipeline_kwargs(), reduce_fn=self._rc_reduce)
-            self._rc_stats[mode].update(result.stats)
-            keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
-            if cfg.use_policy_gradient:
-                is_weights = result.is_weights
-            old = rollout
-            if cfg.masks_tokens:  # the kept-token count is only known now: global over this micro-batch
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, P+T)
+        mm = {k: inputs.get(k) for k in _MULTIMODAL_KEYS}
+        at_loss_time = cfg.bypass_mode or self._rc_free_decoupled
+        self._rc_probe_next_forward = at_loss_time and self._rc_truncation is not None
+        self._rc_in_loss = True
+        try:
+            forward = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled, **mm)
+        finally:
+            self._rc_in_loss = False
+        logps = forward[0]  # (B, T) log pi_theta, with grad
+        tool_mask = inputs.get("tool_mask")
+        loss_mask = inputs["completion_mask"] if tool_mask is None else inputs["completion_mask"] * tool_mask  # (B, T)
+        patched = dict(inputs)
+        if at_loss_time:
+            keep, is_weights, anchor = self._correct_now(logps.detach(), inputs, loss_mask, mode)
+            if cfg.masks_tokens:  # the kept-token count is only known now: this micro-batch, across processes
                 kept = self._rc_reduce(keep.sum().to(torch.float32), "sum")
-                token_normalizer = kept.clamp(min=1.0) / nproc * ga
-            else:
-                token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / nproc * ga / spg
+                spg = self.args.steps_per_generation if mode == "train" else 1
+                patched["num_items_in_batch"] = kept_token_items(kept, spg)
         else:
             keep = inputs["rc_keep_mask"]  # (B, T)
             is_weights = inputs.get("rc_is_weights")  # (B, T) or None
-            old = inputs["old_per_token_logps"]  # (B, T)
-            token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / nproc * ga / spg
-        mask = loss_mask * keep  # (B, T) rejected tokens leave every term below
-        mask_bool = mask.bool()
-        old = torch.where(torch.isfinite(old) & mask_bool, old, ratio_logps.detach())  # (B, T) NaN/inf never reach the graph
-        if is_weights is not None:
-            is_weights = torch.where(mask_bool, is_weights, torch.zeros_like(is_weights))  # (B, T)
-        advantages = inputs["advantages"]
-        if cfg.use_policy_gradient:
-            per_token_loss = policy_gradient_per_token_loss(logps, advantages, is_weights)  # (B, T)
-            ratio = torch.exp(ratio_logps - old)  # (B, T)
+            anchor = inputs["old_per_token_logps"]  # (B, T) pi_old
+        kept_mask = loss_mask * keep.to(loss_mask.dtype)  # (B, T)
+        patched["tool_mask"] = corrected_loss_mask(inputs["completion_mask"], tool_mask, keep)
+        patched["advantages"] = weighted_advantages(inputs["advantages"], is_weights, cfg.rollout_is == "sequence")
+        if anchor is not None:
+            patched["old_per_token_logps"] = safe_anchor(anchor, logps, kept_mask)  # (B, T)
         else:
-            per_token_loss, ratio = ppo_clip_per_token_loss(
-                ratio_logps, old, advantages, self.epsilon_low, self.epsilon_high, is_weights, self.args.delta)
-        if self.beta != 0.0:
-            per_token_kl = kl_penalty(logps, inputs["ref_per_token_logps"])  # (B, T)
-            if self.args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * ratio
-            per_token_loss = per_token_loss + self.beta * per_token_kl
-        per_token_loss = torch.where(mask_bool, per_token_loss, torch.zeros_like(per_token_loss))  # (B, T)
-        loss = aggregate_loss(per_token_loss, mask, self.loss_type, max_completion_length=self.max_completion_length,
-                              gradient_accumulation_steps=ga, token_normalizer=token_normalizer)
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / ga
-        self._record_loss_stats(mode, mask_bool, entropies, ratio, advantages,
-                                per_token_kl if self.beta != 0.0 else None)
-        return loss
-
-    def _record_loss_stats(self, mode, mask, entropies, ratio, advantages, per_token_kl) -> None:
-        """TRL's loss-side metrics (entropy, clip ratios, kl) as device sums: no host sync per micro-batch."""
+            patched.pop("old_per_token_logps", None)  # TRL then uses pi_theta detached
+        if "sampling_per_token_logps" in patched:  # read by TRL's off-policy mask only
+            sampling = patched["sampling_per_token_logps"]  # (B, T)
+            patched["sampling_per_token_logps"] = torch.where(torch.isfinite(sampling), sampling, logps.detach())
         with torch.no_grad():
-            adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
-            low = (ratio < 1 - self.epsilon_low) & (adv < 0) & mask
-            high = (ratio > 1 + self.epsilon_high) & (adv > 0) & mask
-            n = mask.sum(dtype=STAT_DTYPE)
-            sums = {
-                "loss.tok_n": n,
-                "loss.entropy_sum": torch.where(mask, entropies, torch.zeros_like(entropies)).sum(dtype=STAT_DTYPE),
-                "loss.clip_low_n": low.sum(dtype=STAT_DTYPE),
-                "loss.clip_high_n": high.sum(dtype=STAT_DTYPE),
-                "loss.empty_micro_batches": (n == 0).to(STAT_DTYPE),
-                "loss.micro_batches": torch.ones((), dtype=STAT_DTYPE, device=n.device),
-            }
-            if per_token_kl is not None:
-                sums["loss.kl_sum"] = torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum(dtype=STAT_DTYPE)
-            self._rc_stats[mode].update(RolloutStats(sums=sums))
+            n_kept = kept_mask.sum(dtype=STAT_DTYPE)
+            self._rc_stats[mode].update(RolloutStats(sums={
+                "loss.empty_micro_batches": (n_kept == 0).to(STAT_DTYPE),
+                "loss.micro_batches": torch.ones((), dtype=STAT_DTYPE, device=n_kept.device)}))
+        self._rc_loss_forward = forward
+        try:
+            return super().compute_loss(model, patched, return_outputs, num_items_in_batch)
+        finally:
+            self._rc_loss_forward = None
+
+    def _correct_now(self, policy_logps: torch.Tensor, inputs: dict, loss_mask: torch.Tensor, mode: str):
+        """Weights, kept mask and PPO anchor from pi_theta (detached) at loss time: bypass and free decoupled.
+
+        rho = pi_theta / pi_rollout on the sampler's support (both modes: free decoupled has pi_old = pi_theta).
+        Anchor: bypass PPO pi_rollout (shifted by log M on the truncated support, so TRL's ratio is
+        pi_theta^trunc / pi_rollout); policy gradient and free decoupled: None (TRL uses pi_theta detached, ratio 1:
+        the gradient of every TRL loss type is then -w A grad log pi_theta, i.e. REINFORCE with the IS weight).
+        Returns ``(keep (B, T), is_weights (B, T) or None, anchor (B, T) or None)``.
+        """
+        cfg = self.rollout_correction
+        rollout = inputs["sampling_per_token_logps"]  # (B, T)
+        ratio_logps = self._ratio_logps(policy_logps, loss_mask, mode)  # (B, T)
+        result = compute_rollout_correction_stats(
+            ratio_logps, rollout, loss_mask, **cfg.pipeline_kwargs(), reduce_fn=self._rc_reduce)
+        self._rc_stats[mode].update(result.stats)
+        keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
+        if not cfg.bypass_mode:
+            return keep, result.is_weights, None  # free decoupled: PPO on pi_theta / pi_old, weights pi_old / pi_rollout
+        if cfg.use_policy_gradient:
+            return keep, result.is_weights, None
+        # bypass PPO: pi_old := pi_rollout; IS feeds the metrics only
+        return keep, None, rollout + (policy_logps - ratio_logps)  # (B, T) rollout + log M where truncated
 
     # ------------------------------------------------------------------ logging and saving
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -367,15 +393,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             all_floats = reduced.to_floats()  # the one host sync of this logging step
             metrics = finalize_floats(all_floats)
             floats = {k[4:]: v for k, v in all_floats.items() if k.startswith("sum:loss.")}
-            n = floats.get("loss.tok_n", 0.0)
-            if "loss.micro_batches" in floats:
-                div = lambda a: a / n if n > 0 else 0.0  # noqa: E731
-                metrics["entropy"] = div(floats["loss.entropy_sum"])
-                metrics["clip_ratio/low_mean"] = div(floats["loss.clip_low_n"])
-                metrics["clip_ratio/high_mean"] = div(floats["loss.clip_high_n"])
-                metrics["clip_ratio/region_mean"] = div(floats["loss.clip_low_n"] + floats["loss.clip_high_n"])
-                if "loss.kl_sum" in floats:
-                    metrics["kl"] = div(floats["loss.kl_sum"])
+            if "loss.micro_batches" in floats:  # entropy, clip_ratio/*, kl, aux_loss, ...: TRL's own (_metrics)
                 empty = floats["loss.empty_micro_batches"]
                 metrics["rollout_corr/all_rejected_micro_batches"] = empty
                 if empty > 0 and self.accelerator.is_main_process:
@@ -386,7 +404,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                         int(floats["loss.micro_batches"]), metrics.get("rollout_corr/rejected_token_fraction", 1.0))
             if mode == "eval":
                 metrics = {f"eval_{k}": v for k, v in metrics.items()}
-            logs = {**logs, **metrics}
+            logs.update(metrics)  # in place, as TRL does: evaluate() returns this dict
         super().log(logs, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
