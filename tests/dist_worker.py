@@ -99,6 +99,13 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         with open(opts.out, "w") as fh:
             json.dump(result, fh)
+    # tear the process group down before interpreter exit: left to shutdown, gloo's threads were seen to abort the
+    # process ("terminate called without an active exception") after training had finished
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -246,8 +246,13 @@ def test_trainer_with_plain_tensor_generate_and_user_instance_generate(tmp_path)
 
 
 def test_trainer_refuses_beam_search(tmp_path):
+    """generation_kwargs' num_beams is refused when the trainer is built; the model's own generation_config at the
+    first rollout (generate merges it in), by the capture."""
     from trainer_utils import make_trainer
 
-    trainer, _ = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1, generation_kwargs={"num_beams": 2})
+    with pytest.raises(ValueError, match="num_beams=2: beam search"):
+        make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1, generation_kwargs={"num_beams": 2})
+    trainer, _ = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1)
+    trainer.accelerator.unwrap_model(trainer.model).generation_config.num_beams = 2
     with pytest.raises(ValueError, match="num_beams=2: beam search"):
         trainer.train()

@@ -36,7 +36,7 @@ from .core import compute_rollout_correction_stats
 from .core.stats import STAT_DTYPE, RolloutStats
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
 from .losses import corrected_loss_mask, kept_token_items, safe_anchor, weighted_advantages
-from .rollout.capture import capture_sampling_logprobs, validate_rollout_logprobs
+from .rollout.capture import capture_sampling_logprobs, refuse_beam_search, validate_rollout_logprobs
 from .rollout.support import KeptMassProbe
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 "RolloutCorrGRPOTrainer does not support use_transformers_continuous_batching=True: TRL's continuous "
                 "batching path returns no per-token log-probs, so there is no pi_rollout to correct against. Use plain "
                 "generate (use_transformers_continuous_batching=False), vLLM or a rollout_func.")
+        if not self.use_vllm and self.rollout_func is None:  # beam search has no pi_rollout: say so before training
+            refuse_beam_search(self.generation_config.num_beams)
 
     # ------------------------------------------------------------------ distributed helpers
     def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
