@@ -60,6 +60,8 @@ def test_config_refuses_bad_vllm_fields(tmp_path):
         RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_dtype="int8")
     with pytest.raises(ValueError, match="vllm_sync_interval=0"):
         RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_sync_interval=0)
+    with pytest.raises(ValueError, match="vllm_sync_interval > 1 with vllm_enable_sleep_mode"):
+        RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_sync_interval=2, vllm_enable_sleep_mode=True)
 
 
 def test_cpu_guard_detects_cuda_linked_libraries(tmp_path):

@@ -62,6 +62,12 @@ def hide_cuda_only_extensions() -> list[str]:
         if _links_cuda(list(spec.submodule_search_locations)[0]):
             sys.modules[name] = None  # type: ignore[assignment]
             hidden.append(name)
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None:  # imported before the guard: it decided availability at import time
+        for name in hidden:
+            flag = f"{name.upper()}_AVAILABLE"
+            if getattr(datasets_config, flag, False):
+                setattr(datasets_config, flag, False)
     if hidden:
         logger.debug("CPU torch: hid the CUDA builds of %s (they cannot load here)", ", ".join(hidden))
     return hidden

@@ -82,6 +82,10 @@ class RolloutCorrGRPOConfig(GRPOConfig):
         if not isinstance(self.vllm_sync_interval, int) or self.vllm_sync_interval < 1:
             raise ValueError(f"vllm_sync_interval={self.vllm_sync_interval!r} must be an integer >= 1 (1 = sync the "
                              "vLLM engine every optimizer step).")
+        if self.vllm_sync_interval > 1 and self.vllm_enable_sleep_mode:
+            raise ValueError("vllm_sync_interval > 1 with vllm_enable_sleep_mode=True: sleep mode discards the engine's "
+                             "weights and TRL re-pushes the current ones on wake-up, so the engine cannot stay stale. "
+                             "Use one of the two.")
         super().__post_init__()
         self.rollout_correction = self.resolve_rollout_correction()
 
