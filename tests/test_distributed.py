@@ -40,7 +40,8 @@ def _free_port() -> int:
 
 
 def _run(cmd: list[str], out: Path, extra_env: dict | None = None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_ROLLOUT_CORR_NO_VLLM": "1",
+           **(extra_env or {})}
     proc = subprocess.run(cmd, cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

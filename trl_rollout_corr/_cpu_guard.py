@@ -43,7 +43,13 @@ def _links_cuda(package_dir: str) -> bool:
 
 
 def hide_cuda_only_extensions() -> list[str]:
-    """Mark the CUDA-built torch extensions absent when torch is a CPU build; return the names hidden."""
+    """Mark the CUDA-built torch extensions absent when torch is a CPU build; return the names hidden.
+
+    Also: ``TRL_ROLLOUT_CORR_NO_VLLM=1`` marks vLLM absent, for processes that never sample with it (TRL imports
+    vLLM whenever it is installed: ~10 s per process on 2 cores; the demo's and the tests' workers set it).
+    """
+    if os.environ.get("TRL_ROLLOUT_CORR_NO_VLLM") == "1" and "vllm" not in sys.modules:
+        sys.modules["vllm"] = None  # type: ignore[assignment]
     if os.environ.get("TRL_ROLLOUT_CORR_KEEP_CUDA_EXTENSIONS") == "1":
         return []
     import torch

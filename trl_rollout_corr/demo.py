@@ -127,6 +127,8 @@ def run_grid(variants: list[str], seeds: list[int], steps: int, lag: int, engine
     running: list[tuple[subprocess.Popen, str]] = []
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if engine != "vllm":
+        env["TRL_ROLLOUT_CORR_NO_VLLM"] = "1"  # the workers never sample with vLLM: skip its import
     with tqdm(total=len(todo), desc=f"GRPO runs ({steps} steps each)", unit="run") as bar:
         while todo or running:
             while todo and len(running) < jobs:
