@@ -50,7 +50,8 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     t0 = time.time()
     preset, stale = VARIANTS[variant]
     tok = build_tokenizer()
-    model = build_model(hidden_size=64, num_layers=2, seed=seed)
+    # vLLM's CPU attention needs head size >= 32: 2 heads of 32 instead of 4 of 16 for the real engine
+    model = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2 if engine == "vllm" else 4)
     supervised_warmup(model, tok, steps=90, seed=seed)
     held_out = reverse_prompts(256, 6, seed=10_000 + 7)  # fixed across seeds and variants
 
@@ -89,7 +90,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
         if engine == "vllm":  # the real engine: loads the warmed-up checkpoint, synced every `lag` steps when stale
             model.save_pretrained(out_dir)
             tok.save_pretrained(out_dir)
-            model.config._name_or_path = out_dir  # TRL starts vLLM from model.name_or_path
+            model.name_or_path = model.config.name_or_path = out_dir  # TRL starts vLLM from model.name_or_path
             vllm_kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32",
                                vllm_gpu_memory_utilization=0.02, vllm_sync_interval=lag if stale else 1)
         args = RolloutCorrGRPOConfig(

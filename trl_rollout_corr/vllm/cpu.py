@@ -104,11 +104,22 @@ def set_cpu_env_defaults(in_process: bool) -> dict[str, str]:
 
     ``VLLM_HOST_IP=127.0.0.1`` keeps vLLM's internal message queue on loopback; ``in_process`` (colocate) runs
     the engine in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no spawned engine process, no
-    ``__main__`` guard needed, ~3 s start instead of ~25 s).
+    ``__main__`` guard needed, ~3 s start instead of ~25 s) and, for a single training process, gives the engine's
+    one-process group a free loopback port (accelerate may have set its fixed 29500, which two concurrent runs share).
     """
     wanted = {"VLLM_HOST_IP": "127.0.0.1"}
     if in_process:
         wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     applied = {k: v for k, v in wanted.items() if not os.environ.get(k)}
+    if in_process and os.environ.get("WORLD_SIZE", "1") == "1":
+        import socket
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # the engine's own 1-process group: a free port, not accelerate's fixed 29500
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                applied["MASTER_PORT"] = str(s.getsockname()[1])
+            applied["MASTER_ADDR"] = "127.0.0.1"
     os.environ.update(applied)
     return applied
