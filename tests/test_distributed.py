@@ -48,6 +48,7 @@ def _run(cmd: list[str], out: Path, extra_env: dict | None = None) -> dict:
     # the workers run in tmp_path: put this checkout first on the path, not whatever copy is installed in the venv
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path,
+           "TRL_ROLLOUT_CORR_NO_VLLM": "1",
            **(extra_env or {})}
     proc = subprocess.run(cmd, cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.exists():

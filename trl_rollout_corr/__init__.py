@@ -1,5 +1,9 @@
 """trl_rollout_corr: rollout correction (TIS, rejection sampling, veto, bypass, PG) for TRL's GRPOTrainer."""
 
+from ._cpu_guard import hide_cuda_only_extensions as _hide_cuda_only_extensions
+
+_hide_cuda_only_extensions()  # before transformers/vLLM look for torchvision & co. (see _cpu_guard)
+
 from .config import RolloutCorrectionConfig
 from .core import (
     compute_offpolicy_metrics,

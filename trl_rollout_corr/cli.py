@@ -7,6 +7,8 @@
                                              train a model (TrlParser: YAML config + command-line overrides;
                                              --rollout_corr_monitor true attaches RolloutCorrectionMonitor)
     trl-rollout-corr tensors [--preset NAME] the correction on sample tensors
+    trl-rollout-corr vllm-serve --model DIR [trl vllm-serve options]
+                                             a vLLM server for vllm_mode="server" (CPU engines included)
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
         run_demo_cli(rest)
     elif command == "train":
         train(rest)
+    elif command == "vllm-serve":
+        from .vllm.serve import main as serve
+
+        serve(rest)
     elif command == "tensors":
         import argparse
 

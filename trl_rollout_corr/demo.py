@@ -5,6 +5,8 @@ built locally, warmed up with 90 supervised steps on "reverse 6 digits", then tr
 ``--steps`` steps. Every variant except ``on_policy`` samples from a copy of the policy that lags
 ``--lag`` optimizer steps behind (an asynchronous rollout engine). Variants are judged by the **policy's own**
 reward on held-out prompts (T=1 sampling), not by the training reward, which measures the sampler.
+With ``--engine vllm`` the sampler is the real vLLM engine (colocated, float32) whose weights are synced every
+``--lag`` optimizer steps (``vllm_sync_interval``: 0..lag-1 steps behind; ``on_policy`` syncs every step).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     t0 = time.time()
     preset, stale = VARIANTS[variant]
     tok = build_tokenizer()
-    model = build_model(hidden_size=64, num_layers=2, seed=seed)
+    # vLLM's CPU attention needs head size >= 32: 2 heads of 32 instead of 4 of 16 for the real engine
+    model = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2 if engine == "vllm" else 4)
     supervised_warmup(model, tok, steps=90, seed=seed)
     held_out = reverse_prompts(256, 6, seed=10_000 + 7)  # fixed across seeds and variants
 
@@ -86,17 +89,25 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
 
     logs_list = logs
     with tempfile.TemporaryDirectory() as out_dir:
+        vllm_kwargs = {}
+        if engine == "vllm":  # the real engine: loads the warmed-up checkpoint, synced every `lag` steps when stale
+            model.save_pretrained(out_dir)
+            tok.save_pretrained(out_dir)
+            model.name_or_path = model.config.name_or_path = out_dir  # TRL starts vLLM from model.name_or_path
+            vllm_kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32",
+                               vllm_gpu_memory_utilization=0.02, vllm_sync_interval=lag if stale else 1)
         args = RolloutCorrGRPOConfig(
             output_dir=out_dir, rollout_correction_preset=preset, per_device_train_batch_size=64, num_generations=8,
             max_completion_length=9, max_steps=steps, learning_rate=3e-4, lr_scheduler_type="constant",
             adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, temperature=1.0, logging_steps=10,
             save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,
-            disable_tqdm=True, dataloader_num_workers=0,
+            disable_tqdm=True, dataloader_num_workers=0, **vllm_kwargs,
         )
-        sampler = EmulatedRolloutEngine(engine, lag=lag) if stale else None
-        # warn-only monitor (no stop); the engine's lag is known here: `lag` for a stale engine, else synchronous
-        monitor = RolloutCorrectionMonitor(rollout_lag=lag if stale and engine == "stale" else 0, write_csv=False,
-                                           write_plot=False)
+        sampler = EmulatedRolloutEngine(engine, lag=lag) if stale and engine != "vllm" else None
+        # warn-only monitor (no stop); the engine's lag is known here: `lag` for a stale engine (emulated, or vLLM
+        # synced every `lag` steps), else synchronous
+        monitor = RolloutCorrectionMonitor(rollout_lag=lag if stale and engine in ("stale", "vllm") else 0,
+                                           write_csv=False, write_plot=False)
         trainer = RolloutCorrGRPOTrainer(
             model=model, reward_funcs=reverse_reward, args=args, processing_class=tok,
             train_dataset=Dataset.from_dict({"prompt": reverse_prompts(steps * 8 + 64, 6, seed=seed)}),
@@ -125,6 +136,8 @@ def run_grid(variants: list[str], seeds: list[int], steps: int, lag: int, engine
     running: list[tuple[subprocess.Popen, str]] = []
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if engine != "vllm":
+        env["TRL_ROLLOUT_CORR_NO_VLLM"] = "1"  # the workers never sample with vLLM: skip its import
     with tqdm(total=len(todo), desc=f"GRPO runs ({steps} steps each)", unit="run") as bar:
         while todo or running:
             while todo and len(running) < jobs:
@@ -270,7 +283,8 @@ def run_demo_cli(argv: list[str]) -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lag", type=int, default=4, help="optimizer steps the stale engine lags behind")
-    p.add_argument("--engine", default="stale", help="emulated engine: stale, bf16, fp16, int8, wq<N>")
+    p.add_argument("--engine", default="stale", help="emulated engine: stale, bf16, fp16, int8, wq<N>; or vllm: the "
+                   "real vLLM engine (float32), synced every --lag optimizer steps (0..lag-1 steps behind)")
     p.add_argument("--eval_every", type=int, default=50)
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one core each)")
     p.add_argument("--output_dir", default="outputs/demo")

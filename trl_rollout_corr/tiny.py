@@ -26,15 +26,18 @@ def build_tokenizer():
     return fast
 
 
-def build_model(hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
-    """A Qwen2-style causal LM from a config (random weights, fp32, untied head)."""
+def build_model(hidden_size: int = 64, num_layers: int = 2, seed: int = 0, num_heads: int = 4):
+    """A Qwen2-style causal LM from a config (random weights, fp32, untied head).
+
+    vLLM's CPU attention needs a head size (hidden_size / num_heads) of at least 32.
+    """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(VOCAB), hidden_size=hidden_size, intermediate_size=hidden_size * 4,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=3,
     )
     model = Qwen2ForCausalLM(config)

@@ -76,12 +76,31 @@ class RolloutCorrGRPOConfig(GRPOConfig):
                 "any of them is set)."})
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "TRL's own vLLM IS correction; must stay False (this package corrects)."})
+    vllm_dtype: str | None = field(default=None, metadata={
+        "help": "dtype of the colocated vLLM engine (float32 | bfloat16 | float16 | auto). Default: TRL's behaviour "
+                "(vLLM's 'auto', which runs a float32 checkpoint in bfloat16)."})
+    vllm_sync_interval: int = field(default=1, metadata={
+        "help": "Sync the vLLM engine's weights every k optimizer steps (k > 1: a stale engine, k-1 steps behind at "
+                "most, as an asynchronous engine; fewer syncs)."})
+    vllm_weight_sync_dir: str | None = field(default=None, metadata={
+        "help": "Server mode on CPU: directory for the weight file handed to the server (default /dev/shm); the "
+                "server must see the same path."})
 
     def __post_init__(self) -> None:
         if self.vllm_importance_sampling_correction:
             raise ValueError(
                 "vllm_importance_sampling_correction=True would correct the same mismatch twice (TRL's own IS and this "
                 "package's). Leave it False and pick a rollout correction preset or the rollout_* fields instead.")
+        if self.vllm_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"vllm_dtype={self.vllm_dtype!r} is not supported; use float32, bfloat16, float16, auto "
+                             "or leave it unset (TRL's behaviour).")
+        if not isinstance(self.vllm_sync_interval, int) or self.vllm_sync_interval < 1:
+            raise ValueError(f"vllm_sync_interval={self.vllm_sync_interval!r} must be an integer >= 1 (1 = sync the "
+                             "vLLM engine every optimizer step).")
+        if self.vllm_sync_interval > 1 and self.vllm_enable_sleep_mode:
+            raise ValueError("vllm_sync_interval > 1 with vllm_enable_sleep_mode=True: sleep mode discards the engine's "
+                             "weights and TRL re-pushes the current ones on wake-up, so the engine cannot stay stale. "
+                             "Use one of the two.")
         super().__post_init__()
         self.rollout_correction = self.resolve_rollout_correction()
 
@@ -126,6 +145,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, *rest: Any,
                  rollout_sampler: Any = None, **kwargs: Any) -> None:
+        from .vllm.engine import vllm_engine_setup
+
         if args is None:  # the default config, named as TRL names its own
             from trl.trainer.utils import get_config_model_id
 
@@ -135,7 +156,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
                             f"rollout-correction fields), got {type(args).__name__}. Replace GRPOConfig by "
                             "RolloutCorrGRPOConfig with the same arguments.")
-        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        with vllm_engine_setup(args):  # CPU-engine fixes and the engine dtype, only while TRL builds vLLM
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
         self.vllm_importance_sampling_correction = False  # we own the correction (see TRL P1)
         self.rollout_sampler = rollout_sampler
@@ -157,6 +179,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_apply_truncation = self._rc_truncation is not None and switch is not False
         self._rc_probe_next_forward = False
         self._rc_support: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.use_vllm:  # engine dtype log, vllm_sync_interval, CPU server sync (trl_rollout_corr.vllm.engine)
+            from .vllm.engine import finish_vllm_setup
+
+            finish_vllm_setup(self)
 
     def _resolve_sampling_truncation(self) -> SamplingTruncation | None:
         """The sampler's temperature/top-k/top-p/min-p as generation really applies them, or None if no truncation."""

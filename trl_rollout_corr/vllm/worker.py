@@ -1,0 +1,33 @@
+"""vLLM worker extension: weight sync from a safetensors file, for a vLLM server on CPU.
+
+TRL 1.16 pushes weights into a server over vLLM's NCCL weight-transfer engine, which needs CUDA. On CPU the
+trainer writes the policy's state dict to a file and calls ``POST /collective_rpc`` with
+``method="trl_rollout_corr_load_weights"``; every worker loads it with the model's own ``load_weights`` (the same
+call TRL's colocate sync uses). Start the server with this class (``trl-rollout-corr vllm-serve`` does)::
+
+    trl vllm-serve --model DIR ... --worker-extension-cls trl_rollout_corr.vllm.worker.CPUWeightSyncExtension
+
+Importing this module in a worker applies the CPU fixes (``trl_rollout_corr.vllm.cpu``) before the model loads.
+"""
+
+from __future__ import annotations
+
+from .._cpu_guard import hide_cuda_only_extensions
+from .cpu import apply_cpu_fixes
+
+hide_cuda_only_extensions()
+apply_cpu_fixes()
+
+RPC_METHOD = "trl_rollout_corr_load_weights"
+
+
+class CPUWeightSyncExtension:
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``."""
+
+    def trl_rollout_corr_load_weights(self, path: str) -> int:
+        """Load every tensor of the safetensors file at ``path`` into the engine's model; returns their count."""
+        from safetensors.torch import load_file
+
+        weights = load_file(path)
+        self.model_runner.model.load_weights(weights=list(weights.items()))
+        return len(weights)
