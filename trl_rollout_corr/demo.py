@@ -171,7 +171,8 @@ def summarize(results: list[dict], variants: list[str], output_dir: str, engine:
         if by_variant.get("stale_uncorrected") else None
     head = (f"{'variant':22s} {'held-out reward':>17s} {'vs on-policy':>12s} {'gap closed':>10s} {'kl':>9s} "
             f"{'k3_kl':>9s} {'chi2_token':>10s} {'rejected':>8s} {'s/run':>6s}  monitor alerts (per seed)")
-    lines = [f"sampler: {engine} (lag {lag}) for every variant but on_policy; seeds: "
+    sampler_text = {"stale": f"stale (lag {lag})", "vllm": f"vLLM synced every {lag} steps"}.get(engine, engine)
+    lines = [f"sampler: {sampler_text} for every variant but on_policy; seeds: "
              f"{sorted({r['seed'] for r in results})}", head, "-" * len(head)]
     rows = []
     for v in variants:
