@@ -45,7 +45,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
 
     from .monitor import RolloutCorrectionMonitor
     from .rollout.emulated import EmulatedRolloutEngine
-    from .tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward, supervised_warmup
+    from .tiny import build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward, supervised_warmup
     from .trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
@@ -59,18 +59,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     held_out = reverse_prompts(256, 6, seed=10_000 + 7)  # fixed across seeds and variants
 
     def policy_reward(m) -> float:
-        rng = torch.get_rng_state()
-        torch.manual_seed(1234)
-        was_training = m.training
-        m.eval()
-        enc = tok(held_out, return_tensors="pt", padding=True)
-        with torch.no_grad():
-            seqs = m.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=9,
-                              pad_token_id=0, eos_token_id=1)
-        texts = tok.batch_decode(seqs[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
-        m.train(was_training)
-        torch.set_rng_state(rng)
-        return statistics.fmean(reverse_reward(held_out, texts))
+        return held_out_reward(m, tok, held_out)
 
     curve = [(0, policy_reward(model))]
     logs: list[dict] = []

@@ -84,3 +84,27 @@ def supervised_warmup(model, tokenizer, steps: int = 90, batch_size: int = 64, l
         loss.backward()
         opt.step()
     model.eval()
+
+
+def held_out_reward(model, tokenizer, prompts: list[str], seed: int = 1234, max_new_tokens: int = 9) -> float:
+    """The policy's own mean reward on held-out prompts: sampled at temperature 1, no truncation, with a fixed seed.
+
+    Judges a variant by the model being trained, not by its sampler. The caller's RNG state and train/eval mode
+    are restored, so evaluating does not perturb the run.
+    """
+    import statistics
+
+    import torch
+
+    rng = torch.get_rng_state()
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        seqs = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=1)  # (N, P+S)
+    texts = tokenizer.batch_decode(seqs[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
+    model.train(was_training)
+    torch.set_rng_state(rng)
+    return statistics.fmean(reverse_reward(prompts, texts))
