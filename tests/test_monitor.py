@@ -189,7 +189,7 @@ def test_stop_on_a_chosen_alert_only():
                                           ({"patience_steps": 0}, "patience_steps"),
                                           ({"smoothing_steps": 2.5}, "smoothing_steps"),
                                           ({"rollout_lag": -1}, "rollout_lag"),
-                                          ({"stop_on_alert": ["k3_kl"]}, "unknown alerts"),
+                                          ({"stop_on_alert": ["k3_kl"]}, "unknown alert"),
                                           ({"stop_on_alert": "yes"}, "stop_on_alert")])
 def test_bad_monitor_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -227,6 +227,15 @@ def test_no_args_builds_a_default_config_like_trl(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- the invariants
+
+def policy_logps(trainer, batch) -> torch.Tensor:
+    """log pi_theta(a_t) of the micro-batch, with grad: the input of the float64 reference losses.   (B, T)"""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # (B, P+T)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # (B, P+T)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention,
+                                                             batch["completion_ids"].size(1))
+    return logps
+
 def reference_loss(loss_type, logps, old, adv, w, mask, eps_low, eps_high, sequence_level, args, num_items):
     """TRL 1.16's per-token losses re-derived in float64, times the IS weight w, aggregated over the kept mask."""
     logps, old, w, mask = (x.double() for x in (logps, old, w, mask))
@@ -282,10 +291,7 @@ def test_is_weights_multiply_each_token_and_rejected_tokens_leave_every_count(tm
     ours = [p.grad.clone() for p in trainer.model.parameters()]
 
     trainer.model.zero_grad()
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention,
-                                                             batch["completion_ids"].size(1))
+    logps = policy_logps(trainer, batch)  # (B, T) with grad
     expected = reference_loss(loss_type, logps, batch["old_per_token_logps"], batch["advantages"], w, keep,
                               trainer.epsilon_low, trainer.epsilon_high, level == "sequence", trainer.args, kept)
     expected.backward()
@@ -305,10 +311,7 @@ def test_policy_gradient_mode_has_the_reinforce_gradient(tmp_path, loss_type):
     trainer.compute_loss(trainer.model, batch).backward()
     ours = [p.grad.clone() for p in trainer.model.parameters()]
     trainer.model.zero_grad()
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention,
-                                                             batch["completion_ids"].size(1))
+    logps = policy_logps(trainer, batch)  # (B, T) with grad
     mask = batch["completion_mask"].double()  # (B, T)
     log_w = ((logps.detach().double() - batch["sampling_per_token_logps"].double()) * mask).sum(-1, keepdim=True)
     w = torch.exp(log_w.clamp(-20, 20)).clamp(max=1e6)  # (B, 1) sequence IS weight, untruncated here

@@ -34,7 +34,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .monitor_rules import ALERTS, DEFAULTS, AlertRules, validate
+from .monitor_rules import ALERTS, DEFAULTS, AlertRules, validate, validate_stop_on_alert
 
 logger = logging.getLogger(__name__)
 CSV_NAME = "rollout_corr_metrics.csv"
@@ -70,7 +70,7 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
                                         or rollout_lag < 0):
             raise ValueError(f"RolloutCorrectionMonitor(rollout_lag={rollout_lag!r}): use the optimizer steps the "
                              "engine lags behind (an integer >= 0; 0 = synchronous), or None if unknown.")
-        stop_on_alert = _check_stop_on_alert(stop_on_alert)
+        stop_on_alert = validate_stop_on_alert(stop_on_alert)
         self.config = dict(rules, rollout_lag=rollout_lag, stop_on_alert=stop_on_alert, write_csv=write_csv,
                            write_plot=write_plot)
         self.rules = AlertRules(rollout_lag=rollout_lag, **rules)
@@ -193,18 +193,6 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         fig.savefig(os.path.join(args.output_dir, PNG_NAME), dpi=90)
         plt.close(fig)
 
-
-def _check_stop_on_alert(value: Any) -> bool | list[str]:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"RolloutCorrectionMonitor(stop_on_alert={value!r}): use True, False or a list of alert "
-                         f"names from: {', '.join(ALERTS)}.")
-    unknown = sorted(set(value) - set(ALERTS))
-    if unknown:
-        raise ValueError(f"RolloutCorrectionMonitor(stop_on_alert=...) has unknown alerts {unknown}; use True, "
-                         f"False or a list of: {', '.join(ALERTS)}.")
-    return list(value)
 
 
 def _is_number(value: Any) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .monitor_rules import ALERTS, DEFAULTS, validate
+from .monitor_rules import ALERTS, DEFAULTS, validate, validate_stop_on_alert
 
 _PREFIX = "rollout_corr_monitor_"
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off", "")
@@ -85,8 +85,6 @@ def parse_stop_on_alert(value: Any) -> bool | list[str]:
     """true / false / "a,b" / [a, b] (YAML or command line) -> bool or a list of alert names.
 
     Bad input raises ``ValueError`` naming the field."""
-    if isinstance(value, bool):
-        return value
     if isinstance(value, str):
         text = value.strip().lower()
         if text in _TRUE:
@@ -94,11 +92,4 @@ def parse_stop_on_alert(value: Any) -> bool | list[str]:
         if text in _FALSE:
             return False
         value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"rollout_corr_monitor_stop_on_alert={value!r}: use true, false or a list of alert names "
-                         f"({', '.join(ALERTS)}).")
-    unknown = sorted(set(value) - set(ALERTS))
-    if unknown:
-        raise ValueError(f"rollout_corr_monitor_stop_on_alert has unknown alert(s) {unknown}; choose from "
-                         f"{', '.join(ALERTS)} (or true / false).")
-    return list(value)
+    return validate_stop_on_alert(value, "rollout_corr_monitor_stop_on_alert")

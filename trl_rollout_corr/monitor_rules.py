@@ -58,6 +58,18 @@ _DECOUPLED_ADVICE = ("switch to a decoupled preset (rollout_correction_preset=de
                      "which anchors the trust region on pi_old instead of the mismatched sampler")
 
 
+def validate_stop_on_alert(value: Any, field: str = "stop_on_alert") -> bool | list[str]:
+    """``stop_on_alert``: True (any alert), False, or a list of alert names; ``ValueError`` naming ``field`` else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{field}={value!r}: use true, false or a list of alert names ({', '.join(ALERTS)}).")
+    unknown = sorted(set(value) - set(ALERTS))
+    if unknown:
+        raise ValueError(f"{field} has unknown alert(s) {unknown}; choose from {', '.join(ALERTS)} (or true / false).")
+    return list(value)
+
+
 def validate(config: dict[str, Any], where: str = "RolloutCorrectionMonitor", prefix: str = "") -> None:
     """Raise ``ValueError`` naming the field for a bad setting (thresholds may be None: that alert is off)."""
     for name in _INT_FIELDS:
