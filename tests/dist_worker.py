@@ -19,6 +19,7 @@ import zlib
 import torch
 from datasets import Dataset
 
+from trainer_utils import count_policy_forwards
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 from trl_rollout_corr.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
@@ -83,6 +84,7 @@ def main() -> None:
         model=model, reward_funcs=reverse_reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": reverse_prompts(64, n_digits=4)}), processing_class=tokenizer,
         rollout_func=rollout_func, rollout_sampler=sampler, callbacks=[Collect()])
+    forwards = count_policy_forwards(trainer.model)
     trainer.train()
 
     params = list(trainer.model.parameters())
@@ -93,7 +95,7 @@ def main() -> None:
         if trainer.accelerator.state.deepspeed_plugin is not None else None,
         "local_param_numel": sum(p.numel() for p in params),
         "full_param_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-        "rollout_forward_calls": trainer._rc_forward_calls,
+        "rollout_forward_calls": forwards["no_grad"],  # real no-grad forwards of the policy (pi_old)
         "logs": collected,
     }
     if trainer.accelerator.is_main_process:

@@ -31,15 +31,21 @@ def _unbiased_std(xs):
 
 
 def reference(old, rollout, mask, rollout_is=None, C=2.0, rollout_rs=None, rs_upper=None, rs_lower=None,
-              veto=None, batch_normalize=False):
-    """Return (weights or None, modified mask, metrics) as nested lists / dict of floats."""
+              veto=None, batch_normalize=False, seen=None):
+    """Return (weights or None, modified mask, metrics) as nested lists / dict of floats.
+
+    ``seen[i]`` False: row i has no pi_rollout; it is left uncorrected (weight 1, kept) and out of every statistic.
+    """
     n_rows, n_cols = len(old), len(old[0])
+    seen = [True] * n_rows if seen is None else list(seen)
     rows = []  # per valid sequence: list of (t, log_ratio, lt, lr)
     invalid_toks = 0
     input_toks = sum(1 for i in range(n_rows) for t in range(n_cols) if mask[i][t])
     valid = [[False] * n_cols for _ in range(n_rows)]
     for i in range(n_rows):
         toks = [t for t in range(n_cols) if mask[i][t]]
+        if not seen[i]:
+            continue
         bad = [t for t in toks if not (math.isfinite(old[i][t]) and math.isfinite(rollout[i][t]))]
         invalid_toks += len(bad)
         if bad:
@@ -98,6 +104,9 @@ def reference(old, rollout, mask, rollout_is=None, C=2.0, rollout_rs=None, rs_up
             metrics["rollout_corr/rollout_is_batch_norm_factor"] = mean
             if mean > 1e-8:
                 weights = [[w / mean for w in row] for row in weights]
+        for i in range(n_rows):  # samples without pi_rollout: weight 1
+            if not seen[i]:
+                weights[i] = [1.0 if mask[i][t] else 0.0 for t in range(n_cols)]
 
     keep = [row[:] for row in valid]
     if rollout_rs is not None:
@@ -134,8 +143,13 @@ def reference(old, rollout, mask, rollout_is=None, C=2.0, rollout_rs=None, rs_up
     metrics["rollout_corr/rollout_is_veto_fraction"] = vetoed / len(seqs) if seqs else 0.0
     metrics["rollout_corr/rollout_is_catastrophic_token_fraction"] = cat_toks / n_tok if n_tok else 0.0
     metrics["rollout_corr/invalid_logprob_fraction"] = invalid_toks / input_toks if input_toks else 0.0
+    for i in range(n_rows):  # samples without pi_rollout: nothing rejected
+        if not seen[i]:
+            keep[i] = [bool(mask[i][t]) for t in range(n_cols)]
     kept = sum(1 for i in range(n_rows) for t in range(n_cols) if keep[i][t])
     metrics["rollout_corr/rejected_token_fraction"] = (input_toks - kept) / input_toks if input_toks else 0.0
+    rows = [i for i in range(n_rows) if any(mask[i])]
+    metrics["rollout_corr/missing_rollout_logprobs_fraction"] = _mean([0.0 if seen[i] else 1.0 for i in rows])
 
     # off-policy diagnostics
     per_seq = []

@@ -164,14 +164,35 @@ def test_generate_returning_a_plain_tensor(model, prompt):
     assert_same_logprobs(captured["logprobs"], want)
 
 
-def test_generate_that_bypasses_transformers_is_refused_clearly(model, prompt):
+def test_generate_that_bypasses_transformers_leaves_every_row_unseen(model, prompt):
     fixed = torch.cat([prompt["input_ids"], torch.full((BATCH, 3), 5)], dim=1)  # (B, P + 3)
     model.generate = lambda *args, **kwargs: fixed  # a mock: never reaches GenerationMixin.generate
     try:
-        with capture_sampling_logprobs(model), pytest.raises(RuntimeError, match="never ran the capture"):
-            model.generate(**prompt)
+        with capture_sampling_logprobs(model) as captured:
+            assert model.generate(**prompt) is fixed  # passed through unchanged
+        assert captured["logprobs"].shape == (BATCH, 3) and captured["logprobs"].isnan().all()
     finally:
         del model.generate
+
+
+def test_rows_whose_tokens_were_changed_after_sampling_are_unseen(model, prompt):
+    """A wrapper that edits the sampled tokens: those rows' captured log-probs belong to other tokens (NaN)."""
+    def editing_generate(*args, **kwargs):
+        out = type(model).generate(model, *args, **kwargs).clone()  # (B, P + S)
+        out[1, PROMPT_LEN] = (out[1, PROMPT_LEN] + 1) % 16  # a different first token in row 1
+        return out
+
+    model.generate = editing_generate
+    try:
+        torch.manual_seed(0)
+        with capture_sampling_logprobs(model) as captured:
+            model.generate(**prompt, generation_config=sampling_config())
+    finally:
+        del model.generate
+    unseen = captured["logprobs"].isnan().all(-1)  # (B,)
+    assert unseen.tolist() == [i == 1 for i in range(BATCH)]
+    _, want = reference_logprobs(model.generate, prompt, sampling_config(), seed=0)
+    assert_same_logprobs(captured["logprobs"][~unseen], want[~unseen])
 
 
 def test_user_instance_generate_is_called_and_restored(model, prompt):

@@ -37,7 +37,7 @@ def test_preset_arguments_and_overrides():
     assert (c.rollout_is_threshold, c.rollout_rs_threshold, c.rollout_rs_threshold_lower) == (5.0, 4.0, 0.25)
     c = Cfg.pg_rs(rs_threshold=1.01, veto_threshold=1e-6)
     assert (c.rollout_rs_threshold, c.rollout_rs_threshold_lower, c.rollout_token_veto_threshold) == (1.01, 0.99, 1e-6)
-    assert Cfg.from_preset("ppo_is_bypass", rollout_is_batch_normalize=True).rollout_is_batch_normalize
+    assert Cfg.from_preset("pg_is", rollout_is_batch_normalize=True).rollout_is_batch_normalize
     assert Cfg(rollout_rs="token", rollout_rs_threshold=4.0).rs_threshold_lower == 0.25
 
 
@@ -56,6 +56,7 @@ def test_preset_arguments_and_overrides():
     (dict(rollout_is="geometric"), "rollout_rs='geometric'"),
     (dict(rollout_rs="geo", rollout_rs_threshold=1.0), "rollout_rs"),
     (dict(rollout_rs_threshold=2.0), "rollout_rs_threshold"),
+    (dict(bypass_mode=True, rollout_is_batch_normalize=True), "rollout_is_batch_normalize=True with bypass_mode"),
 ])
 def test_every_validation_error_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("(", "\\(")):

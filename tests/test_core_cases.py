@@ -143,9 +143,10 @@ def test_metric_names_are_exact():
     expected |= {P + k for k in OFFPOLICY_METRICS}
     expected |= {P + k for k in ("rollout_is_batch_norm_factor", "rollout_is_veto_fraction",
                                  "rollout_is_catastrophic_token_fraction", "rollout_rs_masked_fraction",
-                                 "rollout_rs_seq_masked_fraction", "invalid_logprob_fraction", "rejected_token_fraction")}
+                                 "rollout_rs_seq_masked_fraction", "invalid_logprob_fraction", "rejected_token_fraction",
+                                 "missing_rollout_logprobs_fraction")}
     assert set(met) == expected
-    # the SPEC's names, spelled out so that a rename fails here
+    # the documented names, spelled out so that a rename fails here
     for name in ("rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
                  "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_is_seq_mean",
                  "rollout_is_seq_std", "rollout_is_seq_min", "rollout_is_seq_max", "rollout_is_seq_max_deviation",

@@ -70,3 +70,26 @@ def test_random_larger_shapes_match_reference():
             assert m.tolist() == rm
             torch.testing.assert_close(w.double(), torch.tensor(rw, dtype=torch.float64), rtol=1e-5, atol=1e-6)
             assert_metrics_close(metrics, rmetrics)
+
+
+@pytest.mark.parametrize("rollout_is,rs,veto,bn", [("token", RS_CASES[1], 0.3, True), ("sequence", RS_CASES[2], None, True),
+                                                  (None, RS_CASES[3], 0.3, False)])
+def test_samples_without_rollout_logprobs_stay_uncorrected(rollout_is, rs, veto, bn):
+    """Rows whose pi_rollout is unknown: weight 1, nothing rejected, out of every statistic, counted as missing."""
+    old, rollout, mask = make_batch(7, spread=1.0)
+    seen = torch.tensor([True, False, True, True, False, True])
+    rollout = torch.where(seen[:, None], rollout, torch.full_like(rollout, float("nan")))  # what the capture writes
+    w, m, metrics = compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_is=rollout_is, rollout_is_threshold=1.6, rollout_rs=rs[0],
+        rollout_rs_threshold=rs[1], rollout_rs_threshold_lower=rs[2], rollout_token_veto_threshold=veto,
+        rollout_is_batch_normalize=bn, rollout_seen=seen)
+    rw, rm, rmetrics = reference(old.double().tolist(), rollout.double().tolist(), mask.tolist(), rollout_is, 1.6,
+                                 rs[0], rs[1], rs[2], veto, bn, seen=seen.tolist())
+    assert m.tolist() == rm
+    assert torch.equal(m[~seen], mask[~seen])  # nothing rejected where pi_rollout is unknown
+    if rollout_is is not None:
+        torch.testing.assert_close(w.double(), torch.tensor(rw, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        assert torch.equal(w[~seen], mask[~seen])  # weight exactly 1
+    assert_metrics_close(metrics, rmetrics)
+    assert metrics["rollout_corr/missing_rollout_logprobs_fraction"] == pytest.approx(2 / 6)
+    assert metrics["rollout_corr/invalid_logprob_fraction"] == 0.0  # missing is not invalid

@@ -1,7 +1,8 @@
-"""Free decoupled (issue 13): when pi_old = pi_theta at every loss, decoupled presets skip the pi_old forward.
+"""pi_old_source: the pi_old forward and pi_theta detached ("free") give the same step where both are exact.
 
-Where both scopes agree (one micro-batch per generation batch, one process), the loss, the gradients and every
-rollout_corr/* metric equal the path with a pi_old forward (<= 1e-6). Forward counts: tests/test_trainer.py.
+With one micro-batch per generation batch (steps_per_generation=1, one optimizer step per batch), pi_old = pi_theta
+at the loss and every generation-batch statistic is in the micro-batch: the loss, the gradients and every
+rollout_corr/* metric of the two sources agree (<= 1e-6), and "free" runs no policy forward outside the loss.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from test_trl_equivalence import ROWS, build, loss_grads_metrics
+from trainer_utils import count_policy_forwards
 from trl_rollout_corr import RolloutCorrGRPOTrainer
 from trl_rollout_corr.core.metrics import finalize_floats
 from trl_rollout_corr.core.stats import RolloutStats
@@ -26,6 +28,8 @@ CASES = {
     "seq_is_bn_gspo": dict(preset="decoupled_seq_is", rollout_is_batch_normalize=True,
                            importance_sampling_level="sequence", loss_type="grpo"),
     "token_is_top_k": dict(preset="decoupled_token_is", top_k=5, loss_type="cispo", epsilon_high=3.0),
+    "token_is_rs_vespo": dict(preset="decoupled_token_is", rollout_rs="token", rollout_rs_threshold=3.0,
+                              loss_type="vespo"),
 }
 
 
@@ -35,18 +39,17 @@ def correction_metrics(trainer):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_free_decoupled_equals_the_pi_old_forward(tmp_path, case):
-    trainer = build(RolloutCorrGRPOTrainer, tmp_path, build_model(hidden_size=32), **CASES[case])
-    assert trainer._rc_free_decoupled
+def test_free_equals_the_pi_old_forward(tmp_path, case):
     results = {}
-    for free in (True, False):
-        trainer._rc_free_decoupled = free
-        calls_before = trainer._rc_forward_calls
+    for source in ("free", "forward"):
+        trainer = build(RolloutCorrGRPOTrainer, tmp_path / source, build_model(hidden_size=32), pi_old_source=source,
+                        **CASES[case])
+        forwards = count_policy_forwards(trainer.model)
         batch, loss, grads, _ = loss_grads_metrics(trainer, ROWS[:8], perturb=False)
-        results[free] = (loss, grads, correction_metrics(trainer), trainer._rc_forward_calls - calls_before)
-        assert ("rc_keep_mask" in batch) is not free
-    (f_loss, f_grads, f_metrics, f_calls), (d_loss, d_grads, d_metrics, d_calls) = results[True], results[False]
-    assert (f_calls, d_calls) == (0, 1)  # the pi_old forward (one chunk of 8 rows) is what free decoupled saves
+        results[source] = (loss, grads, correction_metrics(trainer), forwards["no_grad"])
+        assert ("rc_keep_mask" in batch) is (source == "forward")
+    (f_loss, f_grads, f_metrics, f_calls), (d_loss, d_grads, d_metrics, d_calls) = results["free"], results["forward"]
+    assert (f_calls, d_calls) == (0, 1)  # the pi_old forward (one chunk of 8 rows) is what "free" saves
     assert f_loss.item() != 0.0
     torch.testing.assert_close(f_loss, d_loss, rtol=1e-6, atol=1e-7)
     for name, grad in d_grads.items():
@@ -58,12 +61,3 @@ def test_free_decoupled_equals_the_pi_old_forward(tmp_path, case):
         assert 0 < d_metrics["rollout_corr/rejected_token_fraction"] < 1  # the masks really act
     if "top_k" in case:
         assert d_metrics["rollout_corr/kept_mass_mean"] < 0.999  # the truncated-support fix acts in both paths
-
-
-def test_pi_old_forward_kept_when_pi_old_differs(tmp_path):
-    for overrides in (dict(num_iterations=2), dict(gradient_accumulation_steps=1, steps_per_generation=2)):
-        trainer = build(RolloutCorrGRPOTrainer, tmp_path, build_model(hidden_size=32), preset="decoupled_token_is",
-                        **overrides)
-        assert not trainer._rc_free_decoupled, overrides
-    trainer = build(RolloutCorrGRPOTrainer, tmp_path, build_model(hidden_size=32), preset="ppo_is_bypass")
-    assert not trainer._rc_free_decoupled  # bypass has its own anchor (pi_rollout)

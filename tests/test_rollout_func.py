@@ -1,5 +1,6 @@
 """The rollout_func path (SGLang / remote / async engines) and the vLLM hand-over we consume."""
 
+import logging
 import math
 
 import pytest
@@ -23,8 +24,8 @@ def make_rollout_func(logprobs_of=lambda ids: [-0.7] * len(ids), drop_key=False)
     return rollout_func
 
 
-def build(tmp_path, rollout_func, preset="decoupled_token_is"):
-    trainer, col = make_trainer(tmp_path, preset=preset, max_steps=1)
+def build(tmp_path, rollout_func, preset="decoupled_token_is", **overrides):
+    trainer, col = make_trainer(tmp_path, preset=preset, max_steps=overrides.pop("max_steps", 1), **overrides)
     t = RolloutCorrGRPOTrainer(model=trainer.model, reward_funcs=reverse_reward, args=trainer.args,
                                train_dataset=trainer.train_dataset, processing_class=TOK, rollout_func=rollout_func,
                                callbacks=[col])
@@ -41,9 +42,30 @@ def test_rollout_func_logprobs_reach_the_loss(tmp_path, preset):
     assert log["rollout_corr/rollout_log_ppl"] == pytest.approx(0.7, abs=1e-6)
 
 
-def test_rollout_func_without_logprobs_is_a_clear_error(tmp_path):
-    trainer, _ = build(tmp_path, make_rollout_func(drop_key=True))
-    with pytest.raises(ValueError, match="rollout_func.*returned no per-token log-probs"):
+def test_rollout_func_without_logprobs_trains_uncorrected_warns_once_and_counts(tmp_path, caplog):
+    trainer, col = build(tmp_path, make_rollout_func(drop_key=True), "decoupled_seq_is_rs", max_steps=2)
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+        trainer.train()
+    logs = [entry for entry in col.logs if "loss" in entry]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
+    assert all(log["rollout_corr/missing_rollout_logprobs_fraction"] == 1.0 for log in logs)
+    assert all(log["rollout_corr/rejected_token_fraction"] == 0.0 for log in logs)  # nothing rejected
+    assert caplog.text.count("have no rollout log-probs") == 1  # warned once, not per step
+    assert "require_rollout_logprobs=True" in caplog.text
+
+
+def test_rollout_logprobs_present_stay_quiet(tmp_path, caplog):
+    trainer, col = build(tmp_path, make_rollout_func())
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+        trainer.train()
+    log = [entry for entry in col.logs if "loss" in entry][0]
+    assert log["rollout_corr/missing_rollout_logprobs_fraction"] == 0.0
+    assert "rollout log-probs" not in caplog.text
+
+
+def test_require_rollout_logprobs_makes_missing_logprobs_an_error(tmp_path):
+    trainer, _ = build(tmp_path, make_rollout_func(drop_key=True), require_rollout_logprobs=True)
+    with pytest.raises(ValueError, match=r"Sample 0: the rollout engine \(rollout_func\) returned no per-token log-probs"):
         trainer.train()
 
 

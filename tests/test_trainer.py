@@ -45,11 +45,11 @@ def test_every_preset_trains_and_logs_full_metric_set(preset, tmp_path):
         assert all(math.isfinite(v) for k, v in log.items() if k.startswith(P))
 
 
-@pytest.mark.parametrize("free", [True, False], ids=["free_decoupled", "with_forward"])
-def test_alignment_on_policy_fp32(tmp_path, free):
-    trainer, col = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1)
-    assert trainer._rc_free_decoupled  # TRL's default: one generation batch per optimizer step
-    trainer._rc_free_decoupled = free
+@pytest.mark.parametrize("source", ["free", "forward"])
+def test_alignment_on_policy_fp32(tmp_path, source):
+    trainer, col = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1, pi_old_source=source)
+    assert trainer.correction_plan.pi_old == ("pi_theta" if source == "free" else "forward")
+    free = source == "free"
     captured = {}
     original = trainer._generate_and_score_completions
 
@@ -116,10 +116,9 @@ def test_decoupled_token_is_equals_trl_token_truncate(tmp_path):
 
     C = 1.05
     trainer, _ = make_trainer(tmp_path, preset="decoupled_token_is", rollout_is_threshold=C, max_steps=1,
-                              rollout_sampler=EmulatedRolloutEngine("wq3"), loss_type="dapo")
+                              rollout_sampler=EmulatedRolloutEngine("wq3"), loss_type="dapo", pi_old_source="forward")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer inside train()
-    trainer._rc_free_decoupled = False  # the path with a pi_old forward (free decoupled: test_free_decoupled.py)
     batch = trainer._generate_and_score_completions(trainer.train_dataset.select(range(8)).to_list())
     assert (batch["rc_is_weights"] < C - 1e-6).any() and (batch["rc_is_weights"] >= C - 1e-6).any()
 
@@ -215,9 +214,12 @@ def test_only_contradicting_trl_settings_are_refused(tmp_path):
         make_trainer(tmp_path, vllm_importance_sampling_correction=True)
     # each of these composes with the correction (tests/test_trl_equivalence.py checks them against TRL)
     for setting in (dict(loss_type="cispo"), dict(loss_type="sapo"), dict(loss_type="luspo"), dict(loss_type="vespo"),
-                    dict(importance_sampling_level="sequence", loss_type="grpo"), dict(entropy_coef=0.01),
-                    dict(top_entropy_quantile=0.5), dict(off_policy_mask_threshold=0.5)):
+                    dict(entropy_coef=0.01), dict(top_entropy_quantile=0.5), dict(off_policy_mask_threshold=0.5)):
         make_trainer(tmp_path, preset="decoupled_token_is", **setting)
+    make_trainer(tmp_path, preset="decoupled_seq_is", importance_sampling_level="sequence", loss_type="grpo")
+    # GSPO has one ratio per sequence: a per-token weight has no place in it (tests/test_compositions.py)
+    with pytest.raises(ValueError, match="GSPO.*rollout_is='sequence'"):
+        make_trainer(tmp_path, preset="decoupled_token_is", importance_sampling_level="sequence", loss_type="grpo")
 
 
 def test_resolved_config_saved_with_model(tmp_path):

@@ -236,8 +236,11 @@ def policy_logps(trainer, batch) -> torch.Tensor:
                                                              batch["completion_ids"].size(1))
     return logps
 
-def reference_loss(loss_type, logps, old, adv, w, mask, eps_low, eps_high, sequence_level, args, num_items):
-    """TRL 1.16's per-token losses re-derived in float64, times the IS weight w, aggregated over the kept mask."""
+def reference_loss(loss_type, logps, old, adv, w, mask, eps_low, eps_high, sequence_level, args, num_items,
+                   sampler_ratio=None):
+    """TRL 1.16's per-token losses re-derived in float64, times the IS weight w, aggregated over the kept mask.
+
+    VESPO: ``sampler_ratio`` (B, T) enters phi's sequence log-ratio, as TRL's vLLM correction hands it over."""
     logps, old, w, mask = (x.double() for x in (logps, old, w, mask))
     adv = adv.double().unsqueeze(1)  # (B, 1)
     log_ratio = logps - old  # (B, T)
@@ -250,7 +253,10 @@ def reference_loss(loss_type, logps, old, adv, w, mask, eps_low, eps_high, seque
         tau = torch.where(adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
         per_token = -torch.sigmoid(tau * (r - 1)) * 4 / tau * adv
     elif loss_type == "vespo":
-        log_w = torch.clamp((torch.clamp(logps - old, -20, 20) * mask).sum(-1, keepdim=True), math.log(1e-8), 20.0)
+        seq_log = (torch.clamp(logps - old, -20, 20) * mask).sum(-1, keepdim=True)  # (B, 1)
+        if sampler_ratio is not None:
+            seq_log = seq_log + torch.log(sampler_ratio.double()).clamp(math.log(1e-8), 20.0).sum(-1, keepdim=True)
+        log_w = torch.clamp(seq_log, math.log(1e-8), 20.0)
         k = torch.where(adv >= 0, args.vespo_k_pos, args.vespo_k_neg)
         lam = torch.where(adv >= 0, args.vespo_lambda_pos, args.vespo_lambda_neg)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).detach()
@@ -274,17 +280,24 @@ INVARIANT_CASES = [(lt, "token") for lt in LOSS_TYPES] + [("grpo", "sequence"), 
 
 @pytest.mark.parametrize("loss_type,level", INVARIANT_CASES, ids=[f"{lt}-{lv}" for lt, lv in INVARIANT_CASES])
 def test_is_weights_multiply_each_token_and_rejected_tokens_leave_every_count(tmp_path, loss_type, level):
-    trainer = build(RolloutCorrGRPOTrainer, tmp_path, build_model(hidden_size=32), preset="decoupled_token_is",
+    """IS weights multiply each token's policy loss (GSPO: one weight per sequence), rejected tokens leave every count;
+    VESPO's phi sees the truncated sampler ratio instead, exactly as TRL's own vLLM correction feeds it."""
+    preset = "decoupled_seq_is" if level == "sequence" else "decoupled_token_is"
+    trainer = build(RolloutCorrGRPOTrainer, tmp_path, build_model(hidden_size=32), preset=preset,
                     loss_type=loss_type, importance_sampling_level=level, num_iterations=2)
     batch = one_micro_batch(trainer, ROWS[:8])  # decoupled with a pi_old forward: rc_* ride with the batch
     perturb_(trainer.model)
     mask = batch["completion_mask"].float()  # (B, T)
     gen = torch.Generator().manual_seed(3)
     w = (0.2 + 1.8 * torch.rand(mask.shape, generator=gen)) * mask  # (B, T) IS weights, > 0 on valid tokens
+    if level == "sequence":
+        w = w.amax(-1, keepdim=True) * mask  # (B, T) one weight per sequence
     keep = (torch.rand(mask.shape, generator=gen) > 0.3).float() * mask  # (B, T) some tokens rejected
     keep[0] = 0.0  # and one whole sequence
     kept = keep.sum()
-    batch.update(rc_is_weights=w, rc_keep_mask=keep.long(), num_items_in_batch=kept)
+    vespo = loss_type == "vespo"
+    batch.update(rc_keep_mask=keep.long(), num_items_in_batch=kept)
+    batch["rc_sampler_ratio" if vespo else "rc_is_weights"] = torch.where(keep.bool(), w, 1.0) if vespo else w
     trainer.model.zero_grad()
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
@@ -292,8 +305,10 @@ def test_is_weights_multiply_each_token_and_rejected_tokens_leave_every_count(tm
 
     trainer.model.zero_grad()
     logps = policy_logps(trainer, batch)  # (B, T) with grad
-    expected = reference_loss(loss_type, logps, batch["old_per_token_logps"], batch["advantages"], w, keep,
-                              trainer.epsilon_low, trainer.epsilon_high, level == "sequence", trainer.args, kept)
+    expected = reference_loss(loss_type, logps, batch["old_per_token_logps"], batch["advantages"],
+                              torch.ones_like(w) if vespo else w, keep, trainer.epsilon_low, trainer.epsilon_high,
+                              level == "sequence", trainer.args, kept,
+                              sampler_ratio=torch.where(keep.bool(), w, 1.0) if vespo else None)
     expected.backward()
     assert loss.item() != 0.0
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-7)

@@ -20,7 +20,7 @@ import time
 import pytest
 from transformers import TrainerCallback
 
-from trainer_utils import make_trainer
+from trainer_utils import count_policy_forwards, make_trainer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 requires_vllm = pytest.mark.skipif(
@@ -44,6 +44,7 @@ def train(model_dir, out, max_steps=3, preset="decoupled_token_is", **overrides)
     kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.01, vllm_dtype="float32")
     kwargs.update(overrides)
     trainer, logs = make_trainer(out, model=model_dir, preset=preset, max_steps=max_steps, **kwargs)
+    trainer.policy_forwards = count_policy_forwards(trainer.model)  # real log-prob forwards of the policy
     trainer.train()
     return trainer, [log for log in logs.logs if "rollout_corr/kl" in log]
 
@@ -138,9 +139,10 @@ def test_truncated_sampling_on_vllm(model_dir, tmp_path, sampling):
 @requires_vllm
 @pytest.mark.parametrize("preset", ["ppo_is_bypass", "pg_is"])
 def test_bypass_on_vllm_skips_the_old_forward(model_dir, tmp_path, preset):
-    trainer, logs = train(model_dir, tmp_path, preset=preset)
-    assert trainer._rc_forward_calls == 0
-    assert len(logs) == 3
+    # num_iterations=2: TRL itself would run a pi_old forward per generation batch; bypass needs none
+    trainer, logs = train(model_dir, tmp_path, preset=preset, max_steps=4, num_iterations=2)
+    assert trainer.policy_forwards == {"grad": 4, "no_grad": 0}  # one loss forward per step, nothing else
+    assert len(logs) == 4
 
 
 @requires_vllm

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from datasets import Dataset
-from transformers import TrainerCallback
+from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # first: its CPU-torch guard
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
-from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 from trl_rollout_corr.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
 
 _MODEL_CACHE: dict = {}
@@ -48,3 +48,18 @@ def make_trainer(output_dir, model=None, preset=None, max_steps=2, callbacks=(),
                                      processing_class=tok, callbacks=[collector, *callbacks],
                                      rollout_sampler=rollout_sampler)
     return trainer, collector
+
+
+def count_policy_forwards(model):
+    """Count the real log-prob forwards of ``model`` (a forward pre-hook on the calls TRL's
+    ``_get_per_token_logps_and_entropies`` makes, not generate's decoding steps), by grad mode."""
+    import torch
+
+    counts = {"grad": 0, "no_grad": 0}
+
+    def hook(module, args, kwargs):
+        if kwargs.get("fused_lm_head"):
+            counts["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return counts

@@ -10,15 +10,21 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .core.divergence import parse_divergence_criteria
+from .core.rejection import RS_LEVELS
+from .core.weights import IS_LEVELS
 
 CONFIG_NAME = "rollout_correction_config.json"
-IS_LEVELS = (None, "token", "sequence")
-RS_LEVELS = (None, "token", "sequence", "geometric")
+NONE_STRINGS = ("none", "null", "None", "")
+
+
+def none_if_unset(value: Any) -> Any:
+    """The strings a CLI or YAML file uses to switch a level off ("none", "null", "") read as ``None``."""
+    return None if isinstance(value, str) and value in NONE_STRINGS else value
 
 
 @dataclass
 class RolloutCorrectionConfig:
-    """How to correct for pi_rollout != pi_old (SPEC section 4).
+    """How to correct for pi_rollout != pi_old: IS weights, rejection, veto, and the two operating modes.
 
     Args:
         rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
@@ -62,16 +68,14 @@ class RolloutCorrectionConfig:
         """Raise ``ValueError`` naming the field and the fix for every invalid combination."""
         if self.rollout_is is not None and not isinstance(self.rollout_is, str):
             raise ValueError(f"rollout_is must be a string or None, got {self.rollout_is!r}.")
-        if self.rollout_is in ("none", "null", "None", ""):
-            self.rollout_is = None
-        if self.rollout_rs in ("none", "null", "None", ""):
-            self.rollout_rs = None
+        self.rollout_is = none_if_unset(self.rollout_is)
+        self.rollout_rs = none_if_unset(self.rollout_rs)
         if self.rollout_is == "geometric":
             raise ValueError("rollout_is='geometric' is not an IS level: geometric aggregation is for rejection only. "
                              "Use rollout_rs='geometric' (with rollout_rs_threshold, e.g. 1.001) instead.")
-        if self.rollout_is not in IS_LEVELS:
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
             raise ValueError(f"rollout_is must be one of 'token', 'sequence' or None, got {self.rollout_is!r}.")
-        if self.rollout_rs not in RS_LEVELS:
+        if self.rollout_rs is not None and self.rollout_rs not in RS_LEVELS:
             raise ValueError(
                 f"rollout_rs must be one of 'token', 'sequence', 'geometric' or None, got {self.rollout_rs!r}.")
         _positive("rollout_is_threshold", self.rollout_is_threshold, "e.g. 2.0")
@@ -96,14 +100,18 @@ class RolloutCorrectionConfig:
                 setattr(self, name, ",".join(str(v) for v in value))
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 setattr(self, name, str(value))
-            if getattr(self, name) in ("none", "null", "None", ""):
-                setattr(self, name, None)
+            setattr(self, name, none_if_unset(getattr(self, name)))
         parse_divergence_criteria(self.rollout_rs_criteria, self.rollout_rs_criteria_threshold)  # raises with the fix
         if self.rollout_token_veto_threshold is not None:
             _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold, "typically 1e-4 .. 1e-6, or None")
         if self.use_policy_gradient and not self.bypass_mode:
             raise ValueError("use_policy_gradient=True requires bypass_mode=True (the policy-gradient loss uses "
                              "pi_old := pi_rollout); set bypass_mode=True or use_policy_gradient=False.")
+        if self.rollout_is_batch_normalize and self.rollout_is is not None and not self.applies_is_weights:
+            raise ValueError("rollout_is_batch_normalize=True with bypass_mode=True and use_policy_gradient=False: "
+                             "bypass PPO applies no IS weight (its PPO ratio already is pi_theta/pi_rollout), so "
+                             "normalizing the weights would change nothing but a metric. Set "
+                             "rollout_is_batch_normalize=False, or use_policy_gradient=True.")
 
     @property
     def rs_threshold_lower(self) -> float | None:
@@ -115,10 +123,14 @@ class RolloutCorrectionConfig:
         return 1.0 / self.rollout_rs_threshold
 
     @property
+    def applies_is_weights(self) -> bool:
+        """Whether IS weights multiply the loss (bypass PPO computes them for the metrics only)."""
+        return self.rollout_is is not None and (not self.bypass_mode or self.use_policy_gradient)
+
+    @property
     def is_enabled(self) -> bool:
         """Whether anything changes the loss (IS weights applied, RS, divergence criteria or veto)."""
-        applies_is = self.rollout_is is not None and (not self.bypass_mode or self.use_policy_gradient)
-        return (applies_is or self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
+        return (self.applies_is_weights or self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
                 or self.rollout_rs_criteria is not None)
 
     @property

@@ -6,13 +6,16 @@ micro-batch in which
 * the loss mask is shrunk:  m'_t = m_t * keep_t  (``tool_mask``; TRL's loss mask, not the attention mask), so
   rejected / vetoed tokens leave the loss and every count TRL forms from the mask;
 * the advantage carries the IS weight:  A'_t = A * stopgrad(w_t)  with w_t = min(rho_t, C) > 0 (or 1 without IS).
-  Every TRL loss type is positively homogeneous in A per token (PPO-clip ``-min(r A, clip(r) A)``, CISPO
-  ``-sg(min(r, eps)) A log pi``, SAPO ``-f_sign(A)(r) A``, VESPO ``-phi_sign(A)(w) A log pi``, LUSPO/GSPO the
-  clip form): for w > 0, l(r, A w) = w l(r, A) and every sign test on A (clip metrics, SAPO's temperature,
-  VESPO's gamma branch, TRL's off-policy mask) is unchanged, so the IS weight multiplies each token's policy
-  loss, detached, and not the KL or entropy terms;
+  Every TRL loss type but VESPO is positively homogeneous in A per token (PPO-clip ``-min(r A, clip(r) A)``, CISPO
+  ``-sg(min(r, eps)) A log pi``, SAPO ``-f_sign(A)(r) A``, LUSPO/GSPO the clip form): for w > 0,
+  l(r, A w) = w l(r, A), and every sign test on A (clip metrics, SAPO's temperature, TRL's off-policy mask) is
+  unchanged, so the IS weight multiplies each token's policy loss, detached, and not the KL or entropy terms. A
+  sequence-level weight keeps A's (B, 1) shape, so GSPO's per-sequence ratio and TRL's per-sequence metrics keep
+  their meaning;
+* VESPO instead gets the truncated sampler ratio as TRL's own vLLM correction gives it (``importance_sampling_ratio``,
+  per token), which its gamma weight phi turns into one weight per sequence: phi(pi_theta/pi_old * prod_t w_t);
 * the PPO anchor ``old_per_token_logps`` is pi_old (decoupled), pi_rollout (bypass) or pi_theta detached
-  (free decoupled, policy gradient), with non-finite or masked entries replaced so no NaN/inf reaches the graph;
+  (pi_old = pi_theta, policy gradient), with non-finite or masked entries replaced so no NaN/inf reaches the graph;
 * ``num_items_in_batch`` (the token normalizer of ``dapo``/``cispo``/``vespo``) counts kept tokens.
 """
 
@@ -35,8 +38,7 @@ def weighted_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | Non
                         sequence_level: bool) -> torch.Tensor:
     """A' = A * stopgrad(w): (B,) or (B, 1) advantages times (B, T) IS weights.
 
-    Sequence-level weights (one value per row, 0 on padding) keep the (B, 1) shape, so TRL's per-sequence
-    quantities (GSPO's clip metrics, VESPO's phi) keep their per-sequence meaning. Returns ``advantages``
+    Sequence-level weights (one value per row, 0 on padding) keep the (B, 1) shape. Returns ``advantages``
     unchanged when there are no weights.
     """
     if is_weights is None:
@@ -48,6 +50,15 @@ def weighted_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | Non
     return adv * w  # (B, 1) or (B, T)
 
 
+def vespo_sampler_ratio(is_weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The per-token sampler ratio VESPO's phi consumes:  w_t = min(rho_t, C), rho_t = pi_old / pi_rollout.   (B, T)
+
+    Exactly 1 on rejected and padding tokens (TRL sums its log over every position). TRL's own vLLM correction
+    hands VESPO the same quantity (``token_truncate``), from its pi_old forward.
+    """
+    return torch.where(keep.bool(), is_weights.detach().float(), torch.ones_like(is_weights, dtype=torch.float32))
+
+
 def safe_anchor(anchor: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``anchor`` where it is finite on a kept token, ``fallback`` (detached pi_theta) elsewhere.   (B, T)
 
@@ -56,12 +67,3 @@ def safe_anchor(anchor: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor
     """
     ok = torch.isfinite(anchor) & mask.bool()  # (B, T)
     return torch.where(ok, anchor, fallback.detach().to(anchor.dtype))  # (B, T)
-
-
-def kept_token_items(kept_tokens: torch.Tensor, steps_per_generation: int) -> torch.Tensor:
-    """``num_items_in_batch`` that makes TRL's dapo/cispo/vespo normalizer the kept-token count of this micro-batch.
-
-    TRL divides ``num_items_in_batch / num_processes * GA / steps_per_generation`` (train). With N = the kept
-    tokens of this micro-batch summed over processes, passing N * steps_per_generation gives N / num_processes * GA.
-    """
-    return kept_tokens * steps_per_generation  # 0-dim

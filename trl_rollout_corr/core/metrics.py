@@ -1,6 +1,6 @@
 """Rollout-correction metrics as reducible statistics, and their closed-form finalization.
 
-Conventions (SPEC section 5). "training" log-probs are pi_old in decoupled mode, pi_theta in bypass.
+Conventions. "training" log-probs are pi_old in decoupled mode, pi_theta in bypass.
 * weight-family means are token-weighted masked means (a sequence weight counts once per token);
 * ``*_std`` / ``*_eff_sample_size`` use the weights clamped to [lower, upper];
   std = sqrt(max(E[c^2] - E[c]^2, 0)) over valid tokens, ESS = 1 / E[(c / (E[c] + 1e-8))^2];
@@ -33,7 +33,7 @@ OFFPOLICY_METRICS = (
 )
 VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction")
 RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
-ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction")
+ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction", "missing_rollout_logprobs_fraction")
 
 
 def weight_family_stats(
@@ -113,7 +113,7 @@ def offpolicy_stats(
     seq_log = sequence_log_ratio(log_ratio, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B,)
     prob_diff = (torch.exp(rollout.clamp(max=0.0)) - torch.exp(train.clamp(max=0.0))).abs()  # (B, T) p <= 1
     seq_max_prob_diff = torch.where(mask, prob_diff, torch.zeros_like(prob_diff)).amax(-1) if mask.shape[-1] else mean_train * 0
-    # exp(-mean log p) on the seeds' scale can overflow for garbage inputs: bound it like every other exp.
+    # exp(-mean log p) can overflow for garbage inputs: bound it like every other exp.
     sums = {
         "tok_n": mask.sum(dtype=STAT_DTYPE),
         "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
@@ -237,6 +237,7 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
         metrics[PREFIX + "rollout_is_catastrophic_token_fraction"] = _div(s("mask.catastrophic_tok_n"), tok_n)
         metrics[PREFIX + "invalid_logprob_fraction"] = _div(s("mask.invalid_tok_n"), s("mask.input_tok_n"))
         metrics[PREFIX + "rejected_token_fraction"] = _div(s("mask.input_tok_n") - s("mask.kept_tok_n"), s("mask.input_tok_n"))
+        metrics[PREFIX + "missing_rollout_logprobs_fraction"] = _div(s("mask.missing_seq_n"), s("mask.all_seq_n"))
         if "sum:mask.rs_rejected_tok_n" in f:
             metrics[PREFIX + "rollout_rs_masked_fraction"] = _div(s("mask.rs_rejected_tok_n"), tok_n)
             metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = _div(s("mask.rs_rejected_seq_n"), seq_n)

@@ -16,9 +16,20 @@ from .weights import compute_rollout_correction_weights
 class RolloutCorrection(NamedTuple):
     """Result of :func:`compute_rollout_correction_stats` (device tensors only, no host sync)."""
 
-    is_weights: torch.Tensor | None  # (B, T), detached, zero on padding and rejected rows' padding
+    is_weights: torch.Tensor | None  # (B, T), detached, zero on padding; 1 on samples without pi_rollout
     modified_response_mask: torch.Tensor  # (B, T), same dtype as the input mask
     stats: RolloutStats
+
+
+def rollout_usable_mask(rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                        rollout_seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens that stay in the loss whatever pi_train is: the response mask minus every sample whose pi_rollout is
+    non-finite on one of its tokens (such a sample is rejected; a sample without pi_rollout stays).   (B, T) bool"""
+    mask = response_mask.bool()  # (B, T)
+    bad_row = (mask & ~torch.isfinite(rollout_log_prob)).any(-1, keepdim=True)  # (B, 1)
+    if rollout_seen is not None:
+        bad_row = bad_row & rollout_seen.bool().unsqueeze(-1)  # (B, 1)
+    return mask & ~bad_row  # (B, T)
 
 
 def compute_rollout_correction_stats(
@@ -35,6 +46,7 @@ def compute_rollout_correction_stats(
     reduce_fn: ReduceFn | None = None,
     rollout_rs_criteria: Any = None,
     rollout_rs_criteria_threshold: Any = None,
+    rollout_seen: torch.Tensor | None = None,
 ) -> RolloutCorrection:
     """Host-sync-free form of :func:`compute_rollout_correction_and_rejection_mask`.
 
@@ -43,6 +55,9 @@ def compute_rollout_correction_stats(
     their whole sequence invalid: it is rejected and counted in ``invalid_logprob_fraction``.
     ``reduce_fn`` makes batch normalization use the global batch across processes.
     ``rollout_rs_criteria`` (divergence criteria, see :mod:`.divergence`) are ANDed with ``rollout_rs`` and the veto.
+    ``rollout_seen`` (B,) marks the samples whose pi_rollout is known; the others (a sampler whose distribution
+    could not be seen) stay uncorrected: weight 1, nothing rejected, left out of every statistic, and counted in
+    ``missing_rollout_logprobs_fraction``.
     """
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
@@ -51,11 +66,15 @@ def compute_rollout_correction_stats(
         )
     input_mask = response_mask.bool()  # (B, T)
     with torch.no_grad():
+        seen = (torch.ones(input_mask.shape[0], dtype=torch.bool, device=input_mask.device) if rollout_seen is None
+                else rollout_seen.to(device=input_mask.device, dtype=torch.bool))  # (B,)
+        corrected = input_mask & seen.unsqueeze(-1)  # (B, T)
+        uncorrected = input_mask & ~seen.unsqueeze(-1)  # (B, T) no pi_rollout: left as the sampler gave it
         train = old_log_prob.detach().float()  # (B, T)
         rollout = rollout_log_prob.detach().float()  # (B, T)
         finite = torch.isfinite(train) & torch.isfinite(rollout)  # (B, T)
-        invalid_tok = input_mask & ~finite  # (B, T)
-        valid = input_mask & ~invalid_tok.any(-1, keepdim=True)  # (B, T) invalid sequences leave the batch
+        invalid_tok = corrected & ~finite  # (B, T)
+        valid = corrected & ~invalid_tok.any(-1, keepdim=True)  # (B, T) invalid sequences leave the batch
         train = torch.where(finite, train, torch.zeros_like(train))  # (B, T)
         rollout = torch.where(finite, rollout, torch.zeros_like(rollout))  # (B, T)
         log_ratio = train - rollout  # (B, T)
@@ -83,6 +102,8 @@ def compute_rollout_correction_stats(
             "invalid_tok_n": invalid_tok.sum(dtype=STAT_DTYPE),
             "tok_n": valid.sum(dtype=STAT_DTYPE),
             "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
+            "all_seq_n": input_mask.any(-1).sum(dtype=STAT_DTYPE),
+            "missing_seq_n": uncorrected.any(-1).sum(dtype=STAT_DTYPE),
         }
         if rollout_rs is not None:
             upper = rollout_rs_threshold
@@ -107,10 +128,11 @@ def compute_rollout_correction_stats(
             zero = torch.zeros((), dtype=STAT_DTYPE, device=valid.device)
             mask_sums["catastrophic_tok_n"] = zero
             mask_sums["vetoed_seq_n"] = zero
+        keep = keep | uncorrected  # (B, T)
         mask_sums["kept_tok_n"] = keep.sum(dtype=STAT_DTYPE)
         stats.sums.update({"mask." + k: v for k, v in mask_sums.items()})
         if is_weights is not None:
-            is_weights = is_weights * valid  # (B, T)
+            is_weights = is_weights * valid + uncorrected.to(is_weights.dtype)  # (B, T)
         modified = keep.to(response_mask.dtype)  # (B, T)
     return RolloutCorrection(is_weights, modified, stats)
 
@@ -135,13 +157,15 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_is_batch_normalize: bool = False,
     rollout_rs_criteria: Any = None,
     rollout_rs_criteria_threshold: Any = None,
+    rollout_seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-    """IS weights, rejection/veto mask and metrics in one call (mirrors the seeds' reference helper).
+    """IS weights, rejection/veto mask and metrics in one call (the signature of verl's helper of the same name).
 
     * IS (``rollout_is`` token|sequence): w = min(exp(clamp(log rho, -20, 20)), C) * m, optionally
       divided by its batch mean; detached.
     * RS (``rollout_rs`` token|sequence|geometric): keep iff C_lower <= statistic <= C_upper.
     * veto: drop a sequence if any valid token has rho_t < C_veto (unclamped, log space).
+    * ``rollout_seen`` (B,): samples without pi_rollout stay uncorrected (weight 1, kept, out of the statistics).
     Returns ``(is_weights (B, T) or None, modified_response_mask (B, T), metrics)`` where metrics maps
     ``rollout_corr/<name>`` to floats. For training loops use :func:`compute_rollout_correction_stats`,
     which stays on device.
@@ -153,5 +177,6 @@ def compute_rollout_correction_and_rejection_mask(
         old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold, rollout_rs,
         rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold, rollout_is_batch_normalize,
         rollout_rs_criteria=rollout_rs_criteria, rollout_rs_criteria_threshold=rollout_rs_criteria_threshold,
+        rollout_seen=rollout_seen,
     )
     return result.is_weights, result.modified_response_mask, finalize_stats(result.stats)

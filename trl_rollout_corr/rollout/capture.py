@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import threading
 from typing import Any, Callable, Iterator
 
@@ -69,12 +68,16 @@ class _StepwiseLogprobRecorder:
     def __init__(self) -> None:
         self.pending: torch.Tensor | None = None  # z_t (B, V): held from the end of processing to token selection
         self.steps: list[torch.Tensor] = []  # log pi_rollout(a_t | s_t), each (B, 1)
+        self.sampled: list[torch.Tensor] = []  # a_t, each (B, 1)
         self.processor = _KeepProcessedScores(self)
         self.criterion = _GatherSampledToken(self)
         self.attached = False  # the hooks go into the first chains built (the outer generate call's)
 
     def logprobs(self) -> torch.Tensor | None:
         return torch.cat(self.steps, dim=1) if self.steps else None  # (B, S)
+
+    def tokens(self) -> torch.Tensor:
+        return torch.cat(self.sampled, dim=1)  # (B, S)
 
 
 class _KeepProcessedScores(LogitsProcessor):
@@ -105,6 +108,7 @@ class _GatherSampledToken(StoppingCriteria):
         if pending is not None:
             sampled = input_ids[:, -1:]  # a_t (B, 1)
             self.recorder.steps.append(torch.log_softmax(pending.float(), dim=-1).gather(-1, sampled))  # (B, 1)
+            self.recorder.sampled.append(sampled)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
 
 
@@ -179,26 +183,24 @@ def _returned_sequences(out: Any) -> torch.Tensor | None:
     return sequences if isinstance(sequences, torch.Tensor) else None
 
 
-def _aligned_logprobs(recorder: _StepwiseLogprobRecorder, out: Any, prompt_length: int | None) -> torch.Tensor:
-    """The recorded (B, S') cut to the S tokens ``generate`` returned, after checking that they line up."""
+def _aligned_logprobs(recorder: _StepwiseLogprobRecorder, out: Any, prompt_length: int | None) -> torch.Tensor | None:
+    """The recorded (B, S') cut to the S tokens ``generate`` returned: NaN rows where the returned tokens are not the
+    ones the capture saw being sampled (a generate that did not sample through transformers' chains, or changed the
+    tokens afterwards). None when neither the steps nor the returned sequences are known."""
     logprobs = recorder.logprobs()  # (B, S') or None
     sequences = _returned_sequences(out)  # (B, P + S) or None
     generated = None if sequences is None or prompt_length is None else sequences.shape[1] - prompt_length  # S
-    if generated == 0:
-        return torch.zeros(sequences.shape[0], 0, dtype=torch.float32, device=sequences.device)  # (B, 0)
-    if logprobs is None:
-        raise RuntimeError(
-            "capture_sampling_logprobs: generate never ran the capture's logits processor / stopping criterion, so "
-            "pi_rollout was not recorded. The generate that runs must be transformers' GenerationMixin.generate "
-            "(a custom generate may wrap it, but must not replace it); otherwise supply log-probs via rollout_func.")
     if generated is None:  # generate returned something without sequences: trust the recorded steps
         return logprobs
-    if logprobs.shape[0] != sequences.shape[0] or logprobs.shape[1] < generated:
-        raise RuntimeError(
-            f"capture_sampling_logprobs: generate returned {sequences.shape[0]} sequences with {generated} new "
-            f"tokens, but the capture recorded {logprobs.shape[1]} steps for {logprobs.shape[0]} rows; pi_rollout "
-            "cannot be aligned (one sampled token per step per sequence is required).")
-    return logprobs[:, :generated]  # (B, S); drops a step that generate undid (deferred stop check), if any
+    rows = sequences.shape[0]
+    if generated == 0:
+        return torch.zeros(rows, 0, dtype=torch.float32, device=sequences.device)  # (B, 0)
+    if logprobs is None or logprobs.shape[0] != rows or logprobs.shape[1] < generated:
+        return torch.full((rows, generated), float("nan"), device=sequences.device)  # (B, S) nothing seen
+    # drops a step that generate undid (deferred stop check), if any
+    logprobs, sampled = logprobs[:, :generated], recorder.tokens()[:, :generated]  # (B, S), (B, S)
+    same_tokens = (sampled.to(sequences.device) == sequences[:, prompt_length:]).all(-1, keepdim=True)  # (B, 1)
+    return torch.where(same_tokens, logprobs, torch.full_like(logprobs, float("nan")))  # (B, S)
 
 
 @contextlib.contextmanager
@@ -210,7 +212,9 @@ def capture_sampling_logprobs(
     ``sampler`` (optional) is the ``generate`` of another model that stands in for the rollout engine (an emulated
     stale / low-precision copy, :mod:`trl_rollout_corr.rollout.emulated`); by default the model samples itself.
     Yields a dict that holds ``"logprobs"`` (B, S) after each call, S = number of new tokens in the returned
-    sequences (positions after EOS hold the log-prob of the pad token; callers cut at the completion length).
+    sequences (positions after EOS hold the log-prob of the pad token; callers cut at the completion length). A row
+    is NaN where ``generate`` returned tokens the capture did not see being sampled (a mocked or wrapped generate):
+    its pi_rollout is unknown.
 
     ``generate``'s return value is passed through unchanged (a plain tensor stays a tensor). Whatever ``generate``
     attribute the model instance had before (a user's or another library's wrapper) is what the wrapper calls, and
@@ -236,34 +240,3 @@ def capture_sampling_logprobs(
             vars(model).pop("generate", None)
         else:
             model.generate = previous
-
-
-def validate_rollout_logprobs(
-    completion_ids: list[list[int]], logprobs: list[list[float | None]] | None, source: str
-) -> None:
-    """Refuse missing, nested or misaligned rollout log-probs with an error naming the sample and the cause."""
-    if logprobs is None:
-        raise ValueError(
-            f"The rollout engine ({source}) returned no per-token log-probs, so pi_rollout is unknown and the rollout "
-            "correction cannot run. A rollout_func must return a 'logprobs' list (one float per completion token); "
-            "a vLLM server must run with --logprobs-mode processed_logprobs."
-        )
-    if len(logprobs) != len(completion_ids):
-        raise ValueError(f"The rollout engine ({source}) returned log-probs for {len(logprobs)} completions but "
-                         f"{len(completion_ids)} completions.")
-    for i, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
-        if lps is None:
-            raise ValueError(f"Sample {i}: the rollout engine ({source}) returned None instead of its log-prob list.")
-        if len(lps) != len(ids):
-            raise ValueError(
-                f"Sample {i}: {len(lps)} rollout log-probs for {len(ids)} completion tokens ({source}); they must be "
-                "aligned one per sampled token (no prompt tokens, no top-k lists).")
-        for t, lp in enumerate(lps):
-            if lp is not None and not isinstance(lp, (float, int)) and not (
-                isinstance(lp, torch.Tensor) and lp.ndim == 0
-            ):
-                raise ValueError(f"Sample {i}, token {t}: rollout log-prob {lp!r} is not a float ({source}); return a "
-                                 "flat list with the sampled token's log-prob, not a top-k list.")
-            if isinstance(lp, (float, int)) and lp > 1e-3 and math.isfinite(lp):
-                raise ValueError(f"Sample {i}, token {t}: rollout log-prob {lp} > 0 is not a log-probability ({source}); "
-                                 "pass log-probs, not probabilities or logits.")
