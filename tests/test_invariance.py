@@ -1,0 +1,140 @@
+"""Exact in every shape: one optimizer step does not depend on how its generation batch is split.
+
+A generation batch of 8 samples runs as 8x1, 2x4 and 1x8 (per_device_train_batch_size x gradient_accumulation_steps,
+steps_per_generation = gradient_accumulation_steps as in TRL's default). One plain SGD step (lr 0.5, no clipping) must
+give the same parameter update (relative difference <= 1e-5) and the same rollout_corr/* metrics, for every option
+whose statistics span the generation batch: IS batch normalization (token / sequence), RS and the veto with the
+kept-token normalizer of dapo / cispo / vespo, in decoupled and in bypass mode, with non-finite and missing rollout
+log-probs. The sampler is a fixed mismatched engine (a ``rollout_func``): the policy's own log-probs plus seeded
+noise, so the same samples and the same pi_rollout reach every split.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trainer_utils import LogCollector, count_policy_forwards, tiny_model_dir
+from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+from trl_rollout_corr.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
+
+TOK = build_tokenizer()
+SPLITS = [(8, 1), (2, 4), (1, 8)]  # (per_device_train_batch_size, gradient_accumulation_steps)
+ROWS = {"prompt": reverse_prompts(64, n_digits=4)}
+
+
+def mismatched_engine(noise=0.4, nan_every=0, missing_every=0):
+    """rollout_func: seeded completions; pi_rollout = the policy's log-prob + seeded noise (a fixed mismatch).
+
+    ``nan_every``: every k-th sample gets one token the engine could not score (None); ``missing_every``: every k-th
+    sample comes without log-probs at all.
+    """
+    def rollout_func(prompts, trainer):
+        seen: dict[str, int] = {}
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        for prompt in prompts:
+            copy_index = seen.get(prompt, 0)
+            seen[prompt] = copy_index + 1
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{prompt}|{copy_index}".encode()))
+            length = int(torch.randint(2, 7, (1,), generator=gen))
+            ids = torch.randint(4, 14, (length,), generator=gen).tolist()
+            prompt_ids = TOK(prompt)["input_ids"]
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1].double()
+            policy = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)  # (S,)
+            lps = (policy + noise * torch.randn(length, generator=gen, dtype=torch.float64)).clamp(max=-1e-4).tolist()
+            key = zlib.crc32(f"{prompt}|{copy_index}|k".encode())
+            if nan_every and key % nan_every == 0:
+                lps[length // 2] = None
+            if missing_every and key % missing_every == 1:
+                lps = None
+            out["prompt_ids"].append(prompt_ids)
+            out["completion_ids"].append(ids)
+            out["logprobs"].append(lps)
+        return out
+    return rollout_func
+
+
+CASES = {
+    "disabled": dict(preset="disabled"),
+    "seq_is_bn": dict(preset="decoupled_seq_is", rollout_is_batch_normalize=True),
+    "token_is_bn": dict(preset="decoupled_token_is", rollout_is_batch_normalize=True),
+    "token_is_token_rs_dapo": dict(preset="decoupled_token_is", rollout_rs="token", rollout_rs_threshold=2.0),
+    "geo_rs_veto_dapo": dict(preset="decoupled_geo_rs", rollout_rs_threshold=1.25, rollout_rs_threshold_lower=0.8,
+                             rollout_token_veto_threshold=0.3),
+    "token_is_bn_token_rs_cispo": dict(preset="decoupled_token_is", rollout_is_batch_normalize=True,
+                                       rollout_rs="token", rollout_rs_threshold=2.0, loss_type="cispo"),
+    "token_is_seq_rs_vespo": dict(preset="decoupled_token_is", rollout_rs="sequence", rollout_rs_threshold=3.0,
+                                  loss_type="vespo"),
+    "gspo_seq_is_bn": dict(preset="decoupled_seq_is", rollout_is_batch_normalize=True,
+                           importance_sampling_level="sequence", loss_type="grpo"),
+    "divergence_rs_dapo_beta": dict(preset="decoupled_token_is", rollout_rs_criteria="token_k3",
+                                    rollout_rs_criteria_threshold="0.05", beta=0.05),
+    "nan_rollout_dapo": dict(preset="decoupled_token_is", engine=dict(nan_every=3)),
+    "missing_rollout_bn_rs": dict(preset="decoupled_token_is", rollout_is_batch_normalize=True, rollout_rs="token",
+                                  rollout_rs_threshold=2.0, engine=dict(missing_every=4)),
+    "bypass_pg_rs_dapo": dict(preset="pg_rs", rollout_rs_threshold=1.25, rollout_rs_threshold_lower=0.8,
+                              rollout_token_veto_threshold=0.3),
+    "bypass_pg_is_bn": dict(preset="pg_is", rollout_is_batch_normalize=True),
+    "bypass_ppo_token_rs_dapo": dict(preset="ppo_is_bypass", rollout_rs="token", rollout_rs_threshold=2.0),
+}
+
+
+def one_sgd_step(out_dir, per_device, accumulation, model=None, preset=None, engine=None, **overrides):
+    """Parameters before and after one real ``train()`` step, the logs, and the policy's no-grad forwards."""
+    args = RolloutCorrGRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        num_generations=4, max_completion_length=6, max_steps=1, learning_rate=0.5, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, rollout_correction_preset=preset, **overrides)
+    collector = LogCollector()
+    trainer = RolloutCorrGRPOTrainer(
+        model=model or build_model(hidden_size=32), reward_funcs=reverse_reward, args=args,
+        train_dataset=Dataset.from_dict(ROWS), processing_class=TOK, rollout_func=mismatched_engine(**(engine or {})),
+        callbacks=[collector])
+    before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+    forwards = count_policy_forwards(trainer.model)
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    log = next(entry for entry in collector.logs if "loss" in entry)
+    return trainer, after - before, log, forwards["no_grad"]
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / a.double().norm()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
+    overrides = dict(CASES[case])
+    model = tiny_model_dir(tmp_path_factory.mktemp("model")) if overrides.get("beta") else None
+    runs = {}
+    for per_device, accumulation in SPLITS:
+        runs[(per_device, accumulation)] = one_sgd_step(tmp_path_factory.mktemp(case), per_device, accumulation,
+                                                        model=model, **overrides)
+    (base_trainer, base_update, base_log, _) = runs[SPLITS[0]]
+    assert base_update.abs().max() > 1e-4  # the step really moves the policy
+    metrics = {k: v for k, v in base_log.items() if k.startswith("rollout_corr/")}
+    assert len(metrics) >= 20
+    for split, (trainer, update, log, no_grad_forwards) in runs.items():
+        assert relative_difference(base_update, update) <= 1e-5, (split, relative_difference(base_update, update))
+        for name, value in metrics.items():
+            if name != "rollout_corr/all_rejected_micro_batches":  # a count of micro-batches, split by definition
+                assert log[name] == pytest.approx(value, rel=1e-5, abs=1e-7), (split, name)
+        # the pi_old forward runs only where pi_theta detached cannot give the generation batch's statistics
+        plan = trainer.correction_plan
+        assert no_grad_forwards == (split[1] if plan.at_generation else 0), split  # 8 rows in chunks of per_device
+        assert plan.at_generation == (bool(plan.batch_scope) and split[1] > 1), (split, plan)
+    if "rs" in case or "veto" in case:
+        assert 0 < metrics["rollout_corr/rejected_token_fraction"] < 1, metrics  # the masks really act
+    if "nan" in case:
+        assert metrics["rollout_corr/invalid_logprob_fraction"] > 0
+    if "missing" in case:
+        assert 0 < metrics["rollout_corr/missing_rollout_logprobs_fraction"] < 1
+    if "bn" in case:
+        assert not math.isclose(metrics["rollout_corr/rollout_is_batch_norm_factor"], 1.0, abs_tol=1e-3)

@@ -1,0 +1,113 @@
+"""Hooks that cannot drift: every assumption about TRL's internals fails loudly, naming TRL's version, when broken.
+
+Each test breaks one assumption the way a TRL release could (call order, an extra or a missing forward, the result
+of ``_generate``, the loss not asking for the forward, keys lost in buffering) and expects TrlInternalsChanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+import trl
+from trl import GRPOTrainer
+
+import trl_rollout_corr.trainer as trainer_module
+from test_trl_equivalence import ROWS, build, one_micro_batch
+from trainer_utils import tiny_model_dir
+from trl_rollout_corr import RolloutCorrGRPOTrainer
+from trl_rollout_corr._trl import TrlInternalsChanged, forward_input_names
+from trl_rollout_corr.tiny import build_model
+
+VERSION = re.escape(f"installed TRL {trl.__version__}")
+
+
+def trainer(tmp_path, **overrides):
+    return build(RolloutCorrGRPOTrainer, tmp_path, build_model(hidden_size=32), **overrides)
+
+
+def test_forward_inputs_are_read_from_trl():
+    """The model inputs TRL's loss passes to the forward are exactly the names read from its signature."""
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    call = source[source.index("self._get_per_token_logps_and_entropies("):]
+    call = call[:call.index("\n        )")]  # the policy forward's argument list
+    passed = set(re.findall(r"(\w+)=inputs\.get\(\"(\w+)\"\)", call))
+    assert passed and all(a == b for a, b in passed)
+    assert {a for a, _ in passed} == set(forward_input_names())
+
+
+def test_a_pi_old_forward_trl_no_longer_makes_is_an_error(tmp_path, monkeypatch):
+    t = trainer(tmp_path, preset="ppo_is_bypass", num_iterations=2)  # TRL runs its pi_old forward here
+    one_micro_batch(t, ROWS[:8])  # the expected call happens: fine
+    monkeypatch.setattr(trainer_module, "trl_runs_pi_old_forward", lambda trainer: False)
+    with pytest.raises(TrlInternalsChanged, match=f"unexpected forward.*{VERSION}"):
+        one_micro_batch(t, ROWS[:8])
+
+
+def test_a_missing_pi_old_forward_is_an_error(tmp_path, monkeypatch):
+    t = trainer(tmp_path, preset="ppo_is_bypass")  # TRL runs no pi_old forward here
+    monkeypatch.setattr(trainer_module, "trl_runs_pi_old_forward", lambda trainer: True)
+    with pytest.raises(TrlInternalsChanged, match=f"did not request the pi_old forward.*{VERSION}"):
+        one_micro_batch(t, ROWS[:8])
+
+
+def test_a_reference_forward_in_place_of_pi_old_is_an_error(tmp_path_factory, monkeypatch):
+    model_dir = tiny_model_dir(tmp_path_factory.mktemp("model"))
+    t = build(RolloutCorrGRPOTrainer, tmp_path_factory.mktemp("run"), model_dir, preset="ppo_is_bypass", beta=0.04)
+    one_micro_batch(t, ROWS[:8])  # the reference forward only: fine
+    monkeypatch.setattr(trainer_module, "trl_runs_pi_old_forward", lambda trainer: True)  # TRL's order changed
+    with pytest.raises(TrlInternalsChanged, match=f"forward of .* where this package expects the pi_old.*{VERSION}"):
+        one_micro_batch(t, ROWS[:8])
+
+
+def test_a_changed_generate_result_is_an_error(tmp_path, monkeypatch):
+    t = trainer(tmp_path)
+    original = GRPOTrainer._generate
+    monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, prompts: original(self, prompts)[:7])
+    with pytest.raises(TrlInternalsChanged, match=f"_generate returned tuple of length 7.*{VERSION}"):
+        one_micro_batch(t, ROWS[:8])
+
+
+def test_the_cached_forward_is_handed_over_once_and_only_for_the_same_tensors(tmp_path, monkeypatch):
+    t = trainer(tmp_path, preset="decoupled_token_is")
+    batch = one_micro_batch(t, ROWS[:8])
+    seen = []
+    original = GRPOTrainer._compute_loss
+
+    def compute_loss_with_an_extra_forward(self, model, inputs):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (B, P+T)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, P+T)
+        # same shapes, same model, other rows: must not be answered with the cached forward of this micro-batch
+        other = self._get_per_token_logps_and_entropies(model, ids.flip(0), mask.flip(0),
+                                                         inputs["completion_ids"].size(1))
+        seen.append(other)
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", compute_loss_with_an_extra_forward)
+    loss = t.compute_loss(t.model, batch)
+    assert torch.isfinite(loss)
+    logps = seen[0][0]  # a real forward of the flipped rows, not the cached one of this micro-batch
+    assert seen[0][1] is None  # TRL's own forward (no entropy asked): not the cached result
+    assert not torch.equal(logps, logps.flip(0))
+
+
+def test_a_loss_that_does_not_ask_for_the_forward_is_an_error(tmp_path, monkeypatch):
+    t = trainer(tmp_path, preset="decoupled_token_is")
+    batch = one_micro_batch(t, ROWS[:8])
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.zeros((), requires_grad=True))
+    with pytest.raises(TrlInternalsChanged, match=f"did not request the micro-batch's policy forward.*{VERSION}"):
+        t.compute_loss(t.model, batch)
+
+
+def test_correction_lost_in_buffering_is_an_error(tmp_path, monkeypatch):
+    import trl.trainer.grpo_trainer as grpo
+
+    t = trainer(tmp_path, preset="decoupled_token_is", num_iterations=2)  # corrected at generation time
+    original = grpo.split_tensor_dict
+    monkeypatch.setattr(grpo, "split_tensor_dict", lambda d, n: [
+        {k: v for k, v in part.items() if not k.startswith("rc_")} for part in original(d, n)])
+    batch = one_micro_batch(t, ROWS[:8])
+    with pytest.raises(TrlInternalsChanged, match=f"rc_keep_mask.*did not reach compute_loss.*{VERSION}"):
+        t.compute_loss(t.model, batch)
