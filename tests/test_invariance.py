@@ -138,3 +138,38 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
         assert 0 < metrics["rollout_corr/missing_rollout_logprobs_fraction"] < 1
     if "bn" in case:
         assert not math.isclose(metrics["rollout_corr/rollout_is_batch_norm_factor"], 1.0, abs_tol=1e-3)
+
+
+TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", "bypass_pg_rs_dapo",
+                     "missing_rollout_bn_rs"]
+
+
+def test_two_processes_give_the_one_process_step(tmp_path):
+    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_distributed import _free_port
+
+    tests = Path(__file__).resolve().parent
+    out = tmp_path / "two.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_ROLLOUT_CORR_NO_VLLM": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(tests.parent), os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(tests / "invariance_worker.py"), str(out), "--cases", ",".join(TWO_PROCESS_CASES)]
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = torch.load(out)
+    for case in TWO_PROCESS_CASES:
+        _, base_update, base_log, _ = one_sgd_step(tmp_path / case, 8, 1, disable_tqdm=True, **CASES[case])
+        base = {k: v for k, v in base_log.items() if k.startswith("rollout_corr/")}
+        assert set(results[case]) == {"4x1", "2x2", "1x4"}
+        for split, run in results[case].items():
+            assert run["world_size"] == 2
+            assert run["at_generation"] == (split != "4x1")  # a generation-batch statistic, 4 samples per process
+            assert relative_difference(base_update, run["update"]) <= 1e-5, (case, split)
+            for name, value in base.items():
+                if name != "rollout_corr/all_rejected_micro_batches":
+                    assert run["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (case, split, name)

@@ -1,0 +1,48 @@
+"""One SGD step per (case, split) under torchrun: the two-process half of tests/test_invariance.py.
+
+Usage: torchrun --nproc_per_node 2 invariance_worker.py OUT.pt --cases a,b --splits 4x1,2x2,1x4
+
+Each case of ``test_invariance.CASES`` runs one real ``train()`` step for every split (per-device batch x
+gradient accumulation; the global generation batch is 8 samples over the two processes). Rank 0 saves
+{case: {split: {"update": flat parameter update, "metrics": rollout_corr/* of the step, "world_size": n}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+
+from test_invariance import CASES, one_sgd_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--splits", default="4x1,2x2,1x4")
+    opts = parser.parse_args()
+    results: dict = {}
+    root = tempfile.mkdtemp(prefix=f"invariance_rank{os.environ.get('RANK', '0')}_")
+    for case in opts.cases.split(","):
+        for split in opts.splits.split(","):
+            per_device, accumulation = (int(x) for x in split.split("x"))
+            trainer, update, log, forwards = one_sgd_step(os.path.join(root, f"{case}_{split}"), per_device,
+                                                          accumulation, disable_tqdm=True, **CASES[case])
+            results.setdefault(case, {})[split] = {
+                "update": update, "world_size": trainer.accelerator.num_processes, "no_grad_forwards": forwards,
+                "at_generation": trainer.correction_plan.at_generation,
+                "metrics": {k: v for k, v in log.items() if k.startswith("rollout_corr/")}}
+            if trainer.accelerator.is_main_process:
+                torch.save(results, opts.out)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # tear down before exit (gloo threads were seen to abort)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
