@@ -63,8 +63,8 @@ def run_variant(opts) -> dict:
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
-    from trl_rollout_corr.profiling import count_host_syncs
-    from trl_rollout_corr.tiny import build_tokenizer, reverse_prompts
+    from profiling import count_host_syncs
+    from trl_rollout_corr.demo.tiny import build_tokenizer, reverse_prompts
 
     if opts.threads:
         torch.set_num_threads(opts.threads)

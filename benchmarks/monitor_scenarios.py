@@ -43,7 +43,7 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
-    from trl_rollout_corr.tiny import (build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward,
+    from trl_rollout_corr.demo.tiny import (build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward,
                                        supervised_warmup)
     from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
@@ -167,7 +167,7 @@ def load_traces(traces: str, scenarios: list[str], seeds: list[int]) -> dict[str
 
 
 def replay_table(by_scenario: dict[str, list[dict]], every_list: list[int], **monitor_kwargs) -> str:
-    from trl_rollout_corr.monitor_replay import aggregate, replay
+    from trl_rollout_corr.monitor.replay import aggregate, replay
 
     lines = ["| scenario | held-out reward (step 0 -> 150, mean) | logging | alerts / 100 steps (per seed) "
              "| first alert step (per seed) | alerts | stopped by (stop_on_alert=True) |",

@@ -5,12 +5,17 @@ per micro-batch; those syncs are TRL's and are the same in both trainers. This p
 log (all rollout_corr/* metrics in one transfer), nothing per micro-batch.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 from trl import GRPOConfig, GRPOTrainer
 
 from test_rollout_func import build, make_rollout_func
-from trl_rollout_corr.profiling import count_host_syncs
-from trl_rollout_corr.tiny import reverse_reward
+from trl_rollout_corr.demo.tiny import reverse_reward
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from profiling import count_host_syncs  # noqa: E402  (a measuring tool: it patches torch.Tensor while open)
 
 STEPS = 4
 

@@ -15,8 +15,8 @@ import pytest
 
 from trainer_utils import make_trainer
 from trl_rollout_corr import RolloutCorrectionMonitor
-from trl_rollout_corr.monitor_replay import aggregate, replay
-from trl_rollout_corr.monitor_rules import ALERTS, AlertRules
+from trl_rollout_corr.monitor.replay import aggregate, replay
+from trl_rollout_corr.monitor.rules import ALERTS, AlertRules
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")

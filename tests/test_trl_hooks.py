@@ -19,7 +19,7 @@ from test_trl_equivalence import ROWS, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
 from trl_rollout_corr._trl import TrlInternalsChanged, forward_input_names
-from trl_rollout_corr.tiny import build_model
+from trl_rollout_corr.demo.tiny import build_model
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
 

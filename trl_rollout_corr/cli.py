@@ -57,7 +57,7 @@ def tensor_demo(preset: str) -> None:
 def parse_train_args(argv: list[str]):
     from trl import ModelConfig, TrlParser
 
-    from .monitor_args import MonitorArguments
+    from .monitor.args import MonitorArguments
     from .trainer import RolloutCorrGRPOConfig
 
     parser = TrlParser((ScriptArguments, RolloutCorrGRPOConfig, ModelConfig, MonitorArguments))
@@ -76,7 +76,7 @@ def train(argv: list[str]) -> None:
 
     from .rewards import REWARDS
     from .rollout.emulated import EmulatedRolloutEngine
-    from .tiny import reverse_prompts
+    from .demo.tiny import reverse_prompts
     from .trainer import RolloutCorrGRPOTrainer
 
     if script_args.reward not in REWARDS:

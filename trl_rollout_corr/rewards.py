@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .tiny import reverse_reward
+from .demo.tiny import reverse_reward
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .monitor_rules import ALERTS, DEFAULTS, validate, validate_stop_on_alert
+from .rules import ALERTS, DEFAULTS, validate, validate_stop_on_alert
 
 _PREFIX = "rollout_corr_monitor_"
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off", "")
@@ -72,7 +72,7 @@ class MonitorArguments:
         """The configured monitor, or None when switched off; the lag of an emulated engine is known."""
         if not self.rollout_corr_monitor:
             return None
-        from .monitor import RolloutCorrectionMonitor
+        from .callback import RolloutCorrectionMonitor
 
         lag = self.rollout_corr_monitor_lag
         if lag is None and rollout_engine:

@@ -52,7 +52,7 @@ def replay(rows: Iterable[dict[str, float]], monitor: Any = None, bypass: bool =
     """
     from transformers import TrainerControl, TrainerState
 
-    from .monitor import RolloutCorrectionMonitor
+    from .callback import RolloutCorrectionMonitor
 
     if monitor is None:
         monitor = RolloutCorrectionMonitor(**{"write_csv": False, "write_plot": False, **monitor_kwargs})

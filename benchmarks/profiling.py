@@ -1,4 +1,5 @@
-"""Counting host synchronizations requested by this package's code (for the benchmark and a test).
+"""Counting host synchronizations requested by trl_rollout_corr's code (a measuring tool for bench_step.py and
+tests/test_host_syncs.py; it patches ``torch.Tensor`` methods while open, so it lives outside the library).
 
 On a GPU, ``Tensor.item``/``cpu``/``numpy``/``tolist``/``bool``/``float``/``int`` of a device tensor blocks until
 the device catches up. :func:`count_host_syncs` wraps them and counts the calls whose caller lives in
@@ -18,8 +19,10 @@ from typing import Iterator
 
 import torch
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_EXCLUDED = tuple(os.path.join(_PACKAGE_DIR, name) for name in ("profiling.py", "demo.py", "tiny.py", "cli.py"))
+import trl_rollout_corr
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(trl_rollout_corr.__file__))
+_EXCLUDED = tuple(os.path.join(_PACKAGE_DIR, name) for name in ("demo", "cli.py"))  # not the training path
 _METHODS = ("item", "cpu", "numpy", "tolist", "__bool__", "__float__", "__int__")
 
 

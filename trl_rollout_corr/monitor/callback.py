@@ -1,7 +1,7 @@
 """RolloutCorrectionMonitor: warn (and optionally stop) when the correction fails, not when a mismatch exists.
 
 A ``transformers.TrainerCallback`` that reads the logged metrics. Alerts are outcomes and failure modes of the
-correction (rules and formulas in :mod:`trl_rollout_corr.monitor_rules`; every window is in optimizer steps):
+correction (rules and formulas in :mod:`trl_rollout_corr.monitor.rules`; every window is in optimizer steps):
 
 * ``policy_collapse``: the smoothed reward falls well below the run's own recent best while the entropy rises or
   the effective sample size collapses; the message names a cause only where the evidence supports one (a bypass
@@ -34,7 +34,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .monitor_rules import ALERTS, DEFAULTS, AlertRules, validate, validate_stop_on_alert
+from .rules import ALERTS, DEFAULTS, AlertRules, validate, validate_stop_on_alert
 
 logger = logging.getLogger(__name__)
 CSV_NAME = "rollout_corr_metrics.csv"

@@ -43,10 +43,10 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from .monitor import RolloutCorrectionMonitor
-    from .rollout.emulated import EmulatedRolloutEngine
+    from ..monitor import RolloutCorrectionMonitor
+    from ..rollout.emulated import EmulatedRolloutEngine
     from .tiny import build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward, supervised_warmup
-    from .trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+    from ..trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
     logging.getLogger("trl_rollout_corr.monitor").setLevel(logging.ERROR)  # alerts go to the table, not stderr
@@ -132,7 +132,7 @@ def run_grid(variants: list[str], seeds: list[int], steps: int, lag: int, engine
             while todo and len(running) < jobs:
                 variant, seed = todo.pop(0)
                 out = os.path.join(output_dir, f"run_{variant}_seed{seed}.json")
-                cmd = [sys.executable, "-m", "trl_rollout_corr.demo", "--worker", variant, "--seed", str(seed),
+                cmd = [sys.executable, "-m", "trl_rollout_corr.demo.run", "--worker", variant, "--seed", str(seed),
                        "--steps", str(steps), "--lag", str(lag), "--engine", engine, "--eval_every", str(eval_every),
                        "--out", out]
                 running.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
@@ -232,9 +232,9 @@ def int8_diagnostics(steps: int = 20) -> str:
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from .rollout.emulated import EmulatedRolloutEngine
+    from ..rollout.emulated import EmulatedRolloutEngine
     from .tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward, supervised_warmup
-    from .trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+    from ..trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(2)
