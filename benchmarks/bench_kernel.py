@@ -5,7 +5,7 @@ and writing the weights and the kept mask once, 20 bytes per token in fp32. The 
 on the same device (the achievable memory bandwidth) and reports each configuration as a fraction of it.
 
     python benchmarks/bench_kernel.py                          # CPU: B=64, T=2048
-    python benchmarks/bench_kernel.py --device cuda            # GPU: B=512, T=8192 (the issue's shape)
+    python benchmarks/bench_kernel.py --device cuda            # GPU: B=512, T=8192 (a long-context training batch)
     python benchmarks/bench_kernel.py --compile                # also torch.compile the core
 """
 

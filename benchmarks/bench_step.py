@@ -6,7 +6,7 @@ optimizer. The baseline ``trl_vllm_is`` is TRL 1.16's GRPOTrainer on its vLLM pa
 it runs the no-grad pi_old forward every step (the vLLM flags are set on the instance; the weight sync is a no-op).
 ``trl_no_old`` is TRL without that forward: the floor a bypass mode can reach.
 
-The default-configuration comparison (issue 13): TRL's defaults (gradient_accumulation_steps=1, num_iterations=1)
+The default-configuration comparison: TRL's defaults (gradient_accumulation_steps=1, num_iterations=1)
 let ``decoupled_token_is`` run "free" (pi_old = pi_theta at the loss, no pi_old forward), while TRL's vLLM IS path
 always pays that forward; ``decoupled_token_is_forward`` forces the forward (the path used when
 num_iterations > 1 or steps_per_generation > gradient_accumulation_steps) for comparison. Goal: decoupled_token_is

@@ -1,6 +1,6 @@
-"""Independent float64 re-derivation of the seeds' formulas, one sequence at a time, in plain Python.
+"""Independent float64 re-derivation of the correction's formulas, one sequence at a time, in plain Python.
 
-Written from SPEC section 3/5 and the math seed, not from the package code: loops and lists, no torch.
+Written from the formulas of the rollout-correction math document, not from the package code: loops and lists, no torch.
 """
 
 import math

@@ -137,7 +137,7 @@ def test_capture_keeps_at_most_one_score_buffer(model, prompt):
     assert max(captured) <= max(plain) + 1, (plain, captured)
 
 
-# ---------------------------------------------------------------------------------------------- issue 15, items 3-5
+# ---------------------------------------------------------------------------------------------- plain tensors, instance generate, beam search
 class PlainTensorGenerate(Qwen2ForCausalLM):
     """A custom generate that always returns a plain tensor (remote-code / wrapped generate style)."""
 

@@ -1,4 +1,4 @@
-"""Hand-computed cases, the seeds' worked examples, extremes, empty / invalid inputs."""
+"""Hand-computed cases, the math document's worked examples, extremes, empty / invalid inputs."""
 
 import math
 

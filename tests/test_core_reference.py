@@ -93,3 +93,14 @@ def test_samples_without_rollout_logprobs_stay_uncorrected(rollout_is, rs, veto,
     assert_metrics_close(metrics, rmetrics)
     assert metrics["rollout_corr/missing_rollout_logprobs_fraction"] == pytest.approx(2 / 6)
     assert metrics["rollout_corr/invalid_logprob_fraction"] == 0.0  # missing is not invalid
+
+
+def test_compute_offpolicy_metrics_matches_the_reference_diagnostics():
+    from trl_rollout_corr import compute_offpolicy_metrics
+    from trl_rollout_corr.core.metrics import OFFPOLICY_METRICS
+
+    old, rollout, mask = make_batch(3, spread=0.8)
+    got = compute_offpolicy_metrics(old, rollout, mask)
+    _, _, want = reference(old.double().tolist(), rollout.double().tolist(), mask.tolist())
+    assert set(got) == {f"rollout_corr/{k}" for k in OFFPOLICY_METRICS}
+    assert_metrics_close(got, {k: want[k] for k in got})

@@ -1,4 +1,4 @@
-"""A drop-in for TRL's GRPOTrainer (issue 15).
+"""A drop-in for TRL's GRPOTrainer.
 
 * Equivalence: with the ``disabled`` preset (no weights, nothing rejected), loss, gradients and every metric TRL logs
   equal TRL 1.16's own ``GRPOTrainer`` on the same micro-batch, for every loss type and TRL option.
@@ -183,7 +183,7 @@ def test_disabled_preset_equals_trl_with_trl_options(tmp_path_factory, case):
 
 def test_disabled_preset_equals_trl_with_moe_aux_loss(tmp_path):
     ours, metrics, _ = assert_same_as_trl(tmp_path, model_factory=build_moe_model, loss_type="grpo")
-    assert ours.aux_loss_enabled and "aux_loss" in metrics  # issue 15 item 2: aux_loss is logged
+    assert ours.aux_loss_enabled and "aux_loss" in metrics  # aux_loss is logged, as TRL logs it
 
 
 def test_train_logs_equal_trl(tmp_path):
@@ -201,7 +201,7 @@ def test_train_logs_equal_trl(tmp_path):
     assert len(theirs) == len(ours) == 2
     timing = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
     for t_log, o_log in zip(theirs, ours):
-        assert {"clip_ratio/low_min", "clip_ratio/high_max", "entropy"} <= set(t_log)  # issue 15 item 2
+        assert {"clip_ratio/low_min", "clip_ratio/high_max", "entropy"} <= set(t_log)  # TRL's per-sequence clip metrics
         for key, value in t_log.items():
             if key not in timing:
                 assert o_log[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

@@ -1,14 +1,13 @@
 """Pure tensor math of rollout correction. No TRL import lives below this package."""
 
+from .metrics import compute_offpolicy_metrics, finalize_stats
 from .pipeline import compute_rollout_correction_and_rejection_mask, compute_rollout_correction_stats
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask
-from .weights import SAFETY_BOUND, batch_normalize_weights, compute_rollout_correction_weights
-from .metrics import compute_offpolicy_metrics, finalize_stats
-from .stats import RolloutStats, merge_stats
+from .stats import RolloutStats
+from .weights import SAFETY_BOUND, compute_rollout_correction_weights
 
 __all__ = [
     "SAFETY_BOUND",
-    "batch_normalize_weights",
     "compute_offpolicy_metrics",
     "compute_rollout_correction_and_rejection_mask",
     "compute_rollout_correction_stats",
@@ -16,6 +15,5 @@ __all__ = [
     "compute_rollout_rejection_mask",
     "compute_veto_mask",
     "finalize_stats",
-    "merge_stats",
     "RolloutStats",
 ]

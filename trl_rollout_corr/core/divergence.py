@@ -13,7 +13,7 @@ Criteria (several may be combined; a token is kept only if every criterion keeps
 
 k1 thresholds are bounds on the ratio exp(-statistic): ``"lower_upper"`` (e.g. ``"0.5_2.0"``) or a bare
 ``upper`` (lower = 1/upper); keep iff lower <= exp(-k1) <= upper, compared in clamped log space. So token_k1,
-seq_sum_k1 and seq_mean_k1 equal the seeds' token, sequence and geometric RS. k2/k3 thresholds are one upper bound:
+seq_sum_k1 and seq_mean_k1 equal the token, sequence and geometric RS levels. k2/k3 thresholds are one upper bound:
 keep iff statistic <= upper.
 
 Pure tensor functions; no TRL import.

@@ -69,14 +69,6 @@ class RolloutStats:
         return dict(zip(keys, host))
 
 
-def merge_stats(*stats: RolloutStats) -> RolloutStats:
-    """Combine several :class:`RolloutStats` into a new one."""
-    merged = RolloutStats()
-    for s in stats:
-        merged.update(s)
-    return merged
-
-
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum_{i,t} x_{i,t} m_{i,t} in float64 (0-dim)."""
     return torch.where(mask, x, torch.zeros_like(x)).sum(dtype=STAT_DTYPE)

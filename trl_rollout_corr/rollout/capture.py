@@ -35,21 +35,6 @@ import torch
 from transformers import GenerationMixin, LogitsProcessor, StoppingCriteria
 
 
-def sampled_token_logprobs(scores: tuple[torch.Tensor, ...], generated_ids: torch.Tensor) -> torch.Tensor:
-    """log pi_rollout(a_t | s_t) = log_softmax(scores_t)[a_t] for every generated step.   (B, S)
-
-    ``scores``: S tensors of shape (B, V) (processed logits, e.g. ``generate(output_scores=True).scores``);
-    ``generated_ids``: (B, S). The all-at-once form of what :func:`capture_sampling_logprobs` records step by step.
-    """
-    steps = [
-        torch.log_softmax(step_scores.float(), dim=-1).gather(-1, generated_ids[:, t : t + 1])  # (B, 1)
-        for t, step_scores in enumerate(scores)
-    ]
-    if not steps:
-        return generated_ids.new_zeros(generated_ids.shape, dtype=torch.float32)
-    return torch.cat(steps, dim=1)  # (B, S)
-
-
 def refuse_beam_search(num_beams: Any) -> None:
     """Beam search has no per-token sampling distribution, hence no pi_rollout: refuse it, naming the fix."""
     if num_beams is not None and int(num_beams) > 1:
