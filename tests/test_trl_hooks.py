@@ -18,7 +18,7 @@ import trl_rollout_corr.trainer as trainer_module
 from test_trl_equivalence import ROWS, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
-from trl_rollout_corr._trl import TrlInternalsChanged, forward_input_names
+from trl_rollout_corr._trl import TrlInternalsChanged, forward_input_names, kept_token_normalizer_losses
 from trl_rollout_corr.demo.tiny import build_model
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
@@ -36,6 +36,20 @@ def test_forward_inputs_are_read_from_trl():
     passed = set(re.findall(r"(\w+)=inputs\.get\(\"(\w+)\"\)", call))
     assert passed and all(a == b for a, b in passed)
     assert {a for a, _ in passed} == set(forward_input_names())
+
+
+def test_the_kept_token_normalizer_losses_are_read_from_trl(monkeypatch):
+    assert kept_token_normalizer_losses() == ("cispo", "dapo", "vespo")
+
+    def compute_loss_without_that_branch(self, model, inputs):
+        if self.loss_type in ["grpo"]:
+            return inputs["advantages"].sum()
+        else:
+            raise ValueError(self.loss_type)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", compute_loss_without_that_branch)
+    with pytest.raises(TrlInternalsChanged, match=f"divides by.*num_items_in_batch.*{VERSION}"):
+        kept_token_normalizer_losses.__wrapped__()
 
 
 def test_a_pi_old_forward_trl_no_longer_makes_is_an_error(tmp_path, monkeypatch):

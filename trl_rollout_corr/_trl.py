@@ -10,7 +10,8 @@ Written against TRL 1.16. What is assumed, and how it is checked:
   those calls from an explicit list of expected calls and raises on any other order, model or count.
 * The model-input keyword arguments of a forward are the parameters of ``_get_per_token_logps_and_entropies``
   after its control arguments: :func:`forward_input_names` reads them from TRL's signature.
-* ``dapo``, ``cispo`` and ``vespo`` divide by ``num_items_in_batch`` (``KEPT_TOKEN_NORMALIZER_LOSSES``).
+* The loss types whose ``_compute_loss`` divides by ``num_items_in_batch`` (``dapo``, ``cispo``, ``vespo`` in TRL
+  1.16): :func:`kept_token_normalizer_losses` reads them from the source of TRL's ``_compute_loss``.
 * Keys added to the output of ``_generate_and_score_completions`` (tensors with a leading batch dimension) reach
   ``compute_loss`` through TRL's shuffling and splitting: the trainer checks that they arrive.
 
@@ -20,7 +21,9 @@ A failed check raises :class:`TrlInternalsChanged`, naming the installed TRL ver
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -29,7 +32,6 @@ import torch
 TESTED_TRL = "1.16"
 GENERATE_FIELDS = ("prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images",
                    "tool_images")
-KEPT_TOKEN_NORMALIZER_LOSSES = ("cispo", "dapo", "vespo")  # _compute_loss: ... / num_items_in_batch
 _FORWARD_CONTROL_ARGS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                          "compute_entropy", "compute_aux_loss")
 
@@ -53,6 +55,19 @@ def forward_input_names() -> tuple[str, ...]:
         raise TrlInternalsChanged(f"GRPOTrainer._get_per_token_logps_and_entropies takes {params}, expected "
                                   f"{list(_FORWARD_CONTROL_ARGS)} first")
     return tuple(params[len(_FORWARD_CONTROL_ARGS):])
+
+
+@functools.lru_cache(maxsize=1)
+def kept_token_normalizer_losses() -> tuple[str, ...]:
+    """The loss types whose ``GRPOTrainer._compute_loss`` divides by ``num_items_in_batch``, read from its source."""
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    for match in re.finditer(r"self\.loss_type in \[([^\]]*)\]:(.*?)(?=\n\s*elif |\n\s*else:)", source, re.S):
+        if 'inputs["num_items_in_batch"]' in match.group(2):
+            return tuple(sorted(re.findall(r"[\"'](\w+)[\"']", match.group(1))))
+    raise TrlInternalsChanged("GRPOTrainer._compute_loss has no loss-type branch that divides by "
+                              "inputs['num_items_in_batch']")
 
 
 def trl_runs_pi_old_forward(trainer: Any) -> bool:

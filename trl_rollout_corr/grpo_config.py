@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ._trl import KEPT_TOKEN_NORMALIZER_LOSSES
+from ._trl import kept_token_normalizer_losses
 from .config import RolloutCorrectionConfig, none_if_unset
 from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
 
@@ -91,7 +91,7 @@ class RolloutCorrGRPOConfig(GRPOConfig):
             self.rollout_correction, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
-            kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES)
+            kept_token_normalizer_losses=kept_token_normalizer_losses())
 
     def resolve_rollout_correction(self) -> RolloutCorrectionConfig:
         if self.rollout_correction_config:

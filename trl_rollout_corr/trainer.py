@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from trl import GRPOConfig, GRPOTrainer
 
-from ._trl import (KEPT_TOKEN_NORMALIZER_LOSSES, TrlForwardCalls, TrlInternalsChanged, forward_input_names,
+from ._trl import (TrlForwardCalls, TrlInternalsChanged, forward_input_names, kept_token_normalizer_losses,
                    trl_runs_pi_old_forward, unpack_generate_result)
 from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
@@ -210,7 +210,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 if value is not None:
                     output[key] = value  # (B, T)
             output["num_items_in_batch"] = self.accelerator.gather(correction.keep.sum()).sum()  # kept tokens, global
-        elif self.loss_type in KEPT_TOKEN_NORMALIZER_LOSSES:  # samples with a non-finite pi_rollout leave the count
+        elif self.loss_type in kept_token_normalizer_losses():  # samples with a non-finite pi_rollout leave the count
             usable = rollout_usable_mask(output["sampling_per_token_logps"], loss_mask, output["rc_rollout_seen"])
             output["num_items_in_batch"] = self.accelerator.gather(usable.sum()).sum()
         return output
@@ -325,7 +325,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             patched["importance_sampling_ratio"] = correction.sampler_ratio  # (B, T), read by VESPO only
         sampling = patched["sampling_per_token_logps"]  # (B, T) read by TRL's off-policy mask only
         patched["sampling_per_token_logps"] = torch.where(torch.isfinite(sampling), sampling, logps.detach())
-        if whole_batch and cfg.masks_tokens and self.loss_type in KEPT_TOKEN_NORMALIZER_LOSSES:
+        if whole_batch and cfg.masks_tokens and self.loss_type in kept_token_normalizer_losses():
             # the micro-batch is the whole generation batch here (plan): its kept tokens, across processes
             patched["num_items_in_batch"] = self._rc_reduce(kept_mask.sum().to(torch.float32), "sum")
         return patched
