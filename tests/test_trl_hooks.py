@@ -123,5 +123,5 @@ def test_correction_lost_in_buffering_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "split_tensor_dict", lambda d, n: [
         {k: v for k, v in part.items() if not k.startswith("rc_")} for part in original(d, n)])
     batch = one_micro_batch(t, ROWS[:8])
-    with pytest.raises(TrlInternalsChanged, match=f"rc_keep_mask.*did not reach compute_loss.*{VERSION}"):
+    with pytest.raises(TrlInternalsChanged, match=f"rc_rollout_seen, rc_keep_mask.*did not reach compute_loss.*{VERSION}"):
         t.compute_loss(t.model, batch)

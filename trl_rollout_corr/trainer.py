@@ -275,8 +275,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """TRL's own loss on the corrected micro-batch (see :mod:`trl_rollout_corr.losses`)."""
         mode = self._mode()
         carried = mode == "train" and self.correction_plan.at_generation
-        if carried and "rc_keep_mask" not in inputs:
-            raise TrlInternalsChanged("the correction computed at generation time (rc_keep_mask) did not reach "
+        lost = [k for k in ("rc_rollout_seen", "rc_keep_mask" if carried else None) if k and k not in inputs]
+        if lost:
+            raise TrlInternalsChanged(f"{', '.join(lost)}, added to the generation batch by this trainer, did not reach "
                                       "compute_loss through TRL's buffering of the generation batch")
         completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # (B, P+T)
