@@ -18,7 +18,8 @@ import trl_rollout_corr.trainer as trainer_module
 from test_trl_equivalence import ROWS, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
-from trl_rollout_corr._trl import TrlInternalsChanged, forward_input_names, kept_token_normalizer_losses
+from trl_rollout_corr._trl import (TrlInternalsChanged, forward_input_names, generate_result_fields,
+                                   kept_token_normalizer_losses)
 from trl_rollout_corr.demo.tiny import build_model
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
@@ -82,6 +83,19 @@ def test_a_changed_generate_result_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, prompts: original(self, prompts)[:7])
     with pytest.raises(TrlInternalsChanged, match=f"_generate returned tuple of length 7.*{VERSION}"):
         one_micro_batch(t, ROWS[:8])
+
+
+def test_the_generate_result_fields_are_read_from_trl(monkeypatch):
+    assert generate_result_fields() == ("prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs",
+                                        "extra_fields", "images", "tool_images")
+
+    def generate_returning_other_names(self, prompts):
+        ids, lps = [], []
+        return ids, lps
+
+    monkeypatch.setattr(GRPOTrainer, "_generate", generate_returning_other_names)
+    with pytest.raises(TrlInternalsChanged, match=f"names \\('ids', 'lps'\\).*{VERSION}"):
+        generate_result_fields.__wrapped__()
 
 
 def test_the_cached_forward_is_handed_over_once_and_only_for_the_same_tensors(tmp_path, monkeypatch):

@@ -2,8 +2,8 @@
 
 Written against TRL 1.16. What is assumed, and how it is checked:
 
-* ``_generate(prompts)`` returns the 8-tuple ``GENERATE_FIELDS``: :func:`unpack_generate_result` checks its length
-  and the types of the fields read.
+* ``_generate(prompts)`` returns a tuple whose field names :func:`generate_result_fields` reads from the ``return``
+  statement of TRL's source; :func:`unpack_generate_result` checks the length and the types of the fields read.
 * ``_generate_and_score_completions`` asks ``_get_per_token_logps_and_entropies`` for the pi_old forward (under
   TRL's own condition, :func:`trl_runs_pi_old_forward`) and then the reference-model forward (``beta != 0``), both
   without grad; ``_compute_loss`` asks it once for the micro-batch's policy forward. :class:`TrlForwardCalls` answers
@@ -30,8 +30,6 @@ from typing import Any, Callable, Iterator
 import torch
 
 TESTED_TRL = "1.16"
-GENERATE_FIELDS = ("prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images",
-                   "tool_images")
 _FORWARD_CONTROL_ARGS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                          "compute_entropy", "compute_aux_loss")
 
@@ -70,6 +68,19 @@ def kept_token_normalizer_losses() -> tuple[str, ...]:
                               "inputs['num_items_in_batch']")
 
 
+@functools.lru_cache(maxsize=1)
+def generate_result_fields() -> tuple[str, ...]:
+    """The names of the values ``GRPOTrainer._generate`` returns, in order, read from its ``return`` statement."""
+    from trl import GRPOTrainer
+
+    returns = re.findall(r"\n\s*return ([\w, ]+)\n", inspect.getsource(GRPOTrainer._generate))
+    fields = tuple(name.strip() for name in returns[-1].split(",")) if returns else ()
+    if not {"completion_ids", "logprobs"} <= set(fields):
+        raise TrlInternalsChanged(f"GRPOTrainer._generate's return statement names {fields or 'nothing'}, without "
+                                  "completion_ids and logprobs")
+    return fields
+
+
 def trl_runs_pi_old_forward(trainer: Any) -> bool:
     """TRL's own condition for computing old_per_token_logps in ``_generate_and_score_completions``."""
     generate_every = trainer.args.steps_per_generation * trainer.num_iterations
@@ -78,17 +89,18 @@ def trl_runs_pi_old_forward(trainer: Any) -> bool:
 
 
 def unpack_generate_result(result: Any) -> dict[str, Any]:
-    """``GRPOTrainer._generate``'s tuple as a dict, after checking its shape."""
-    if not isinstance(result, tuple) or len(result) != len(GENERATE_FIELDS):
+    """``GRPOTrainer._generate``'s tuple as a dict named by :func:`generate_result_fields`, after checking it."""
+    names = generate_result_fields()
+    if not isinstance(result, tuple) or len(result) != len(names):
         raise TrlInternalsChanged(f"GRPOTrainer._generate returned {type(result).__name__} of length "
-                                  f"{len(result) if isinstance(result, tuple) else '?'}, expected the 8-tuple "
-                                  f"{GENERATE_FIELDS}")
-    fields = dict(zip(GENERATE_FIELDS, result))
+                                  f"{len(result) if isinstance(result, tuple) else '?'}, expected the "
+                                  f"{len(names)}-tuple {names} its source returns")
+    fields = dict(zip(names, result))
     completion_ids, logprobs = fields["completion_ids"], fields["logprobs"]
     if not isinstance(completion_ids, list) or (logprobs is not None and not isinstance(logprobs, list)):
         raise TrlInternalsChanged(f"GRPOTrainer._generate returned completion_ids of type "
-                                  f"{type(completion_ids).__name__} and logprobs of type {type(logprobs).__name__} "
-                                  "at positions 1 and 4, expected lists")
+                                  f"{type(completion_ids).__name__} and logprobs of type {type(logprobs).__name__}, "
+                                  "expected lists")
     return fields
 
 
