@@ -19,7 +19,7 @@ import torch
 from datasets import Dataset
 
 from tool_task import PROMPTS, Counter, build_tool_model, build_tool_tokenizer
-from trainer_utils import LogCollector
+from trainer_utils import LogCollector, spy_batches
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 
@@ -52,19 +52,6 @@ def make(tmp_path, tool_task, per_device=4, max_steps=2, rollout_sampler=None, *
             train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 8]}),
             environment_factory=Counter, callbacks=[collector], rollout_sampler=rollout_sampler)
     return trainer, collector
-
-
-def spy_batches(trainer):
-    batches = []
-    original = trainer._generate_and_score_completions
-
-    def spy(inputs):
-        out = original(inputs)
-        batches.append(out)
-        return out
-
-    trainer._generate_and_score_completions = spy
-    return batches
 
 
 def train_logs(collector):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainer_utils import make_trainer, tiny_model_dir
+from trainer_utils import make_trainer, spy_batches, tiny_model_dir
 from trl_rollout_corr import RolloutCorrectionConfig, RolloutCorrGRPOConfig
 from trl_rollout_corr.core.metrics import OFFPOLICY_METRICS, WEIGHT_FAMILY_METRICS
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
@@ -49,18 +49,10 @@ def test_every_preset_trains_and_logs_full_metric_set(preset, tmp_path):
 def test_alignment_on_policy_fp32(tmp_path, source):
     trainer, col = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1, pi_old_source=source)
     assert trainer.correction_plan.pi_old == ("pi_theta" if source == "free" else "forward")
-    free = source == "free"
-    captured = {}
-    original = trainer._generate_and_score_completions
-
-    def spy(inputs):
-        out = original(inputs)
-        captured.update(out)
-        return out
-
-    trainer._generate_and_score_completions = spy
+    batches = spy_batches(trainer)
     trainer.train()
-    if not free:
+    if source == "forward":
+        captured = batches[0]
         mask = captured["completion_mask"].bool()
         diff = (captured["sampling_per_token_logps"] - captured["old_per_token_logps"]).abs()[mask]
         assert diff.max() < 1e-4

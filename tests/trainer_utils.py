@@ -63,3 +63,17 @@ def count_policy_forwards(model):
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return counts
+
+
+def spy_batches(trainer):
+    """The generation batches ``trainer`` scores from now on (what ``_generate_and_score_completions`` returns)."""
+    batches = []
+    original = trainer._generate_and_score_completions
+
+    def spy(inputs):
+        out = original(inputs)
+        batches.append(out)
+        return out
+
+    trainer._generate_and_score_completions = spy
+    return batches
