@@ -31,7 +31,7 @@ def corrected_loss_mask(completion_mask: torch.Tensor, tool_mask: torch.Tensor |
     TRL's loss mask is ``completion_mask * tool_mask``; ``keep`` <= that mask, so the product is the kept mask.
     """
     base = tool_mask if tool_mask is not None else torch.ones_like(completion_mask)  # (B, T)
-    return base * keep.to(base.dtype)  # (B, T)
+    return base * keep  # (B, T)
 
 
 def weighted_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | None,
@@ -46,7 +46,7 @@ def weighted_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | Non
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, 1) or (B, T)
     w = is_weights.detach().to(adv.dtype)  # (B, T)
     if sequence_level and adv.size(1) == 1:
-        w = w.amax(dim=-1, keepdim=True)  # (B, 1) the sequence weight (padding is 0, weights are > 0)
+        w = w.amax(dim=1, keepdim=True)  # (B, 1) the sequence weight (padding is 0, weights are > 0)
     return adv * w  # (B, 1) or (B, T)
 
 
@@ -56,7 +56,7 @@ def vespo_sampler_ratio(is_weights: torch.Tensor, keep: torch.Tensor) -> torch.T
     Exactly 1 on rejected and padding tokens (TRL sums its log over every position). TRL's own vLLM correction
     hands VESPO the same quantity (``token_truncate``), from its pi_old forward.
     """
-    return torch.where(keep.bool(), is_weights.detach().float(), torch.ones_like(is_weights, dtype=torch.float32))
+    return torch.where(keep.bool(), is_weights.detach().float(), 1.0)  # (B, T)
 
 
 def safe_anchor(anchor: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,4 +66,4 @@ def safe_anchor(anchor: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor
     turn ``0 * nan`` into NaN. Values on kept tokens are unchanged.
     """
     ok = torch.isfinite(anchor) & mask.bool()  # (B, T)
-    return torch.where(ok, anchor, fallback.detach().to(anchor.dtype))  # (B, T)
+    return torch.where(ok, anchor, fallback.detach())  # (B, T)

@@ -8,9 +8,9 @@ import torch
 
 from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, parse_divergence_criteria
 from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
-from .rejection import compute_rollout_rejection_mask, compute_veto_mask
-from .stats import STAT_DTYPE, ReduceFn, RolloutStats
-from .weights import compute_rollout_correction_weights
+from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
+from .stats import ReduceFn, RolloutStats, count, count_rows, stat_constant
+from .weights import compute_rollout_correction_weights, sequence_log_ratio
 
 
 class RolloutCorrection(NamedTuple):
@@ -26,9 +26,9 @@ def rollout_usable_mask(rollout_log_prob: torch.Tensor, response_mask: torch.Ten
     """Tokens that stay in the loss whatever pi_train is: the response mask minus every sample whose pi_rollout is
     non-finite on one of its tokens (such a sample is rejected; a sample without pi_rollout stays).   (B, T) bool"""
     mask = response_mask.bool()  # (B, T)
-    bad_row = (mask & ~torch.isfinite(rollout_log_prob)).any(-1, keepdim=True)  # (B, 1)
+    bad_row = (mask & ~torch.isfinite(rollout_log_prob)).any(1, keepdim=True)  # (B, 1)
     if rollout_seen is not None:
-        bad_row = bad_row & rollout_seen.bool().unsqueeze(-1)  # (B, 1)
+        bad_row = bad_row & rollout_seen.bool().unsqueeze(1)  # (B, 1)
     return mask & ~bad_row  # (B, T)
 
 
@@ -66,15 +66,14 @@ def compute_rollout_correction_stats(
         )
     input_mask = response_mask.bool()  # (B, T)
     with torch.no_grad():
-        seen = (torch.ones(input_mask.shape[0], dtype=torch.bool, device=input_mask.device) if rollout_seen is None
-                else rollout_seen.to(device=input_mask.device, dtype=torch.bool))  # (B,)
-        corrected = input_mask & seen.unsqueeze(-1)  # (B, T)
-        uncorrected = input_mask & ~seen.unsqueeze(-1)  # (B, T) no pi_rollout: left as the sampler gave it
+        seen = input_mask.new_ones(input_mask.shape[0]) if rollout_seen is None else rollout_seen.bool()  # (B,)
+        corrected = input_mask & seen.unsqueeze(1)  # (B, T)
+        uncorrected = input_mask & ~seen.unsqueeze(1)  # (B, T) no pi_rollout: left as the sampler gave it
         train = old_log_prob.detach().float()  # (B, T)
         rollout = rollout_log_prob.detach().float()  # (B, T)
         finite = torch.isfinite(train) & torch.isfinite(rollout)  # (B, T)
         invalid_tok = corrected & ~finite  # (B, T)
-        valid = corrected & ~invalid_tok.any(-1, keepdim=True)  # (B, T) invalid sequences leave the batch
+        valid = corrected & ~invalid_tok.any(1, keepdim=True)  # (B, T) invalid sequences leave the batch
         train = torch.where(finite, train, torch.zeros_like(train))  # (B, T)
         rollout = torch.where(finite, rollout, torch.zeros_like(rollout))  # (B, T)
         log_ratio = train - rollout  # (B, T)
@@ -85,34 +84,30 @@ def compute_rollout_correction_stats(
             is_weights, safe, norm_mean = compute_rollout_correction_weights(
                 log_ratio, valid, rollout_is, rollout_is_threshold, rollout_is_batch_normalize, reduce_fn
             )
-            log_stat = log_ratio if rollout_is == "token" else (
-                torch.where(valid, log_ratio, torch.zeros_like(log_ratio)).sum(-1, keepdim=True).expand_as(log_ratio)
-            )
+            seq_log = sequence_log_ratio(log_ratio, valid).unsqueeze(1).expand_as(log_ratio)  # (B, T)
             stats.update(weight_family_stats(
-                "rollout_is", safe, log_stat, valid, rollout_is, 1.0 / rollout_is_threshold, rollout_is_threshold
+                "rollout_is", safe, seq_log, valid, rollout_is, 1.0 / rollout_is_threshold, rollout_is_threshold
             ))
-            if norm_mean is not None:
-                stats.sums["rollout_is.norm_mean_sum"] = norm_mean.to(STAT_DTYPE)
-                stats.sums["rollout_is.norm_n"] = torch.ones((), dtype=STAT_DTYPE, device=norm_mean.device)
+            if norm_mean is not None:  # float64
+                stats.sums["rollout_is.norm_mean_sum"] = norm_mean
+                stats.sums["rollout_is.norm_n"] = stat_constant(1.0, norm_mean)
 
         keep = valid
-        seq_valid = valid.any(-1)  # (B,)
         mask_sums = {
-            "input_tok_n": input_mask.sum(dtype=STAT_DTYPE),
-            "invalid_tok_n": invalid_tok.sum(dtype=STAT_DTYPE),
-            "tok_n": valid.sum(dtype=STAT_DTYPE),
-            "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
-            "all_seq_n": input_mask.any(-1).sum(dtype=STAT_DTYPE),
-            "missing_seq_n": uncorrected.any(-1).sum(dtype=STAT_DTYPE),
+            "input_tok_n": count(input_mask),
+            "invalid_tok_n": count(invalid_tok),
+            "tok_n": count(valid),
+            "seq_n": count_rows(valid),
+            "all_seq_n": count_rows(input_mask),
+            "missing_seq_n": count_rows(uncorrected),
         }
         if rollout_rs is not None:
-            upper = rollout_rs_threshold
-            lower = rollout_rs_threshold_lower if rollout_rs_threshold_lower is not None else 1.0 / upper
+            lower, upper = rejection_bounds(rollout_rs_threshold, rollout_rs_threshold_lower)
             rs_keep, safe_stat, log_stat = compute_rollout_rejection_mask(log_ratio, valid, rollout_rs, upper, lower)
             stats.update(weight_family_stats("rollout_rs", safe_stat, log_stat, valid, rollout_rs, lower, upper))
             rs_rejected = valid & ~rs_keep  # (B, T)
-            mask_sums["rs_rejected_tok_n"] = rs_rejected.sum(dtype=STAT_DTYPE)
-            mask_sums["rs_rejected_seq_n"] = rs_rejected.any(-1).sum(dtype=STAT_DTYPE)
+            mask_sums["rs_rejected_tok_n"] = count(rs_rejected)
+            mask_sums["rs_rejected_seq_n"] = count_rows(rs_rejected)
             keep = keep & rs_keep
         criteria = _as_criteria(rollout_rs_criteria, rollout_rs_criteria_threshold)
         if criteria:
@@ -121,18 +116,17 @@ def compute_rollout_correction_stats(
             keep = keep & div_keep
         if rollout_token_veto_threshold is not None:
             veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, rollout_token_veto_threshold)
-            mask_sums["catastrophic_tok_n"] = catastrophic.sum(dtype=STAT_DTYPE)
-            mask_sums["vetoed_seq_n"] = catastrophic.any(-1).sum(dtype=STAT_DTYPE)
+            mask_sums["catastrophic_tok_n"] = count(catastrophic)
+            mask_sums["vetoed_seq_n"] = count_rows(catastrophic)
             keep = keep & veto_keep
-        else:
-            zero = torch.zeros((), dtype=STAT_DTYPE, device=valid.device)
-            mask_sums["catastrophic_tok_n"] = zero
-            mask_sums["vetoed_seq_n"] = zero
+        else:  # the veto metrics are logged as 0.0 when the veto is off
+            mask_sums["catastrophic_tok_n"] = count(valid & False)
+            mask_sums["vetoed_seq_n"] = count(valid & False)
         keep = keep | uncorrected  # (B, T)
-        mask_sums["kept_tok_n"] = keep.sum(dtype=STAT_DTYPE)
+        mask_sums["kept_tok_n"] = count(keep)
         stats.sums.update({"mask." + k: v for k, v in mask_sums.items()})
         if is_weights is not None:
-            is_weights = is_weights * valid + uncorrected.to(is_weights.dtype)  # (B, T)
+            is_weights = torch.where(uncorrected, torch.ones_like(is_weights), is_weights * valid)  # (B, T)
         modified = keep.to(response_mask.dtype)  # (B, T)
     return RolloutCorrection(is_weights, modified, stats)
 

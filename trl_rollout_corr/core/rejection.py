@@ -14,6 +14,11 @@ from .weights import SAFETY_BOUND, sequence_log_ratio
 RS_LEVELS = ("token", "sequence", "geometric")
 
 
+def rejection_bounds(upper: float, lower: float | None) -> tuple[float, float]:
+    """The RS acceptance band (C_lower, C_upper); C_lower defaults to 1 / C_upper."""
+    return (1.0 / upper if lower is None else lower), upper
+
+
 def rejection_log_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
     """Unclamped log of the RS statistic, broadcast to (B, T).
 
@@ -25,10 +30,10 @@ def rejection_log_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor
         return log_ratio  # (B, T)
     seq_log = sequence_log_ratio(log_ratio, response_mask)  # (B,)
     if level == "geometric":
-        seq_log = seq_log / response_mask.sum(-1).clamp(min=1)  # (B,)
+        seq_log = seq_log / response_mask.sum(1).clamp(min=1)  # (B,)
     elif level != "sequence":
         raise ValueError(f"rollout_rs must be one of {RS_LEVELS} or None, got {level!r}.")
-    return seq_log.unsqueeze(-1).expand_as(log_ratio)  # (B, T)
+    return seq_log.unsqueeze(1).expand_as(log_ratio)  # (B, T)
 
 
 def compute_rollout_rejection_mask(
@@ -47,8 +52,7 @@ def compute_rollout_rejection_mask(
     False on padding.
     """
     response_mask = response_mask.bool()
-    upper = rollout_rs_threshold
-    lower = rollout_rs_threshold_lower if rollout_rs_threshold_lower is not None else 1.0 / upper
+    lower, upper = rejection_bounds(rollout_rs_threshold, rollout_rs_threshold_lower)
     with torch.no_grad():
         log_stat = rejection_log_statistic(log_ratio.detach(), response_mask, rollout_rs)  # (B, T)
         bounded = log_stat.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
@@ -70,6 +74,6 @@ def compute_veto_mask(
     response_mask = response_mask.bool()
     with torch.no_grad():
         catastrophic = (log_ratio.detach() < math.log(rollout_token_veto_threshold)) & response_mask  # (B, T)
-        vetoed = catastrophic.any(-1, keepdim=True)  # (B, 1)
+        vetoed = catastrophic.any(1, keepdim=True)  # (B, 1)
         keep = response_mask & ~vetoed  # (B, T)
     return keep, catastrophic

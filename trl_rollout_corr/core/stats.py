@@ -69,6 +69,21 @@ class RolloutStats:
         return dict(zip(keys, host))
 
 
+def count(mask: torch.Tensor) -> torch.Tensor:
+    """Number of True entries of a boolean mask, as a float64 statistic (0-dim)."""
+    return mask.sum(dtype=STAT_DTYPE)
+
+
+def count_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Number of rows of a (B, T) boolean mask with at least one True entry, float64 (0-dim)."""
+    return mask.any(1).sum(dtype=STAT_DTYPE)
+
+
+def stat_constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A float64 0-dim statistic on ``like``'s device."""
+    return torch.full((), value, dtype=STAT_DTYPE, device=like.device)
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum_{i,t} x_{i,t} m_{i,t} in float64 (0-dim)."""
     return torch.where(mask, x, torch.zeros_like(x)).sum(dtype=STAT_DTYPE)
@@ -88,6 +103,6 @@ def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def per_sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """mean_t x_{i,t} over valid tokens of each row; 0 for rows without a valid token.  (B,)"""
-    count = mask.sum(-1)  # (B,)
-    total = torch.where(mask, x, torch.zeros_like(x)).sum(-1)  # (B,)
-    return total / count.clamp(min=1)
+    tokens = mask.sum(1)  # (B,)
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(1)  # (B,)
+    return total / tokens.clamp(min=1)

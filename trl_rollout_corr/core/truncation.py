@@ -15,11 +15,12 @@ Pure tensor functions; no TRL import.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .stats import STAT_DTYPE, RolloutStats, masked_min
+from .stats import RolloutStats, count, masked_min, masked_sum
 
 # working set of one chunk in logits elements: TRL's fused LM head tile (4096 tokens x 32768 vocab entries)
 DEFAULT_CHUNK_ELEMENTS = 4096 * 32768 // 4  # the sort keeps ~4 (n, V) buffers alive
@@ -40,15 +41,15 @@ class SamplingTruncation:
 
     @property
     def truncates(self) -> bool:
-        return bool(self.top_k and self.top_k > 0) or self.top_p < 1.0 or bool(self.min_p and self.min_p > 0)
+        return self.top_k > 0 or self.top_p < 1.0 or bool(self.min_p and self.min_p > 0)
 
 
 def _apply_min_p(z: torch.Tensor, min_p: float) -> torch.Tensor:
     """Remove p < min_p * p_max (the most likely token always stays)."""
-    probs = z.softmax(dim=-1)  # (N, V)
-    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)  # (N, V)
-    remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-    return z.masked_fill(remove, float("-inf"))
+    probs = z.softmax(dim=1)  # (N, V)
+    remove = probs < min_p * probs.amax(dim=1, keepdim=True)  # (N, V)
+    remove.scatter_(1, probs.argmax(dim=1, keepdim=True), False)
+    return z.masked_fill(remove, -math.inf)
 
 
 def truncated_logits(scaled_logits: torch.Tensor, truncation: SamplingTruncation) -> torch.Tensor:
@@ -60,16 +61,16 @@ def truncated_logits(scaled_logits: torch.Tensor, truncation: SamplingTruncation
     z = scaled_logits  # (N, V)
     if truncation.min_p and truncation.min_p_first:
         z = _apply_min_p(z, truncation.min_p)  # (N, V)
-    if truncation.top_k and truncation.top_k > 0:
-        kth = torch.topk(z, min(truncation.top_k, z.size(-1)), dim=-1).values[..., -1:]  # (N, 1)
-        z = z.masked_fill(z < kth, float("-inf"))
-    if truncation.top_p < 1.0:
-        sorted_z, order = torch.sort(z, dim=-1)  # (N, V) ascending
-        cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)  # (N, V)
+    if truncation.top_k > 0:
+        kth = torch.topk(z, min(truncation.top_k, z.size(1))).values[:, -1:]  # (N, 1)
+        z = z.masked_fill(z < kth, -math.inf)
+    if truncation.top_p < 1.0:  # pragma: no mutate (top_p = 1 keeps every token: the branch would be a no-op)
+        sorted_z, order = torch.sort(z)  # (N, V) ascending
+        cumulative = sorted_z.softmax(dim=1).cumsum(dim=1)  # (N, V)
         remove_sorted = cumulative <= 1.0 - truncation.top_p  # (N, V)
-        remove_sorted[..., -1] = False  # keep the most likely token
-        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)  # (N, V)
-        z = z.masked_fill(remove, float("-inf"))
+        remove_sorted[:, -1] = False  # keep the most likely token
+        remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)  # (N, V)
+        z = z.masked_fill(remove, -math.inf)
     if truncation.min_p and not truncation.min_p_first:
         z = _apply_min_p(z, truncation.min_p)  # (N, V)
     return z
@@ -116,12 +117,10 @@ def truncated_support_logprobs(full_logprobs: torch.Tensor, log_mass: torch.Tens
 def truncation_stats(log_mass: torch.Tensor, in_support: torch.Tensor, mask: torch.Tensor) -> RolloutStats:
     """Device sums for kept_mass_mean (token mean of M), kept_mass_min and outside_support_fraction."""
     valid = mask.bool()  # (B, T)
-    mass = log_mass.to(STAT_DTYPE).exp()  # (B, T)
-    zeros = torch.zeros_like(mass)
+    mass = log_mass.double().exp()  # (B, T) float64: summed over many tokens
     return RolloutStats(
-        sums={"trunc.n": valid.sum(dtype=STAT_DTYPE),
-              "trunc.kept_mass_sum": torch.where(valid, mass, zeros).sum(),
-              "trunc.outside_n": (valid & ~in_support).sum(dtype=STAT_DTYPE)},
+        sums={"trunc.n": count(valid), "trunc.kept_mass_sum": masked_sum(mass, valid),
+              "trunc.outside_n": count(valid & ~in_support)},
         mins={"trunc.kept_mass_min": masked_min(mass, valid)},
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .stats import ReduceFn, STAT_DTYPE, masked_sum, per_sequence_mean
+from .stats import ReduceFn, count, masked_sum, per_sequence_mean
 
 SAFETY_BOUND = 20.0
 """Log-space clamp before any ``exp``: exp(+-20) ~ 4.85e8 / 2.06e-9, finite in every float dtype."""
@@ -18,7 +18,7 @@ IS_LEVELS = ("token", "sequence")
 
 def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """log prod_t rho_t = sum_t m_t * log rho_t, unclamped.  (B,)"""
-    return torch.where(response_mask, log_ratio, torch.zeros_like(log_ratio)).sum(-1)
+    return torch.where(response_mask, log_ratio, torch.zeros_like(log_ratio)).sum(1)
 
 
 def safe_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -31,7 +31,7 @@ def safe_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level:
         bounded = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
     elif level == "sequence":
         bounded = sequence_log_ratio(log_ratio, response_mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B,)
-        bounded = bounded.unsqueeze(-1).expand_as(log_ratio)  # (B, T)
+        bounded = bounded.unsqueeze(1).expand_as(log_ratio)  # (B, T)
     else:
         raise ValueError(f"rollout_is must be one of {IS_LEVELS} or None, got {level!r}.")
     return torch.exp(bounded) * response_mask  # (B, T)
@@ -51,15 +51,16 @@ def batch_normalize_weights(
     when the mean is <= 1e-8. Returns ``(normalized weights (B, T), factor (0-dim, float64))``.
     """
     if level == "token":
-        totals = torch.stack([masked_sum(weights, response_mask), response_mask.sum(dtype=STAT_DTYPE)])  # (2,)
+        totals = torch.stack([masked_sum(weights, response_mask), count(response_mask)])  # (2,)
     else:
-        has_tokens = response_mask.any(-1)  # (B,)
+        has_tokens = response_mask.any(1)  # (B,)
         seq_means = per_sequence_mean(weights, response_mask)  # (B,)
-        totals = torch.stack([seq_means.sum(dtype=STAT_DTYPE), has_tokens.sum(dtype=STAT_DTYPE)])  # (2,)
+        totals = torch.stack([masked_sum(seq_means, has_tokens), count(has_tokens)])  # (2,)
     if reduce_fn is not None:
         totals = reduce_fn(totals, "sum")
     mean = totals[0] / totals[1].clamp(min=1)  # 0-dim
-    factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))  # 0-dim
+    # > vs >=: a float64 mean of float32 weights is never exactly 1e-8, so the two are the same test
+    factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))  # 0-dim  # pragma: no mutate
     return weights / factor.to(weights.dtype), mean
 
 

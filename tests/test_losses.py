@@ -1,0 +1,66 @@
+"""How the correction enters TRL's loss (trl_rollout_corr.losses): hand-computed cases, shapes and dtypes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trl_rollout_corr.core.pipeline import rollout_usable_mask
+from trl_rollout_corr.losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
+
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # (2, 4) completion mask
+KEEP = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0]])  # (2, 4) token 1 rejected, row 1 rejected entirely
+
+
+def test_corrected_loss_mask_folds_keep_into_the_tool_mask():
+    tool = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])  # a tool token at (0, 2)
+    assert corrected_loss_mask(MASK, tool, KEEP).tolist() == [[1, 0, 0, 0], [0, 0, 0, 0]]
+    assert corrected_loss_mask(MASK, None, KEEP).tolist() == KEEP.tolist()  # no tool mask: the kept mask itself
+
+
+def test_weighted_advantages_token_level():
+    adv = torch.tensor([2.0, -1.0])  # (B,)
+    w = torch.tensor([[0.5, 1.5, 2.0, 0.0], [1.0, 0.25, 0.0, 0.0]])  # (B, T)
+    out = weighted_advantages(adv, w, sequence_level=False)
+    assert out.shape == (2, 4)
+    assert out.tolist() == [[1.0, 3.0, 4.0, 0.0], [-1.0, -0.25, 0.0, 0.0]]
+    adv_bt = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]])  # (B, T) advantages pass through as (B, T)
+    assert weighted_advantages(adv_bt, w, sequence_level=False).tolist() == [[0.5, 3.0, 6.0, 0.0],
+                                                                             [1.0, 0.25, 0.0, 0.0]]
+    assert weighted_advantages(adv_bt, w, sequence_level=True).shape == (2, 4)  # a (B, T) advantage stays token-wise
+    assert weighted_advantages(adv, None, sequence_level=False) is adv  # no weights: untouched
+
+
+def test_weighted_advantages_sequence_level_keeps_one_value_per_sequence():
+    adv = torch.tensor([2.0, -1.0])  # (B,)
+    w = torch.tensor([[1.5, 1.5, 1.5, 0.0], [0.5, 0.5, 0.0, 0.0]])  # one weight per row, 0 on padding
+    out = weighted_advantages(adv, w, sequence_level=True)
+    assert out.shape == (2, 1) and out.tolist() == [[3.0], [-0.5]]
+    bf16 = weighted_advantages(adv.bfloat16(), w, sequence_level=True)
+    assert bf16.dtype == torch.bfloat16  # the advantage's dtype is kept
+
+
+def test_vespo_sampler_ratio_is_one_outside_the_kept_tokens():
+    w = torch.tensor([[0.5, 1.5, 2.0, 0.0], [1.0, 0.25, 0.0, 0.0]], dtype=torch.bfloat16)
+    out = vespo_sampler_ratio(w, KEEP)
+    assert out.dtype == torch.float32
+    assert out.tolist() == [[0.5, 1.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+
+
+def test_safe_anchor_replaces_non_finite_and_masked_entries_only():
+    anchor = torch.tensor([[-1.0, math.nan, -math.inf, -2.0]])
+    fallback = torch.tensor([[-5.0, -6.0, -7.0, -8.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = safe_anchor(anchor, fallback, mask)
+    assert out.tolist() == [[-1.0, -6.0, -7.0, -8.0]]  # kept finite: itself; NaN/-inf on kept: fallback; masked: fallback
+    assert not out.requires_grad
+
+
+def test_rollout_usable_mask_drops_samples_with_a_non_finite_rollout_logprob():
+    rollout = torch.tensor([[-1.0, math.nan, -1.0, 0.0], [-1.0, -2.0, math.inf, 0.0], [math.nan] * 4])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0]])  # row 1's inf sits on padding: harmless
+    assert rollout_usable_mask(rollout, mask).tolist() == [[False] * 4, [True, True, False, False], [False] * 4]
+    seen = torch.tensor([True, True, False])  # row 2 has no pi_rollout: it stays (trained uncorrected)
+    assert rollout_usable_mask(rollout, mask, seen).tolist() == [[False] * 4, [True, True, False, False],
+                                                                 [True, True, False, False]]
