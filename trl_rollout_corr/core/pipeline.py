@@ -118,10 +118,7 @@ def compute_rollout_correction_stats(
             veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, rollout_token_veto_threshold)
             mask_sums["catastrophic_tok_n"] = count(catastrophic)
             mask_sums["vetoed_seq_n"] = count_rows(catastrophic)
-            keep = keep & veto_keep
-        else:  # the veto metrics are logged as 0.0 when the veto is off
-            mask_sums["catastrophic_tok_n"] = count(valid & False)
-            mask_sums["vetoed_seq_n"] = count(valid & False)
+            keep = keep & veto_keep  # (without the veto its metrics are finalized as 0.0)
         keep = keep | uncorrected  # (B, T)
         mask_sums["kept_tok_n"] = count(keep)
         stats.sums.update({"mask." + k: v for k, v in mask_sums.items()})

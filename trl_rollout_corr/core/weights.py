@@ -61,7 +61,7 @@ def batch_normalize_weights(
     mean = totals[0] / totals[1].clamp(min=1)  # 0-dim
     # > vs >=: a float64 mean of float32 weights is never exactly 1e-8, so the two are the same test
     factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))  # 0-dim  # pragma: no mutate
-    return weights / factor.to(weights.dtype), mean
+    return weights / factor, mean  # a 0-dim factor keeps the weights' dtype
 
 
 def compute_rollout_correction_weights(
