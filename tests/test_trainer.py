@@ -194,9 +194,9 @@ def test_config_preset_overrides_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="use_policy_gradient=True requires bypass_mode"):
         RolloutCorrGRPOConfig(**base, use_policy_gradient=True)
     saved = RolloutCorrectionConfig.pg_rs().save_pretrained(tmp_path / "hub_like")
+    assert open(saved).read() == RolloutCorrectionConfig.pg_rs().to_json_string()  # the file the Hub would get
     cfg = RolloutCorrGRPOConfig(**base, rollout_correction_config=str(tmp_path / "hub_like"))
     assert cfg.rollout_correction == RolloutCorrectionConfig.pg_rs()
-    assert saved
 
 
 def test_only_contradicting_trl_settings_are_refused(tmp_path):
