@@ -153,3 +153,56 @@ def test_bypass_rejection_leaves_every_term_and_clips_against_pi_rollout(tmp_pat
     kl = (torch.exp(ref - logps) - (ref - logps) - 1) * r  # (B, T) k3, TRL's bias correction by the PPO ratio
     expected = ((policy + beta * kl) * kept).sum() / kept.sum() - coef * (entropies * kept).sum() / kept.sum()
     assert_reference(trainer, loss, grads, expected)
+
+
+# ---------------------------------------------------------------------------------------------- every composition
+COMPOSITIONS = {
+    **{loss_type: dict(loss_type=loss_type) for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo",
+                                                              "luspo")},
+    "gspo": dict(importance_sampling_level="sequence", loss_type="grpo", rollout_is="sequence"),
+    "entropy_bonus": dict(entropy_coef=0.05),
+    "entropy_filter": dict(top_entropy_quantile=0.5),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.02),
+    "two_sided_clip": dict(delta=1.05, epsilon=0.01),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPOSITIONS))
+def test_every_composition_equals_trl_with_the_same_weights_injected_and_trains(tmp_path, case):
+    """TRL's own loss, run on its vLLM-IS path with our IS weights as its importance_sampling_ratio and our kept mask
+    as its tool mask, equals ours (loss and gradients); then the composition trains two real steps."""
+    from trl import GRPOTrainer
+
+    overrides = dict(rollout_correction_preset="decoupled_token_is", rollout_is_threshold=1.3, rollout_rs="token",
+                     rollout_rs_threshold=1.6, num_iterations=2, **COMPOSITIONS[case])
+    trainer = build(tmp_path, **overrides)
+    batch = one_micro_batch(trainer, ROWS[:8])  # pi_old forward: rc_* travel with the batch
+    perturb_(trainer.model, scale=0.02)
+    keep = batch["rc_keep_mask"]  # (B, T)
+    assert 0 < keep.sum() < batch["completion_mask"].sum()
+    ours = loss_and_grads(trainer, batch)
+
+    weights = batch["rc_is_weights"]  # (B, T)
+    trl_batch = {k: v for k, v in batch.items() if not k.startswith("rc_")}
+    trl_batch["importance_sampling_ratio"] = weights.amax(1, keepdim=True) if case == "gspo" else weights
+    trl_batch["tool_mask"] = keep  # TRL's loss mask: completion_mask * tool_mask
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    try:
+        trainer.model.zero_grad()
+        loss = GRPOTrainer._compute_loss(trainer, trainer.model, trl_batch)
+        loss.backward()
+        theirs = loss.detach().double(), [p.grad.clone() for p in trainer.model.parameters()]
+    finally:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = False, False
+    assert ours[0].item() != 0.0
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+    trainer = build(tmp_path / "train", max_steps=2, **overrides)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert 0 < logs[0]["rollout_corr/rejected_token_fraction"] < 1  # once per generation batch (num_iterations=2)
