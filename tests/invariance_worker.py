@@ -1,6 +1,7 @@
 """One SGD step per (case, split) under torchrun: the two-process half of tests/test_invariance.py.
 
 Usage: torchrun --nproc_per_node 2 invariance_worker.py OUT.pt --cases a,b --splits 4x1,2x2,1x4
+       accelerate launch --config_file DS.yaml invariance_worker.py OUT.pt --cases a --splits 4x1 --engine deepspeed
 
 Each case of ``test_invariance.CASES`` runs one real ``train()`` step for every split (per-device batch x
 gradient accumulation; the global generation batch is 8 samples over the two processes). Rank 0 saves
@@ -23,16 +24,20 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--cases", required=True)
     parser.add_argument("--splits", default="4x1,2x2,1x4")
+    parser.add_argument("--engine", default="ddp", choices=["ddp", "deepspeed"])
     opts = parser.parse_args()
+    # DeepSpeed on CPU: gloo through accelerate (use_cpu=True would start no DeepSpeed engine)
+    device = dict(use_cpu=False, ddp_backend="gloo") if opts.engine == "deepspeed" else {}
     results: dict = {}
     root = tempfile.mkdtemp(prefix=f"invariance_rank{os.environ.get('RANK', '0')}_")
     for case in opts.cases.split(","):
         for split in opts.splits.split(","):
             per_device, accumulation = (int(x) for x in split.split("x"))
             trainer, update, log, forwards = one_sgd_step(os.path.join(root, f"{case}_{split}"), per_device,
-                                                          accumulation, disable_tqdm=True, **CASES[case])
+                                                          accumulation, disable_tqdm=True, **device, **CASES[case])
             results.setdefault(case, {})[split] = {
                 "update": update, "world_size": trainer.accelerator.num_processes, "no_grad_forwards": forwards,
+                "grad_norm": log["grad_norm"], "distributed_type": str(trainer.accelerator.distributed_type),
                 "at_generation": trainer.correction_plan.at_generation,
                 "metrics": {k: v for k, v in log.items() if k.startswith("rollout_corr/")}}
             if trainer.accelerator.is_main_process:

@@ -28,15 +28,20 @@ ROWS = {"prompt": reverse_prompts(64, n_digits=4)}
 
 
 def mismatched_engine(noise=0.4, nan_every=0, missing_every=0):
-    """rollout_func: seeded completions; pi_rollout = the policy's log-prob + seeded noise (a fixed mismatch).
+    """rollout_func: seeded completions; pi_rollout = the initial policy's log-prob + seeded noise (a fixed engine).
 
-    ``nan_every``: every k-th sample gets one token the engine could not score (None); ``missing_every``: every k-th
-    sample comes without log-probs at all.
+    The engine is its own copy of the initial tiny model (``build_model(hidden_size=32)``, the policy every test here
+    starts from), so it never touches the trainer's (possibly sharded) parameters. ``nan_every``: every k-th sample
+    gets one token the engine could not score (None); ``missing_every``: every k-th sample comes without log-probs.
     """
+    engine = []
+
     def rollout_func(prompts, trainer):
         seen: dict[str, int] = {}
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        if not engine:
+            engine.append(build_model(hidden_size=32).eval())
+        model = engine[0]
         for prompt in prompts:
             copy_index = seen.get(prompt, 0)
             seen[prompt] = copy_index + 1
@@ -85,22 +90,37 @@ CASES = {
 }
 
 
+def flat_parameters(trainer) -> torch.Tensor:
+    """All parameters as one flat float32 vector (gathered from their shards under DeepSpeed ZeRO-3)."""
+    params = list(trainer.model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return torch.cat([p.detach().flatten().clone() for p in params])
+    return torch.cat([p.detach().flatten().clone() for p in params])
+
+
 def one_sgd_step(out_dir, per_device, accumulation, model=None, preset=None, engine=None, **overrides):
-    """Parameters before and after one real ``train()`` step, the logs, and the policy's no-grad forwards."""
-    args = RolloutCorrGRPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
-        num_generations=4, max_completion_length=6, max_steps=1, learning_rate=0.5, optim="sgd",
-        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, rollout_correction_preset=preset, **overrides)
+    """Parameters before and after one real ``train()`` step, the logs, and the policy's no-grad forwards.
+
+    Plain SGD, no clipping (``max_grad_norm`` so large it never clips, so that ``grad_norm`` is still logged).
+    """
+    args = RolloutCorrGRPOConfig(**{
+        "output_dir": str(out_dir), "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation, "num_generations": 4, "max_completion_length": 6,
+        "max_steps": 1, "learning_rate": 0.5, "optim": "sgd", "lr_scheduler_type": "constant",
+        "max_grad_norm": 1e9, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "use_cpu": True,
+        "bf16": False, "seed": 0, "dataloader_num_workers": 0, "rollout_correction_preset": preset, **overrides})
     collector = LogCollector()
     trainer = RolloutCorrGRPOTrainer(
         model=model or build_model(hidden_size=32), reward_funcs=reverse_reward, args=args,
         train_dataset=Dataset.from_dict(ROWS), processing_class=TOK, rollout_func=mismatched_engine(**(engine or {})),
         callbacks=[collector])
-    before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
     forwards = count_policy_forwards(trainer.model)
+    before = flat_parameters(trainer)
     trainer.train()
-    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    after = flat_parameters(trainer)
     log = next(entry for entry in collector.logs if "loss" in entry)
     return trainer, after - before, log, forwards["no_grad"]
 
@@ -144,32 +164,77 @@ TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", 
                      "missing_rollout_bn_rs"]
 
 
-def test_two_processes_give_the_one_process_step(tmp_path):
-    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process."""
+def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from test_distributed import _free_port
-
     tests = Path(__file__).resolve().parent
-    out = tmp_path / "two.pt"
+    out = tmp_path / "out.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_ROLLOUT_CORR_NO_VLLM": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(tests.parent), os.environ.get("PYTHONPATH", "")) if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(tests / "invariance_worker.py"), str(out), "--cases", ",".join(TWO_PROCESS_CASES)]
+           "PYTHONPATH": os.pathsep.join(p for p in (str(tests.parent), os.environ.get("PYTHONPATH", "")) if p),
+           **(extra_env or {})}
+    cmd = [*launcher, str(tests / "invariance_worker.py"), str(out), *args]
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    results = torch.load(out)
+    return torch.load(out)
+
+
+def assert_same_step(case, tmp_path, runs):
+    """Each recorded run (any world size, split or engine) equals the one-process 8x1 step of ``case``."""
+    _, base_update, base_log, _ = one_sgd_step(tmp_path / case, 8, 1, disable_tqdm=True, **CASES[case])
+    base = {k: v for k, v in base_log.items() if k.startswith("rollout_corr/")}
+    for split, run in runs.items():
+        assert run["world_size"] == 2
+        assert relative_difference(base_update, run["update"]) <= 1e-5, (case, split)
+        assert run["grad_norm"] == pytest.approx(base_log["grad_norm"], rel=1e-5), (case, split)
+        for name, value in base.items():
+            if name != "rollout_corr/all_rejected_micro_batches":
+                assert run["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (case, split, name)
+
+
+def test_two_processes_give_the_one_process_step(tmp_path):
+    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process."""
+    import sys
+
+    from test_distributed import _free_port
+
+    results = run_worker(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                    "--master_port", str(_free_port())], ["--cases", ",".join(TWO_PROCESS_CASES)])
     for case in TWO_PROCESS_CASES:
-        _, base_update, base_log, _ = one_sgd_step(tmp_path / case, 8, 1, disable_tqdm=True, **CASES[case])
-        base = {k: v for k, v in base_log.items() if k.startswith("rollout_corr/")}
         assert set(results[case]) == {"4x1", "2x2", "1x4"}
-        for split, run in results[case].items():
-            assert run["world_size"] == 2
-            assert run["at_generation"] == (split != "4x1")  # a generation-batch statistic, 4 samples per process
-            assert relative_difference(base_update, run["update"]) <= 1e-5, (case, split)
-            for name, value in base.items():
-                if name != "rollout_corr/all_rejected_micro_batches":
-                    assert run["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (case, split, name)
+        assert all("MULTI_CPU" in run["distributed_type"] for run in results[case].values())
+        # a generation-batch statistic over 4 samples per process needs the forward once they are split
+        assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == [False, True, True]
+        assert_same_step(case, tmp_path, results[case])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_gives_the_one_process_step(tmp_path, stage):
+    """ZeRO-2 and ZeRO-3 (parameters really sharded) on two processes: the update, grad_norm and metrics of one."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs deepspeed")
+    from test_distributed import _free_port
+
+    root = Path(__file__).resolve().parents[1]
+    ds_config = json.loads((root / "recipes" / "accelerate" / f"ds_zero{stage}.json").read_text())
+    if stage == 3:
+        ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    launch = yaml.safe_load((root / "recipes" / "accelerate" / f"deepspeed_zero{stage}.yaml").read_text())
+    launch.update(num_processes=2)
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "ds.json")
+    (tmp_path / "launch.yaml").write_text(yaml.safe_dump(launch))
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    case = "token_is_token_rs_dapo"
+    results = run_worker(tmp_path, [accelerate, "launch", "--config_file", str(tmp_path / "launch.yaml"),
+                                    "--main_process_port", str(_free_port())],
+                         ["--cases", case, "--splits", "4x1,2x2", "--engine", "deepspeed"], {"DS_ACCELERATOR": "cpu"})
+    assert all("DEEPSPEED" in run["distributed_type"] for run in results[case].values())
+    assert_same_step(case, tmp_path, results[case])
