@@ -277,3 +277,19 @@ def test_trainer_refuses_beam_search(tmp_path):
     trainer.accelerator.unwrap_model(trainer.model).generation_config.num_beams = 2
     with pytest.raises(ValueError, match="num_beams=2: beam search"):
         trainer.train()
+
+
+def test_the_stale_engine_lags_exactly_k_optimizer_steps():
+    policy = build_model(hidden_size=32)
+
+    def engine_step(engine, step):
+        with torch.no_grad():
+            policy.lm_head.weight.fill_(float(step))  # the policy of optimizer step `step`, recognizable
+        engine.sync(policy, step)
+        engine.sync(policy, step)  # a second generation within the same step changes nothing
+        return engine._engine.lm_head.weight[0, 0].item()
+
+    every_step = EmulatedRolloutEngine("stale", lag=2)
+    assert [engine_step(every_step, s) for s in range(7)] == [0, 0, 0, 1, 2, 3, 4]
+    every_other = EmulatedRolloutEngine("stale", lag=3)  # generations at even steps only: the newest at or before s-3
+    assert [engine_step(every_other, s) for s in (0, 2, 4, 6, 8)] == [0, 0, 0, 2, 4]

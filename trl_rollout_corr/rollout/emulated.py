@@ -30,7 +30,7 @@ class EmulatedRolloutEngine:
         if kind == "stale" and lag < 1:
             raise ValueError(f"lag must be >= 1 for a stale engine, got {lag}.")
         self.kind, self.lag, self.bits = kind, lag, bits
-        self._snapshots: collections.deque = collections.deque(maxlen=lag + 1)
+        self._snapshots: collections.deque = collections.deque()  # (optimizer step, state dict), oldest first
         self._last_step: int | None = None
         self._engine: torch.nn.Module | None = None
 
@@ -47,8 +47,7 @@ class EmulatedRolloutEngine:
         with gathered_parameters(policy, sharded):
             state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
         if self.kind == "stale":
-            self._snapshots.append(state)
-            state = self._snapshots[0]  # lag steps behind once the queue is full
+            state = self._stale_state(step, state)
         if sharded and (self._engine is None or self.kind == "int8"):
             # a ZeRO-3 module holds empty shards and DeepSpeed hooks: build a plain, full copy from its config
             engine = type(policy)(policy.config).to(next(iter(state.values())).dtype).eval()
@@ -74,6 +73,17 @@ class EmulatedRolloutEngine:
                 if isinstance(module, torch.nn.Linear):
                     module.weight.copy_(fake_quantize(module.weight, self.bits))
         self._engine = engine
+
+    def _stale_state(self, step: int, state: dict) -> dict:
+        """The policy of optimizer step ``step - lag``: the newest snapshot taken at or before that step (the first
+        one until then). Snapshots exist only where a sync happened, so the engine lags exactly ``lag`` steps when
+        a generation happened at ``step - lag`` (every step with TRL's defaults), and at most ``lag`` + the
+        generation interval otherwise."""
+        self._snapshots.append((step, state))
+        target = step - self.lag
+        while len(self._snapshots) > 1 and self._snapshots[1][0] <= target:
+            self._snapshots.popleft()  # a newer snapshot is still old enough
+        return self._snapshots[0][1]
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         if self._engine is None:
