@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--num_iterations", type=int, default=1)
+    parser.add_argument("--stopping_monitor", action="store_true",
+                        help="attach a stopping RolloutCorrectionMonitor; every rank writes its alerts to OUT.rank<r>")
     opts = parser.parse_args()
 
     tokenizer = build_tokenizer()
@@ -80,10 +82,16 @@ def main() -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             collected.append(dict(logs or {}))
 
+    callbacks = [Collect()]
+    if opts.stopping_monitor:
+        from trl_rollout_corr import RolloutCorrectionMonitor
+
+        monitor = RolloutCorrectionMonitor(warmup_steps=0, patience_steps=1, stop_on_alert=True, write_plot=False)
+        callbacks.append(monitor)
     trainer = RolloutCorrGRPOTrainer(
         model=model, reward_funcs=reverse_reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": reverse_prompts(64, n_digits=4)}), processing_class=tokenizer,
-        rollout_func=rollout_func, rollout_sampler=sampler, callbacks=[Collect()])
+        rollout_func=rollout_func, rollout_sampler=sampler, callbacks=callbacks)
     forwards = count_policy_forwards(trainer.model)
     trainer.train()
 
@@ -101,6 +109,10 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         with open(opts.out, "w") as fh:
             json.dump(result, fh)
+    if opts.stopping_monitor:  # every rank: what its own monitor decided
+        with open(f"{opts.out}.rank{trainer.accelerator.process_index}", "w") as fh:
+            json.dump({"alerts": [(a["step"], a["alert"]) for a in monitor.alerts],
+                       "stopped_at": trainer.state.global_step}, fh)
     # tear the process group down before interpreter exit: left to shutdown, gloo's threads were seen to abort the
     # process ("terminate called without an active exception") after training had finished
     import torch.distributed as dist
