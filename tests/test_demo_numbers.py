@@ -25,7 +25,7 @@ def readme_seed0(variant: str) -> float:
 
 @pytest.fixture(scope="module")
 def seed0_rewards(tmp_path_factory):
-    from trl_rollout_corr.demo.run import run_worker
+    from trainer_utils import run_demo_worker as run_worker
 
     rewards = {}
     for variant in ("stale_uncorrected", "ppo_is_bypass"):

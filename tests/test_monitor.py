@@ -317,7 +317,7 @@ def test_preset_recipes_switch_the_monitor_on():
 def test_fresh_healthy_runs_stay_quiet(tmp_path, variant, seed):
     """The demo's run (warm-up + GRPO, stale engine lag 4 for ppo_is_bypass) with a seed no threshold was tuned on,
     shortened to 60 steps: the warn-only monitor it carries raises nothing while the held-out reward holds or rises."""
-    from trl_rollout_corr.demo.run import run_worker
+    from trainer_utils import run_demo_worker as run_worker
 
     out = tmp_path / "run.json"
     run_worker(variant, seed, steps=60, lag=4, engine="stale", eval_every=30, out=str(out))

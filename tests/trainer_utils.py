@@ -77,3 +77,23 @@ def spy_batches(trainer):
 
     trainer._generate_and_score_completions = spy
     return batches
+
+
+def run_demo_worker(*args, **kwargs):
+    """The demo's worker in this process (it is written for a process of its own: put back the logger level,
+    transformers' verbosity and torch's thread count it sets)."""
+    import logging
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from trl_rollout_corr.demo.run import run_worker
+
+    monitor_logger = logging.getLogger("trl_rollout_corr.monitor")
+    saved = monitor_logger.level, hf_logging.get_verbosity(), torch.get_num_threads()
+    try:
+        return run_worker(*args, **kwargs)
+    finally:
+        monitor_logger.setLevel(saved[0])
+        hf_logging.set_verbosity(saved[1])
+        torch.set_num_threads(saved[2])
