@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from transformers import TrainerCallback
@@ -204,15 +205,24 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    """``trl-rollout-corr vllm-serve`` on 127.0.0.1 (float32), stopped by its process id."""
+    """``trl-rollout-corr vllm-serve`` bound to 0.0.0.0 with no token given (float32), stopped by its process id.
+
+    Its control token is generated and written under an isolated ``XDG_CACHE_HOME``, which the trainers of this
+    module (same machine) share: they find the token by themselves.
+    """
     import requests
 
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    root = tmp_path_factory.mktemp("vllm_server")
+    log_path = root / "server.log"
     log = open(log_path, "w")
+    cache = root / "cache"
+    saved_cache = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRL_ROLLOUT_CORR_CONTROL_TOKEN", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trl_rollout_corr", "vllm-serve", "--model", model_dir, "--host", "127.0.0.1",
+        [sys.executable, "-m", "trl_rollout_corr", "vllm-serve", "--model", model_dir, "--host", "0.0.0.0",
          "--port", str(port), "--dtype", "float32", "--gpu_memory_utilization", "0.02"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.time() + 300
@@ -228,7 +238,7 @@ def server(model_dir, tmp_path_factory):
             if time.time() > deadline:
                 raise TimeoutError(f"vLLM server not healthy after 300 s:\n{log_path.read_text()[-3000:]}")
             time.sleep(1)
-        yield {"port": port, "proc": proc, "log": log_path}
+        yield {"port": port, "proc": proc, "log": log_path, "cache": cache}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -238,11 +248,72 @@ def server(model_dir, tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         log.close()
+        if saved_cache is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved_cache
 
 
 def server_args(server, **overrides):
     return {**dict(use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=server["port"],
                    vllm_server_timeout=30, vllm_dtype=None), **overrides}
+
+
+CONTROL_ENDPOINTS = [("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/resume"),
+                     ("POST", "/reset_prefix_cache"), ("GET", "/server_info"), ("GET", "/is_paused"),
+                     ("POST", "/sleep"), ("POST", "/wake_up"), ("POST", "/init_weight_transfer_engine"),
+                     ("POST", "/update_weights"), ("GET", "/get_world_size"), ("GET", "/openapi.json")]
+
+
+@requires_vllm
+def test_the_control_plane_needs_the_token_and_runs_only_the_weight_sync(server, tmp_path):
+    import stat
+
+    import requests
+
+    from trl_rollout_corr.vllm.security import TOKEN_HEADER, token_path, weight_file_prefix
+
+    url = f"http://127.0.0.1:{server['port']}"
+    path = token_path(server["port"])
+    assert path.parent == server["cache"] / "trl_rollout_corr"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    token = path.read_text()
+    for method, endpoint in CONTROL_ENDPOINTS:  # bound to 0.0.0.0, no token given at start: still required
+        for headers in ({}, {TOKEN_HEADER: "not-the-token"}, {TOKEN_HEADER: token[:-1]}):
+            response = requests.request(method, url + endpoint, headers=headers, json={}, timeout=30)
+            assert response.status_code == 401, (endpoint, headers, response.status_code)
+            assert response.json() == {"error": "unauthorized"}  # nothing about the server
+    ok = {TOKEN_HEADER: token}
+    assert requests.get(f"{url}/server_info", params={"config_format": "json"}, headers=ok, timeout=30).ok
+    assert requests.get(f"{url}/health", timeout=30).ok and requests.get(f"{url}/v1/models", timeout=30).ok
+
+    def rpc(body):
+        return requests.post(f"{url}/collective_rpc", headers=ok, json=body, timeout=30)
+
+    assert rpc({"method": "check_health"}).status_code == 403  # not on the allow-list
+    assert rpc({"method": "trl_rollout_corr_load_weights", "args": ["/etc/passwd"]}).status_code == 403
+    assert rpc({"method": "trl_rollout_corr_load_weights", "args": ["/dev/shm/../etc/passwd"]}).status_code == 403
+    stranger = Path("/dev/shm") / "trl_rollout_corr_weights_someone_else.safetensors"
+    stranger.write_bytes(b"")
+    try:  # inside the sync directory, but not named for this server's token
+        assert rpc({"method": "trl_rollout_corr_load_weights", "args": [str(stranger)]}).json() == {
+            "error": "the weight file was not written for this server"}
+    finally:
+        stranger.unlink()
+    link = Path("/dev/shm") / f"{weight_file_prefix(token)}link.safetensors"
+    link.symlink_to("/etc/hostname")
+    try:
+        assert rpc({"method": "trl_rollout_corr_load_weights", "args": [str(link)]}).status_code == 403
+    finally:
+        link.unlink()
+
+
+@requires_vllm
+def test_a_trainer_without_the_token_is_told_where_it_is(model_dir, tmp_path, server, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))  # another user, or another machine
+    with pytest.raises(PermissionError, match=r"refuses its control endpoints without its control token.*"
+                                              r"TRL_ROLLOUT_CORR_CONTROL_TOKEN"):
+        make_trainer(tmp_path, model=model_dir, max_steps=1, **server_args(server))
 
 
 @requires_vllm

@@ -59,6 +59,10 @@ class RolloutCorrGRPOConfig(GRPOConfig):
     vllm_sync_interval: int = field(default=1, metadata={
         "help": "Sync the vLLM engine's weights every k optimizer steps (k > 1: a stale engine, k-1 steps behind at "
                 "most, as an asynchronous engine; fewer syncs)."})
+    vllm_server_control_token_file: str | None = field(default=None, metadata={
+        "help": "Server mode: a file holding the server's control token (`trl-rollout-corr vllm-serve` writes one per "
+                "port under ~/.cache/trl_rollout_corr, which a trainer on the same machine finds by itself; "
+                "TRL_ROLLOUT_CORR_CONTROL_TOKEN also works). The token itself never goes into the config."})
     vllm_weight_sync_dir: str | None = field(default=None, metadata={
         "help": "Server mode on CPU: directory for the weight file handed to the server (default /dev/shm); the "
                 "server must see the same path."})

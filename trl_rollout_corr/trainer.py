@@ -87,7 +87,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
                             f"rollout-correction fields), got {type(args).__name__}. Replace GRPOConfig by "
                             "RolloutCorrGRPOConfig with the same arguments.")
-        with vllm_engine_setup(args):  # CPU-engine fixes and the engine dtype, only while TRL builds vLLM
+        with vllm_engine_setup(args) as vllm_setup:  # CPU fixes, engine dtype, control token: while TRL builds vLLM
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
         self.correction_plan = self.args.correction_plan()
@@ -105,7 +105,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if self.use_vllm:  # engine dtype log, vllm_sync_interval, CPU server sync (trl_rollout_corr.vllm.engine)
             from .vllm.engine import finish_vllm_setup
 
-            finish_vllm_setup(self)
+            finish_vllm_setup(self, vllm_setup)
 
     def _resolve_sampling_truncation(self) -> SamplingTruncation | None:
         """The sampler's temperature/top-k/top-p/min-p as generation really applies them, or None if no truncation."""

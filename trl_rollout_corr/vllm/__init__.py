@@ -5,7 +5,9 @@
 - ``engine``: trainer-side wiring (engine dtype, CPU defaults, stale engine via ``vllm_sync_interval``,
   the CPU weight sync for server mode);
 - ``worker``: the vLLM worker extension that loads weights from a file (server mode on CPU);
-- ``serve``: ``trl-rollout-corr vllm-serve``, TRL's ``vllm-serve`` with that extension.
+- ``serve``: ``trl-rollout-corr vllm-serve``, TRL's ``vllm-serve`` with that extension;
+- ``security``: the control token on the server's non-generation endpoints, the RPC allow-list and the weight-file
+  check (server side), and the trainer's token lookup and header.
 
 On a GPU none of the CPU fixes apply; only ``vllm_dtype`` and ``vllm_sync_interval`` act.
 """

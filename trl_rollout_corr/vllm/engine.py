@@ -20,6 +20,7 @@ import logging
 import os
 import tempfile
 from typing import Any
+from urllib.parse import urlparse
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,12 @@ SERVER_RETRIES = 2  # connection retries before a request to the server fails (T
 
 @contextlib.contextmanager
 def vllm_engine_setup(args: Any):
-    """Context for ``GRPOTrainer.__init__``: engine kwargs and CPU defaults (nothing when ``use_vllm`` is off)."""
+    """Context for ``GRPOTrainer.__init__``: engine kwargs, CPU defaults and the server's control token (nothing when
+    ``use_vllm`` is off). Yields a dict for :func:`finish_vllm_setup` (``control_token``: kept off ``args``, which
+    are saved with checkpoints)."""
+    setup: dict[str, Any] = {"control_token": None}
     if args is None or not getattr(args, "use_vllm", False):
-        yield
+        yield setup
         return
     import trl.generation.vllm_generation as trl_vllm
 
@@ -58,15 +62,33 @@ def vllm_engine_setup(args: Any):
             # TRL's communicator is vLLM's NCCL engine (CUDA only); install_cpu_server_sync replaces its use
             saved.append((trl_vllm.VLLMClient, "init_communicator", trl_vllm.VLLMClient.init_communicator))
             trl_vllm.VLLMClient.init_communicator = lambda self, device=0: None
+    if not colocate:  # the control token rides on every request TRL's client sends to the server
+        import requests
+
+        from .security import find_token, token_session_class
+
+        base_url = server_base_url(args)
+        token = find_token(urlparse(base_url).port, getattr(args, "vllm_server_control_token_file", None))
+        setup["control_token"] = token
+        if token is not None:
+            saved.append((requests, "Session", requests.Session))
+            requests.Session = token_session_class(requests.Session, token, base_url)
     if colocate and engine_kwargs:
         llm_class = trl_vllm.LLM
         saved.append((trl_vllm, "LLM", llm_class))
         trl_vllm.LLM = functools.partial(llm_class, **engine_kwargs)
     try:
-        yield
+        yield setup
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
+
+
+def server_base_url(args: Any) -> str:
+    """The server URL TRL's client talks to (``vllm_server_base_url``, else host and port)."""
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url.rstrip("/")
+    return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
 
 
 def engine_dtype(trainer) -> str:
@@ -74,13 +96,24 @@ def engine_dtype(trainer) -> str:
     gen = trainer.vllm_generation
     if gen.mode == "colocate":
         dtype = gen.llm.llm_engine.vllm_config.model_config.dtype
+    elif trainer.accelerator.is_main_process:
+        client = gen.vllm_client
+        response = client.session.get(f"{client.base_url}/server_info", params={"config_format": "json"})
+        if response.status_code == 401:
+            from .security import TOKEN_ENV, token_path
+
+            raise PermissionError(
+                f"The vLLM server at {client.base_url} refuses its control endpoints without its control token (a "
+                "server started with `trl-rollout-corr vllm-serve`). On the server's machine the token is in "
+                f"{token_path(urlparse(client.base_url).port)}; on another machine set {TOKEN_ENV} or "
+                "vllm_server_control_token_file to it.")
+        dtype = client.get_server_info()["model_config"]["dtype"]  # TRL's own reading of the same endpoint
     else:
-        dtype = gen.vllm_client.get_server_info()["model_config"]["dtype"] if trainer.accelerator.is_main_process \
-            else "unknown"
+        dtype = "unknown"
     return str(dtype).removeprefix("torch.")
 
 
-def finish_vllm_setup(trainer) -> None:
+def finish_vllm_setup(trainer, setup: dict[str, Any]) -> None:
     """After ``GRPOTrainer.__init__``: CPU server sync, bounded server errors, sync schedule, the dtype log."""
     from . import vllm_on_cpu
 
@@ -90,7 +123,7 @@ def finish_vllm_setup(trainer) -> None:
         if trainer.accelerator.is_main_process:
             _bound_server_requests(gen.vllm_client, args.vllm_server_timeout)
         if vllm_on_cpu():
-            install_cpu_server_sync(gen, getattr(args, "vllm_weight_sync_dir", None))
+            install_cpu_server_sync(gen, getattr(args, "vllm_weight_sync_dir", None), setup["control_token"])
         _wrap_server_errors(trainer)
     _install_sync_schedule(trainer, int(getattr(args, "vllm_sync_interval", 1) or 1))
     trainer.vllm_engine_dtype = engine_dtype(trainer)
@@ -135,25 +168,27 @@ def _install_sync_schedule(trainer, interval: int) -> None:
     gen.sync_weights = scheduled_sync
 
 
-def install_cpu_server_sync(gen, directory: str | None = None) -> None:
+def install_cpu_server_sync(gen, directory: str | None = None, token: str | None = None) -> None:
     """Replace TRL's NCCL weight push by: state dict -> safetensors file -> ``POST /collective_rpc`` -> workers load it.
 
     Every process iterates the parameters (gathering them is collective under ZeRO-3/FSDP); the main process writes
     and calls the server. The file lives in ``directory`` (default ``/dev/shm`` when present): the server must see
-    the same path, i.e. run on the same machine or share that filesystem.
+    the same path, i.e. run on the same machine or share that filesystem. The file is 0600, named with the control
+    token's fingerprint (the server loads nothing else) and removed once loaded.
     """
     from safetensors.torch import save_file
 
+    from .security import default_sync_dir, weight_file_prefix
     from .worker import RPC_METHOD
 
-    directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    directory = directory or default_sync_dir()
 
     def sync_weights():
         tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in gen._iter_named_params()}
         if not gen.accelerator.is_main_process:
             return
         client = gen.vllm_client
-        fd, path = tempfile.mkstemp(prefix="trl_rollout_corr_weights_", suffix=".safetensors", dir=directory)
+        fd, path = tempfile.mkstemp(prefix=weight_file_prefix(token), suffix=".safetensors", dir=directory)  # 0600
         os.close(fd)
         try:
             save_file(tensors, path)

@@ -10,26 +10,46 @@ CPU-torch guard. When vLLM runs on its CPU platform it adds, unless given:
   at most half of what is free; ``VLLM_CPU_KVCACHE_SPACE`` wins);
 - host ``127.0.0.1`` when no ``--host`` is given, and ``VLLM_HOST_IP=127.0.0.1`` for a loopback host.
 
+On every platform and bind address it protects the control plane (:mod:`trl_rollout_corr.vllm.security`): a
+control token (``--control_token_file PATH``, else ``TRL_ROLLOUT_CORR_CONTROL_TOKEN``, else a new random one) is
+required on every endpoint but health and generation, kept in a 0600 file per port for trainers on this machine;
+``/collective_rpc`` runs only the weight-sync method, on files of ``--weight_sync_dir`` (default ``/dev/shm``).
+
 (``trl vllm-serve`` itself cannot start the CPU build: its ``vllm`` CLI asks for the ``vllm`` distribution, which
 ``vllm-cpu`` is not.) On a GPU it serves exactly what ``trl vllm-serve`` serves.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 WORKER_EXTENSION = "trl_rollout_corr.vllm.worker.CPUWeightSyncExtension"
+MIDDLEWARE = "trl_rollout_corr.vllm.security.ControlTokenMiddleware"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def build_server_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The vLLM OpenAI-server arguments and environment for ``trl-rollout-corr vllm-serve ARGV``."""
+def split_own_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This command's own options (control token, weight-sync directory) and the rest, for ``trl vllm-serve``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--control_token_file", "--control-token-file", default=None)
+    parser.add_argument("--weight_sync_dir", "--weight-sync-dir", default=None)
+    return parser.parse_known_args(argv)
+
+
+def build_server_argv(argv: list[str]) -> tuple[list[str], dict[str, str], int]:
+    """The vLLM OpenAI-server arguments and environment for ``trl-rollout-corr vllm-serve ARGV``.
+
+    The environment carries the control token (generated when none is given) and the weight-sync directory.
+    """
     from trl.scripts.vllm_serve import build_command, make_parser
 
     from . import vllm_on_cpu
     from .cpu import kv_cache_bytes
+    from .security import SYNC_DIR_ENV, TOKEN_ENV, default_sync_dir, new_token, read_token_file
 
+    own, argv = split_own_args(argv)
     on_cpu = vllm_on_cpu()
     given = " ".join(argv)
     if on_cpu and "--host" not in given:
@@ -41,7 +61,10 @@ def build_server_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     command = build_command(script_args, extra)
     serve = command.index("serve")
     flags = ["--model", command[serve + 1], *command[serve + 2:]]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    token = read_token_file(own.control_token_file) if own.control_token_file else os.environ.get(TOKEN_ENV)
+    env = {"VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token or new_token(),
+           SYNC_DIR_ENV: os.path.realpath(own.weight_sync_dir or default_sync_dir())}
+    flags += ["--middleware", MIDDLEWARE]
     if on_cpu:
         if "--worker-extension-cls" not in flags:
             flags += ["--worker-extension-cls", WORKER_EXTENSION]
@@ -49,7 +72,7 @@ def build_server_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             flags += ["--kv-cache-memory-bytes", str(kv_cache_bytes(script_args.gpu_memory_utilization))]
         if script_args.host in _LOOPBACK and not os.environ.get("VLLM_HOST_IP"):
             env["VLLM_HOST_IP"] = "127.0.0.1"
-    return flags, env
+    return flags, env, script_args.port
 
 
 def main(argv: list[str]) -> None:
@@ -61,8 +84,13 @@ def main(argv: list[str]) -> None:
     from .._cpu_guard import hide_cuda_only_extensions
 
     hide_cuda_only_extensions()
-    flags, env = build_server_argv(argv)
+    from .security import TOKEN_ENV, write_token
+
+    flags, env, port = build_server_argv(argv)
     os.environ.update(env)
+    token_file = write_token(port, env[TOKEN_ENV])
+    print(f"trl-rollout-corr vllm-serve: control token in {token_file} (0600). Trainers on this machine read it from "
+          "there; on other machines set TRL_ROLLOUT_CORR_CONTROL_TOKEN or vllm_server_control_token_file.", flush=True)
     from . import vllm_on_cpu
 
     if vllm_on_cpu():

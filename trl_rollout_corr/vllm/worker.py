@@ -25,9 +25,22 @@ class CPUWeightSyncExtension:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``."""
 
     def trl_rollout_corr_load_weights(self, path: str) -> int:
-        """Load every tensor of the safetensors file at ``path`` into the engine's model; returns their count."""
+        """Load every tensor of the safetensors file at ``path`` into the engine's model; returns their count.
+
+        Only a file the trainer wrote for this server: inside the weight-sync directory, named with the control
+        token's fingerprint (checked by the server's middleware, and again here).
+        """
+        import os
+
         from safetensors.torch import load_file
 
+        from .security import SYNC_DIR_ENV, TOKEN_ENV, default_sync_dir, weight_file_refusal
+
+        token = os.environ.get(TOKEN_ENV)
+        why = ("the server has no control token (start it with `trl-rollout-corr vllm-serve`)" if not token else
+               weight_file_refusal(path, token, os.environ.get(SYNC_DIR_ENV) or default_sync_dir()))
+        if why is not None:
+            raise PermissionError(f"trl_rollout_corr_load_weights refused: {why}.")
         weights = load_file(path)
         self.model_runner.model.load_weights(weights=list(weights.items()))
         return len(weights)
