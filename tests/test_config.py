@@ -16,6 +16,7 @@ PRESETS = {
     "pg_is": ("sequence", 2.0, False, None, None, None, None, True, True),
     "pg_rs": (None, 2.0, False, "geometric", 1.001, 0.999, 1e-4, True, True),
     "disabled": (None, 2.0, False, None, None, None, None, False, False),
+    "icepop": (None, 2.0, False, "token", 2.0, 0.5, None, False, False),
 }
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .core.divergence import parse_divergence_criteria
+from .verl_names import ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_criteria_string, translate_rollout_rs
 from .core.rejection import RS_LEVELS
 from .core.weights import IS_LEVELS
 
@@ -57,7 +58,7 @@ class RolloutCorrectionConfig:
 
     PRESETS: ClassVar[tuple[str, ...]] = (
         "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "disabled",
+        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop",
     )
 
     def __post_init__(self) -> None:
@@ -70,6 +71,13 @@ class RolloutCorrectionConfig:
             raise ValueError(f"rollout_is must be a string or None, got {self.rollout_is!r}.")
         self.rollout_is = none_if_unset(self.rollout_is)
         self.rollout_rs = none_if_unset(self.rollout_rs)
+        if is_criteria_string(self.rollout_rs):  # verl's spelling: divergence criteria in rollout_rs
+            if self.rollout_rs_criteria is not None or self.rollout_rs_threshold_lower is not None:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} (verl's criteria spelling) together with "
+                                 "rollout_rs_criteria or rollout_rs_threshold_lower: use one spelling.")
+            self.rollout_rs_criteria, self.rollout_rs_criteria_threshold = translate_rollout_rs(
+                self.rollout_rs, self.rollout_rs_threshold)
+            self.rollout_rs = self.rollout_rs_threshold = None
         if self.rollout_is == "geometric":
             raise ValueError("rollout_is='geometric' is not an IS level: geometric aggregation is for rejection only. "
                              "Use rollout_rs='geometric' (with rollout_rs_threshold, e.g. 1.001) instead.")
@@ -199,16 +207,31 @@ class RolloutCorrectionConfig:
                              use_policy_gradient=True), **overrides})
 
     @classmethod
+    def icepop(cls, lower: float = 0.5, upper: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+        """Two-sided token masking ("IcePop"): decoupled PPO, no IS weight, tokens with rho outside [lower, upper]
+        leave the loss."""
+        return cls(**{**ICEPOP, "rollout_rs_threshold": upper, "rollout_rs_threshold_lower": lower, **overrides})
+
+    @classmethod
     def disabled(cls, **overrides: Any) -> "RolloutCorrectionConfig":
         """No correction at all; the off-policy diagnostics are still logged."""
         return cls(**{**dict(rollout_is=None), **overrides})
 
     @classmethod
+    def preset_names(cls) -> tuple[str, ...]:
+        """This package's presets, then verl's (see :mod:`trl_rollout_corr.verl_names`)."""
+        return cls.PRESETS + tuple(n for n in VERL_PRESETS if n not in cls.PRESETS)
+
+    @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "RolloutCorrectionConfig":
-        """Build a preset by name, e.g. ``from_preset("decoupled_token_is", rollout_is_threshold=3.0)``."""
-        if name not in cls.PRESETS:
-            raise ValueError(f"Unknown rollout correction preset {name!r}. Choose one of: {', '.join(cls.PRESETS)}.")
-        return getattr(cls, name)(**overrides)
+        """Build a preset by name, e.g. ``from_preset("decoupled_token_is", rollout_is_threshold=3.0)``; verl's names
+        take verl's factory arguments too (``threshold``, ``is_threshold``, ``rs_threshold``)."""
+        if name in cls.PRESETS:
+            return getattr(cls, name)(**overrides)
+        if name in VERL_PRESETS:
+            fields = {VERL_ARGUMENTS.get(k, k): v for k, v in overrides.items()}
+            return cls(**{**VERL_PRESETS[name], **fields})
+        raise ValueError(f"Unknown rollout correction preset {name!r}. Choose one of: {', '.join(cls.preset_names())}.")
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:
@@ -220,6 +243,12 @@ class RolloutCorrectionConfig:
         data = dict(data)
         names = {f.name for f in dataclasses.fields(cls)}
         preset = data.pop("preset", None)
+        if "loss_type" in data:  # verl's bypass-mode switch
+            loss_type = data.pop("loss_type")
+            if loss_type not in ("ppo_clip", "reinforce"):
+                raise ValueError(f"loss_type={loss_type!r}: verl's values are 'ppo_clip' and 'reinforce' "
+                                 "(use_policy_gradient=False / True here).")
+            data.setdefault("use_policy_gradient", loss_type == "reinforce")
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"Unknown RolloutCorrectionConfig field(s) {unknown}; valid fields: {sorted(names)}.")

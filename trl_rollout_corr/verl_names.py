@@ -1,0 +1,94 @@
+"""verl's rollout-correction names, accepted as they mean in verl.
+
+Checked against volcengine/verl at commit ``b178a3c`` (2026-01-29): the preset factories of
+``verl/trainer/config/algorithm.py:RolloutCorrectionConfig`` and the ``rollout_rs`` options of
+``verl/trainer/ppo/rollout_corr_helper.py:compute_rollout_rejection_mask``.
+
+* **Presets**: :data:`VERL_PRESETS` maps each verl factory name to the fields it sets (verl spelling: a criterion
+  string in ``rollout_rs`` with its ``rollout_rs_threshold``, and ``loss_type`` as ``use_policy_gradient``).
+  Names shared with this package (``decoupled_token_is``, ``decoupled_seq_is``, ``decoupled_seq_is_rs``,
+  ``decoupled_geo_rs``, ``disabled``) keep this package's meaning; they agree with verl's except
+  ``decoupled_geo_rs``, which here also vetoes (``rollout_token_veto_threshold=1e-4``; pass ``None`` for verl's).
+* **``rollout_rs`` criteria strings** (``"token_k1"``, ``"seq_mean_k3,seq_max_k2"``, ...): translated into this
+  package's ``rollout_rs_criteria`` / ``rollout_rs_criteria_threshold`` by :func:`translate_rollout_rs`. verl
+  compares k1 = -log r with ``log(lower)`` and ``log(upper)`` (rollout_corr_helper.py, lines 271-308), i.e. its
+  ``"lower_upper"`` band bounds pi_rollout / pi_train; this package's k1 band bounds r = pi_train / pi_rollout, so a
+  verl band ``"a_b"`` becomes ``"1/b_1/a"`` (the same for the symmetric bands verl's presets use). A single
+  threshold is broadcast to every criterion, as verl does.
+* **IcePop** (two-sided token masking): :data:`ICEPOP` masks every token whose r leaves ``[0.5, 2.0]`` (decoupled,
+  no IS weight), adjustable like any preset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+_GEO = "0.999_1.001"  # verl's default geometric band
+_K3 = 0.01  # verl's default k3 bound
+
+VERL_PRESETS: dict[str, dict[str, Any]] = {
+    "bypass_ppo_clip": dict(rollout_is=None, bypass_mode=True),
+    "bypass_ppo_clip_geo_rs": dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=_GEO,
+                                   bypass_mode=True),
+    "bypass_ppo_clip_k3_rs": dict(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=_K3,
+                                  bypass_mode=True),
+    "bypass_pg_is": dict(rollout_is="sequence", rollout_is_threshold=2.0, bypass_mode=True, use_policy_gradient=True),
+    "bypass_pg_geo_rs": dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=_GEO, bypass_mode=True,
+                             use_policy_gradient=True),
+    "bypass_pg_geo_rs_seq_tis": dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
+                                     rollout_rs_threshold=_GEO, bypass_mode=True, use_policy_gradient=True),
+    "bypass_pg_geo_rs_token_tis": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
+                                       rollout_rs_threshold=_GEO, bypass_mode=True, use_policy_gradient=True),
+    "decoupled_geo_rs_seq_tis": dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
+                                     rollout_rs_threshold=_GEO),
+    "decoupled_geo_rs_token_tis": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
+                                       rollout_rs_threshold=_GEO),
+    "decoupled_k3_rs": dict(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=_K3),
+    "decoupled_k3_rs_seq_tis": dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3",
+                                    rollout_rs_threshold=_K3),
+    "decoupled_k3_rs_token_tis": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3",
+                                      rollout_rs_threshold=_K3),
+}
+ICEPOP: dict[str, Any] = dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=2.0,
+                              rollout_rs_threshold_lower=0.5)
+# verl's factory arguments, as this package's fields (rs_threshold keeps verl's meaning: it is translated)
+VERL_ARGUMENTS = {"threshold": "rollout_is_threshold", "is_threshold": "rollout_is_threshold",
+                  "rs_threshold": "rollout_rs_threshold"}
+
+
+def is_criteria_string(value: Any) -> bool:
+    """Whether ``value`` is a verl ``rollout_rs`` criteria string (``"token_k1"``, ``"seq_mean_k3,seq_max_k2"``)."""
+    from .core.divergence import DIVERGENCE_CRITERIA
+
+    if not isinstance(value, str) or not value.strip():
+        return False
+    return all(part.strip() in DIVERGENCE_CRITERIA for part in value.split(","))
+
+
+def translate_rollout_rs(rollout_rs: str, threshold: Any) -> tuple[str, str]:
+    """verl's ``rollout_rs`` / ``rollout_rs_threshold`` as this package's ``rollout_rs_criteria`` /
+    ``rollout_rs_criteria_threshold`` (k1 bands flipped from pi_rollout/pi_train to pi_train/pi_rollout)."""
+    names = [part.strip() for part in rollout_rs.split(",")]
+    if threshold is None:
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold (verl's spelling: 'lower_upper' for k1 "
+                         "criteria, an upper bound for k2/k3, one per criterion or one for all).")
+    specs = [s.strip() for s in str(threshold).split(",")] if isinstance(threshold, str) else [str(threshold)]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ValueError(f"rollout_rs={rollout_rs!r} has {len(names)} criteria but rollout_rs_threshold={threshold!r} "
+                         f"{len(specs)} values: give one per criterion or one for all.")
+    ours = []
+    for name, spec in zip(names, specs):
+        if name.endswith("k1") and "_" in spec:
+            try:
+                lower, upper = (float(x) for x in spec.split("_", 1))
+            except ValueError:
+                raise ValueError(f"rollout_rs_threshold {spec!r} for {name} is not 'lower_upper'.") from None
+            if not (0 < lower <= upper):
+                raise ValueError(f"rollout_rs_threshold {spec!r} for {name}: need 0 < lower <= upper.")
+            ours.append(f"{1.0 / upper!r}_{1.0 / lower!r}")
+        else:
+            ours.append(spec)
+    return ",".join(names), ",".join(ours)
