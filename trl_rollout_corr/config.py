@@ -7,7 +7,10 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
+
+from huggingface_hub import ModelHubMixin
 
 from .core.divergence import parse_divergence_criteria
 from .verl_names import ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_criteria_string, translate_rollout_rs
@@ -24,8 +27,12 @@ def none_if_unset(value: Any) -> Any:
 
 
 @dataclass
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", tags=["rollout-correction", "trl"]):
     """How to correct for pi_rollout != pi_old: IS weights, rejection, veto, and the two operating modes.
+
+    Saved and shared as transformers' configs are: ``save_pretrained(dir)`` writes ``rollout_correction_config.json``,
+    ``from_pretrained(dir | file | repo_id)`` reads it, ``push_to_hub(repo_id)`` uploads it (``huggingface_hub``'s
+    ``ModelHubMixin``).
 
     Args:
         rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
@@ -278,17 +285,34 @@ class RolloutCorrectionConfig:
         text = open(path, encoding="utf-8").read()
         return cls.from_yaml(text) if str(path).endswith((".yaml", ".yml")) else cls.from_json_string(text)
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Write ``rollout_correction_config.json`` into ``save_directory`` (created if needed)."""
-        os.makedirs(save_directory, exist_ok=True)
-        path = os.path.join(save_directory, CONFIG_NAME)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json_string())
+    def save_pretrained(self, save_directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
+                        push_to_hub_kwargs: dict[str, Any] | None = None, **mixin_kwargs: Any) -> str:
+        """Write ``rollout_correction_config.json`` into ``save_directory`` (created if needed), and nothing else;
+        with ``push_to_hub=True`` also upload it to ``repo_id`` (default: the directory's name). Returns the file."""
+        unknown = set(mixin_kwargs) - {"config", "model_card_kwargs"}  # what ModelHubMixin.push_to_hub passes
+        if unknown:
+            raise TypeError(f"save_pretrained() got unexpected keyword argument(s) {sorted(unknown)}.")
+        path = self._save_pretrained(Path(save_directory))
+        if push_to_hub:
+            self.push_to_hub(repo_id or Path(save_directory).name, **(push_to_hub_kwargs or {}))
+        return str(path)
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str = "Upload rollout correction config",
+                    **kwargs: Any) -> str:
+        """Upload ``rollout_correction_config.json`` to the Hub repo ``repo_id`` (created if needed): the mixin's
+        ``push_to_hub`` (``private``, ``token``, ``branch``, ``create_pr``, ...). Returns the commit URL."""
+        return super().push_to_hub(repo_id, commit_message=commit_message, **kwargs)
+
+    def _save_pretrained(self, save_directory: Path) -> Path:
+        save_directory.mkdir(parents=True, exist_ok=True)
+        path = save_directory / CONFIG_NAME
+        path.write_text(self.to_json_string(), encoding="utf-8")
         return path
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, **hub_kwargs: Any) -> "RolloutCorrectionConfig":
-        """Load from a directory, a config file, or a Hub repo id (downloaded with ``huggingface_hub``)."""
+        """Load from a directory, a config file, or a Hub repo id (downloaded with ``huggingface_hub``;
+        ``hub_kwargs`` such as ``revision`` or ``token`` go to ``hf_hub_download``)."""
         path = str(path_or_repo_id)
         if os.path.isdir(path):
             file = os.path.join(path, CONFIG_NAME)

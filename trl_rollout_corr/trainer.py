@@ -91,6 +91,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
         self.correction_plan = self.args.correction_plan()
+        self.args._rc_frozen_by = type(self).__name__  # a later change to the correction fields raises
         self.rollout_sampler = rollout_sampler
         if self.rollout_func is not None:
             self.rollout_func = _checked_rollout_func(self.rollout_func)
