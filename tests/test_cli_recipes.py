@@ -19,7 +19,7 @@ def test_every_preset_recipe_parses_into_a_valid_config(path):
     name = os.path.basename(path)[: -len(".yaml")]
     assert training_args.rollout_correction == RolloutCorrectionConfig.from_preset(name)
     assert training_args.use_vllm and not training_args.vllm_importance_sampling_correction
-    assert model_args.model_name_or_path and script_args.reward == "math_answer"
+    assert model_args.model_name_or_path and script_args.reward_funcs == ["math_answer_reward"]
 
 
 def test_command_line_overrides_the_recipe():
