@@ -331,6 +331,96 @@ def test_server_mode_trains_with_a_real_weight_sync(model_dir, tmp_path, server)
     assert stale[2]["rollout_corr/log_ppl_abs_diff"] > 1e-3
 
 
+# ---------------------------------------------------------------- several training processes
+ROOT = Path(__file__).resolve().parents[1]
+DIST_WORKER = str(ROOT / "tests" / "vllm_dist_worker.py")
+PRESET_FIELDS = {"ppo_is_bypass": dict(rollout_is="token", C=2.0), "decoupled_token_is": dict(rollout_is="token", C=2.0)}
+
+
+def _launch(cmd: list[str], prefix: Path) -> list[list[dict]]:
+    """Run a 2-process launch of tests/vllm_dist_worker.py; return each rank's runs."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
+    for attempt in range(2):  # one retry with a fresh rendezvous port (a port taken between probe and bind)
+        proc = subprocess.run([part.replace("PORT", str(_free_port())) for part in cmd], cwd=str(prefix.parent),
+                              env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0 or attempt == 1 or "EADDRINUSE" not in proc.stderr + proc.stdout:
+            break
+    ranks = [prefix.parent / f"{prefix.name}.rank{r}.json" for r in (0, 1)]
+    if proc.returncode != 0 or not all(p.exists() for p in ranks):
+        raise AssertionError(f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    import json
+
+    return [json.loads(p.read_text()) for p in ranks]
+
+
+def _padded(rows: list[list[float]], width: int, fill: float) -> list[list[float]]:
+    return [list(row) + [fill] * (width - len(row)) for row in rows]
+
+
+def check_two_rank_runs(ranks: list[list[dict]], expected: list[tuple[str, int]]) -> None:
+    """Every rank trained every run; each sample carried its own pi_rollout (float32 engine synced at this step:
+    pi_train == pi_rollout on every rank's rows); an unsynced engine shows its lag; and every logged global metric
+    equals its one-process definition over both ranks' rows (the float64 reference of tests/reference.py)."""
+    from reference import reference
+
+    for index, (preset, interval) in enumerate(expected):
+        runs = [rank_runs[index] for rank_runs in ranks]
+        assert [(r["preset"], r["sync_interval"], r["world_size"], r["rank"]) for r in runs] == \
+            [(preset, interval, 2, 0), (preset, interval, 2, 1)]
+        assert all("MULTI_CPU" in r["distributed_type"] for r in runs)
+        synced = [0, 1, 2] if interval == 1 else [0, 2]
+        assert all(r["sync_steps"] == synced for r in runs)
+        logs = [log for log in runs[0]["logs"] if "loss" in log]
+        assert len(logs) == 3 and all(math.isfinite(log["loss"]) for log in logs)
+        for step in range(3):
+            calls = [[c for c in r["recorded"] if c["step"] == step] for r in runs]
+            assert [len(c) for c in calls] == [1, 1], (preset, step)  # one correction per rank per step
+            gaps = []
+            for (call,) in calls:  # this rank's own samples
+                assert len(call["train"]) == 4
+                gaps.append(max(abs(t - r) for tr, ro, m in zip(call["train"], call["rollout"], call["mask"])
+                                for t, r, keep in zip(tr, ro, m) if keep))
+            if step in synced:
+                assert max(gaps) < 2e-6, (preset, step, gaps)
+                assert abs(logs[step]["rollout_corr/kl"]) < 1e-6
+            else:  # the engine is one optimizer step (lr 1e-2) behind, on every rank
+                assert min(gaps) > 1e-2, (preset, step, gaps)
+            width = max(len(row) for (call,) in calls for row in call["mask"])
+            train = [row for (call,) in calls for row in _padded(call["train"], width, 0.0)]
+            rollout = [row for (call,) in calls for row in _padded(call["rollout"], width, 0.0)]
+            mask = [row for (call,) in calls for row in _padded(call["mask"], width, 0)]
+            fields = PRESET_FIELDS[preset]
+            _, _, want = reference(train, rollout, mask, rollout_is=fields["rollout_is"], C=fields["C"])
+            for name, value in want.items():
+                assert logs[step][name] == pytest.approx(value, rel=1e-4, abs=2e-6), (preset, step, name)
+
+
+@requires_vllm
+def test_two_training_processes_against_one_server(model_dir, tmp_path, server):
+    """torchrun, 2 processes (gloo) against one `trl-rollout-corr vllm-serve`: a bypass preset synced every step
+    and a decoupled one synced every 2 steps."""
+    prefix = tmp_path / "server"
+    ranks = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "PORT",
+                     DIST_WORKER, str(prefix), "--model_dir", model_dir, "--mode", "server", "--port",
+                     str(server["port"]), "--runs", "ppo_is_bypass:1,decoupled_token_is:2"], prefix)
+    check_two_rank_runs(ranks, [("ppo_is_bypass", 1), ("decoupled_token_is", 2)])
+
+
+@requires_vllm
+def test_two_ranks_each_with_a_colocated_engine_through_the_shipped_accelerate_config(model_dir, tmp_path):
+    """`accelerate launch --config_file recipes/accelerate/multi_gpu.yaml --num_processes 2` unchanged (on CPU it
+    starts 2 ranks; the training config's use_cpu makes them gloo ranks), each rank with its own float32 engine: a
+    decoupled preset synced every step and a bypass one synced every 2 steps."""
+    prefix = tmp_path / "colocate"
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    ranks = _launch([accelerate, "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / "multi_gpu.yaml"),
+                     "--num_processes", "2", "--main_process_port", "PORT", DIST_WORKER, str(prefix), "--model_dir",
+                     model_dir, "--mode", "colocate", "--runs", "decoupled_token_is:1,ppo_is_bypass:2"], prefix)
+    check_two_rank_runs(ranks, [("decoupled_token_is", 1), ("ppo_is_bypass", 2)])
+
+
 @requires_vllm
 def test_server_that_hangs_mid_run_fails_clearly(model_dir, tmp_path, server):
     """A server that stops answering but stays alive (SIGSTOP): a RuntimeError after vllm_server_timeout, no hang."""
