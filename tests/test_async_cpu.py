@@ -11,10 +11,7 @@ import trl_rollout_corr  # noqa: F401  (first: its CPU-torch guard)
 
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -75,47 +72,20 @@ def chat_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def async_server(chat_model_dir, tmp_path_factory):
-    import requests
+    from server_utils import free_port, running_server
 
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     root = tmp_path_factory.mktemp("async_server")
-    cache = root / "cache"
     saved_cache = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(cache)  # the token file, found by the trainer of this module
+    os.environ["XDG_CACHE_HOME"] = str(root / "cache")  # the token file, found by the trainer of this module
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRL_ROLLOUT_CORR_CONTROL_TOKEN", None)
-    log_path = root / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", chat_model_dir, "--port",
-                             str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.02"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.time() + 300
+    cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", chat_model_dir, "--port", str(port),
+           "--dtype", "float32", "--gpu-memory-utilization", "0.02"]
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"server not healthy after 300 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(1)
-        yield {"port": port, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path}
+        with running_server(cmd, port, root / "server.log", env) as proc:
+            yield {"port": port, "url": f"http://127.0.0.1:{port}", "proc": proc}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        log.close()
         if saved_cache is None:
             os.environ.pop("XDG_CACHE_HOME", None)
         else:

@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
+from server_utils import free_port, running_server
 from trainer_utils import count_policy_forwards, make_trainer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -197,10 +197,7 @@ def test_an_outdated_cpu_fix_stops_the_trainer_at_construction(model_dir, tmp_pa
 
 
 # ---------------------------------------------------------------- server mode
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port
 
 
 @pytest.fixture(scope="module")
@@ -210,44 +207,20 @@ def server(model_dir, tmp_path_factory):
     Its control token is generated and written under an isolated ``XDG_CACHE_HOME``, which the trainers of this
     module (same machine) share: they find the token by themselves.
     """
-    import requests
-
     port = _free_port()
     root = tmp_path_factory.mktemp("vllm_server")
     log_path = root / "server.log"
-    log = open(log_path, "w")
     cache = root / "cache"
     saved_cache = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(cache)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRL_ROLLOUT_CORR_CONTROL_TOKEN", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trl_rollout_corr", "vllm-serve", "--model", model_dir, "--host", "0.0.0.0",
-         "--port", str(port), "--dtype", "float32", "--gpu_memory_utilization", "0.02"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.time() + 300
+    cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve", "--model", model_dir, "--host", "0.0.0.0",
+           "--port", str(port), "--dtype", "float32", "--gpu_memory_utilization", "0.02"]
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"vLLM server not healthy after 300 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(1)
-        yield {"port": port, "proc": proc, "log": log_path, "cache": cache}
+        with running_server(cmd, port, log_path, env) as proc:
+            yield {"port": port, "proc": proc, "log": log_path, "cache": cache}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        log.close()
         if saved_cache is None:
             os.environ.pop("XDG_CACHE_HOME", None)
         else:
