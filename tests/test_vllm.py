@@ -332,11 +332,14 @@ def _padded(rows: list[list[float]], width: int, fill: float) -> list[list[float
     return [list(row) + [fill] * (width - len(row)) for row in rows]
 
 
-def check_two_rank_runs(ranks: list[list[dict]], expected: list[tuple[str, int]]) -> None:
+def check_two_rank_runs(ranks: list[list[dict]], expected: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
     """Every rank trained every run; each sample carried its own pi_rollout (float32 engine synced at this step:
     pi_train == pi_rollout on every rank's rows); an unsynced engine shows its lag; and every logged global metric
-    equals its one-process definition over both ranks' rows (the float64 reference of tests/reference.py)."""
+    equals its one-process definition over both ranks' rows (the float64 reference of tests/reference.py).
+    Returns how many metrics were compared at each (preset, step)."""
     from reference import reference
+
+    compared = {}
 
     for index, (preset, interval) in enumerate(expected):
         runs = [rank_runs[index] for rank_runs in ranks]
@@ -368,6 +371,8 @@ def check_two_rank_runs(ranks: list[list[dict]], expected: list[tuple[str, int]]
             _, _, want = reference(train, rollout, mask, rollout_is=fields["rollout_is"], C=fields["C"])
             for name, value in want.items():
                 assert logs[step][name] == pytest.approx(value, rel=1e-4, abs=2e-6), (preset, step, name)
+            compared[(preset, step)] = len(want)
+    return compared
 
 
 @requires_vllm
@@ -378,7 +383,8 @@ def test_two_training_processes_against_one_server(model_dir, tmp_path, server):
     ranks = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "PORT",
                      DIST_WORKER, str(prefix), "--model_dir", model_dir, "--mode", "server", "--port",
                      str(server["port"]), "--runs", "ppo_is_bypass:1,decoupled_token_is:2"], prefix)
-    check_two_rank_runs(ranks, [("ppo_is_bypass", 1), ("decoupled_token_is", 2)])
+    compared = check_two_rank_runs(ranks, [("ppo_is_bypass", 1), ("decoupled_token_is", 2)])
+    assert len(compared) == 6 and min(compared.values()) >= 10
 
 
 @requires_vllm
@@ -391,7 +397,8 @@ def test_two_ranks_each_with_a_colocated_engine_through_the_shipped_accelerate_c
     ranks = _launch([accelerate, "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / "multi_gpu.yaml"),
                      "--num_processes", "2", "--main_process_port", "PORT", DIST_WORKER, str(prefix), "--model_dir",
                      model_dir, "--mode", "colocate", "--runs", "decoupled_token_is:1,ppo_is_bypass:2"], prefix)
-    check_two_rank_runs(ranks, [("decoupled_token_is", 1), ("ppo_is_bypass", 2)])
+    compared = check_two_rank_runs(ranks, [("decoupled_token_is", 1), ("ppo_is_bypass", 2)])
+    assert len(compared) == 6 and min(compared.values()) >= 10
 
 
 @requires_vllm
