@@ -142,3 +142,83 @@ def test_trl_async_grpo_trains_on_cpu_and_the_server_follows_the_weights(chat_mo
         before = initial(input_ids=x).logits[0, :-1].double().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
     assert (served - mine).abs().max() < 1e-4
     assert (served - before).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------ RolloutCorrAsyncGRPOTrainer against the server
+def corrected_trainer(chat_model_dir, url, output_dir, **overrides):
+    from datasets import Dataset
+    from tool_task import build_tool_tokenizer
+
+    from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer, RolloutCorrectionMonitor
+
+    kwargs = dict(output_dir=str(output_dir), dtype="float32", bf16=False, use_cpu=True, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no",
+                  vllm_server_base_url=url, max_steps=3, num_generations=4, max_completion_length=16,
+                  logging_steps=1, queue_maxsize=16, max_staleness=2, token_budget=-1, gradient_checkpointing=False,
+                  disable_tqdm=True)
+    kwargs.update(overrides)
+    prompts = [[{"role": "user", "content": p}] for p in ("add one", "go", "count", "hi")] * 8
+    monitor = RolloutCorrectionMonitor()
+    trainer = RolloutCorrAsyncGRPOTrainer(model=chat_model_dir, reward_funcs=length_reward,
+                                          args=RolloutCorrAsyncGRPOConfig(**kwargs),
+                                          train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                          processing_class=build_tool_tokenizer(), callbacks=[monitor])
+    return trainer, monitor
+
+
+@requires_vllm
+@pytest.mark.parametrize("preset", ["decoupled_token_is", "ppo_is_bypass", "bypass_pg_geo_rs_token_tis"])
+def test_corrected_async_trainer_on_the_real_server(chat_model_dir, async_server, tmp_path, preset):
+    import math
+
+    from trl_rollout_corr.async_grpo import CPUFileWeightTransfer
+
+    trainer, monitor = corrected_trainer(chat_model_dir, async_server["url"], tmp_path,
+                                         rollout_correction_preset=preset)
+    assert isinstance(trainer.weight_transfer, CPUFileWeightTransfer)  # chosen on CPU, nothing given
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 3
+    for log in logs:
+        metrics = {k: v for k, v in log.items() if k.startswith("rollout_corr/")}
+        assert len(metrics) > 30 and all(math.isfinite(v) for v in metrics.values()), metrics
+    # the first batch: sampled by the float32 server from the weights being trained (lag 0): no mismatch
+    assert logs[0]["rollout_corr/lag_max"] == 0 and abs(logs[0]["rollout_corr/lag_0/kl"]) < 1e-5
+    assert abs(logs[0]["rollout_corr/kl"]) < 1e-5 and logs[0]["rollout_corr/rejected_token_fraction"] == 0
+    # real staleness reached the loss and is reported per lag
+    assert max(log["rollout_corr/lag_max"] for log in logs) >= 1
+    assert any(k.startswith("rollout_corr/lag_1/") for log in logs for k in log)
+    assert trainer.weight_transfer.syncs == 4
+    assert monitor.alerts == []  # a healthy run: the monitor stays quiet
+
+
+@requires_vllm
+def test_server_dying_mid_run_is_a_clear_error_in_bounded_time_and_leaves_no_process(chat_model_dir, async_server,
+                                                                                   tmp_path):
+    # runs last in this module: it kills the module's server
+    import signal
+    import time
+
+    import psutil
+    from transformers import TrainerCallback
+
+    proc = async_server["proc"]
+
+    class KillServerAtStep2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2 and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+    trainer, _ = corrected_trainer(chat_model_dir, async_server["url"], tmp_path, max_steps=50,
+                                   rollout_correction_preset="decoupled_token_is", server_unreachable_timeout_s=10)
+    trainer.add_callback(KillServerAtStep2())
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"vLLM server at {async_server['url']}"):
+        trainer.train()
+    assert time.monotonic() - start < 120
+    assert trainer.state.global_step < 50
+    time.sleep(1)
+    alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+             and "resource_tracker" not in " ".join(p.cmdline())]  # (multiprocessing's own, lives with pytest)
+    assert alive == [], [(p.pid, p.cmdline()) for p in alive]  # the rollout worker was stopped

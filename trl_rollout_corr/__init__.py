@@ -20,6 +20,8 @@ __all__ = [
     "RolloutCorrectionConfig",
     "RolloutCorrGRPOConfig",
     "RolloutCorrGRPOTrainer",
+    "RolloutCorrAsyncGRPOConfig",
+    "RolloutCorrAsyncGRPOTrainer",
     "RolloutCorrectionMonitor",
     "compute_offpolicy_metrics",
     "compute_rollout_correction_and_rejection_mask",
@@ -36,6 +38,10 @@ def __getattr__(name: str):
         from . import trainer
 
         return getattr(trainer, name)
+    if name in ("RolloutCorrAsyncGRPOConfig", "RolloutCorrAsyncGRPOTrainer"):
+        from .async_grpo import trainer as async_trainer
+
+        return getattr(async_trainer, name)
     if name == "RolloutCorrectionMonitor":
         from .monitor import RolloutCorrectionMonitor
 

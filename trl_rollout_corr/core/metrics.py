@@ -17,6 +17,7 @@ import torch
 
 from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
 from .divergence import finalize_divergence
+from .lag import finalize_lag
 from .truncation import finalize_truncation
 from .weights import SAFETY_BOUND, sequence_log_ratio
 
@@ -230,6 +231,7 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
     if "sum:rollout_is.norm_mean_sum" in f:
         metrics[PREFIX + "rollout_is_batch_norm_factor"] = _div(s("rollout_is.norm_mean_sum"), s("rollout_is.norm_n"))
     metrics.update(finalize_truncation(f))
+    metrics.update(finalize_lag(f))
     if "sum:mask.tok_n" in f:
         tok_n, seq_n = s("mask.tok_n"), s("mask.seq_n")
         metrics.update(finalize_divergence(f, tok_n, seq_n))

@@ -108,3 +108,26 @@ def held_out_reward(model, tokenizer, prompts: list[str], seed: int = 1234, max_
     model.train(was_training)
     torch.set_rng_state(rng)
     return statistics.fmean(reverse_reward(prompts, texts))
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a user turn renders as the plain prompt
+
+
+def build_chat_tokenizer():
+    """:func:`build_tokenizer` with a chat template that renders ``[{"role": "user", "content": p}]`` as ``p`` (the
+    same token ids as the plain prompt) and TRL's Qwen3 response template, as TRL's asynchronous trainer needs."""
+    from trl.chat_template_utils import qwen3_template
+
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.response_template = qwen3_template
+    return tok
+
+
+def _text(x) -> str:
+    return x[-1]["content"] if isinstance(x, list) else x
+
+
+def reverse_chat_reward(prompts, completions, **_) -> list[float]:
+    """:func:`reverse_reward` on conversational prompts and completions (TRL's asynchronous trainer)."""
+    return reverse_reward([_text(p) for p in prompts], [_text(c) or "" for c in completions])

@@ -1,0 +1,194 @@
+"""Rollout correction in TRL's asynchronous GRPO trainer: reverse-digits, a real vLLM server on CPU.
+
+Each run: the demo's tiny model (2 heads of 32, warmed up with 90 supervised steps), STEPS optimizer steps of 64
+samples (8 prompts x 8), TRL 1.16's asynchronous trainer generating continuously against one
+``trl-rollout-corr vllm-serve-async`` server (float32; TRL's cold sync at train begin loads each run's weights, so
+one server serves every run, one run at a time). Held-out reward: the policy's own mean reward on 256 fixed prompts
+(temperature 1), averaged over the evaluations in the last 20% of the steps.
+
+Variants: ``trl_as_is`` (TRL's AsyncGRPOTrainer itself), ``decoupled_token_is`` and ``pg_is`` (this package's
+RolloutCorrAsyncGRPOTrainer), at ``max_staleness`` 4 (TRL's default) and a larger one; plus ``sync`` (this package's
+synchronous trainer with colocated vLLM synced every step: no staleness) on the same steps.
+
+    python benchmarks/async_staleness.py --seeds 0,1,2 --steps 200 --staleness 4,16
+
+Each run is a separate process (a trainer that ran before slows later generation); results go to
+``OUTPUT_DIR/<variant>-s<staleness>-<seed>.json`` and the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ASYNC_VARIANTS = {"trl_as_is": None, "ppo_is_bypass": "ppo_is_bypass", "decoupled_token_is": "decoupled_token_is",
+                  "pg_is": "pg_is"}
+
+
+def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eval_every: int, out: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import trl_rollout_corr  # noqa: F401
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+
+    from trl_rollout_corr.demo.tiny import (build_chat_tokenizer, build_model, held_out_reward, reverse_chat_reward,
+                                            reverse_prompts, supervised_warmup)
+
+    hf_logging.set_verbosity_error()
+    t0 = time.time()
+    tok = build_chat_tokenizer()
+    model = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2)
+    supervised_warmup(model, tok, steps=90, seed=seed)
+    held_out = reverse_prompts(256, 6, seed=10_000 + 7)
+    evaluator = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2)  # plain attention, for generate
+
+    def policy_reward(m) -> float:
+        evaluator.load_state_dict(m.state_dict())
+        return held_out_reward(evaluator, tok, held_out)
+
+    curve = [(0, policy_reward(model))]
+    logs: list[dict] = []
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % eval_every == 0:
+                curve.append((state.global_step, policy_reward(model)))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                logs_list.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+
+    logs_list = logs
+    prompts = [[{"role": "user", "content": p}] for p in reverse_prompts(steps * 16 + 256, 6, seed=seed)]
+    common = dict(per_device_train_batch_size=64, num_generations=8, max_completion_length=9, max_steps=steps,
+                  learning_rate=3e-4, lr_scheduler_type="constant", adam_beta2=0.99, max_grad_norm=1.0,
+                  temperature=1.0, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                  dtype="float32", gradient_checkpointing=False, seed=seed, disable_tqdm=True, max_staleness=staleness,
+                  token_budget=-1, vllm_server_base_url=url, weight_sync_steps=1)
+    with tempfile.TemporaryDirectory() as out_dir:
+        model.save_pretrained(out_dir)
+        tok.save_pretrained(out_dir)
+        kwargs = dict(model=out_dir, reward_funcs=reverse_chat_reward, processing_class=tok,
+                      train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Recorder()])
+        if variant == "trl_as_is":
+            from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+            from trl_rollout_corr.async_grpo import CPUFileWeightTransfer, install_cpu_support
+            from trl_rollout_corr.vllm.security import find_token
+
+            install_cpu_support()
+            trainer = AsyncGRPOTrainer(args=AsyncGRPOConfig(output_dir=out_dir, **common),
+                                       weight_transfer=CPUFileWeightTransfer(url, find_token(int(url.rsplit(":", 1)[1]))),
+                                       **kwargs)
+        else:
+            from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
+
+            args = RolloutCorrAsyncGRPOConfig(output_dir=out_dir, rollout_correction_preset=ASYNC_VARIANTS[variant],
+                                              **common)
+            trainer = RolloutCorrAsyncGRPOTrainer(args=args, **kwargs)
+        trainer.train()
+    tail = [r for s, r in curve if s >= 0.8 * steps]
+    mean = lambda k: statistics.fmean(log[k] for log in logs if k in log) if any(k in log for log in logs) else None  # noqa: E731
+    result = {"variant": variant, "seed": seed, "staleness": staleness, "curve": curve,
+              "eval_reward": statistics.fmean(tail), "seconds": time.time() - t0,
+              "dropped": sum(log.get("sample/dropped_stale_total", 0.0) for log in logs),
+              "staleness_mean": mean("sample/staleness_mean"), "lag_mean": mean("rollout_corr/lag_mean"),
+              "kl": mean("rollout_corr/kl"), "k3_kl": mean("rollout_corr/k3_kl"),
+              "ppo_kl": mean("kl")}
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def run_sync(seed: int, steps: int, eval_every: int, out: str) -> None:
+    from trl_rollout_corr.demo.run import run_worker
+
+    run_worker("on_policy", seed, steps, 1, "vllm", eval_every, out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--staleness", default="4,16")
+    p.add_argument("--variants", default="sync,trl_as_is,decoupled_token_is,pg_is")
+    p.add_argument("--eval_every", type=int, default=20)
+    p.add_argument("--output_dir", default="outputs/async_staleness")
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # variant seed staleness url out
+    a = p.parse_args()
+    if a.worker:
+        variant, seed, staleness, url, out = a.worker
+        if variant == "sync":
+            run_sync(int(seed), a.steps, a.eval_every, out)
+        else:
+            run_async(variant, int(seed), a.steps, int(staleness), url, a.eval_every, out)
+        return
+    os.makedirs(a.output_dir, exist_ok=True)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    variants = a.variants.split(",")
+    runs = [(v, s, st) for st in [int(x) for x in a.staleness.split(",")] for v in variants if v != "sync"
+            for s in seeds]
+    runs = [("sync", s, 0) for s in seeds if "sync" in variants] + runs
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from server_utils import free_port, running_server
+
+    from trl_rollout_corr.demo.tiny import build_chat_tokenizer, build_model
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_model(hidden_size=64, num_layers=2, seed=0, num_heads=2).save_pretrained(model_dir)
+        build_chat_tokenizer().save_pretrained(model_dir)
+        cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", model_dir, "--port", str(port),
+               "--dtype", "float32", "--gpu-memory-utilization", "0.02"]
+        from pathlib import Path
+
+        with running_server(cmd, port, Path(a.output_dir) / "server.log", env):
+            for variant, seed, staleness in runs:
+                out = os.path.join(a.output_dir, f"{variant}-s{staleness}-{seed}.json")
+                if os.path.exists(out):
+                    continue
+                worker = [sys.executable, __file__, "--steps", str(a.steps), "--eval_every", str(a.eval_every),
+                          "--worker", variant, str(seed), str(staleness), url, out]
+                proc = subprocess.run(worker, env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(f"{variant} seed {seed} staleness {staleness} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                    continue
+                r = json.load(open(out))
+                print(f"{variant:20s} s={staleness:<3d} seed={seed} reward={r['eval_reward']:.3f} "
+                      f"{r['seconds']:.0f}s", flush=True)
+    print(summarize(a.output_dir))
+
+
+def summarize(output_dir: str) -> str:
+    results = [json.load(open(os.path.join(output_dir, f))) for f in sorted(os.listdir(output_dir))
+               if f.endswith(".json")]
+    rows = {}
+    for r in results:
+        rows.setdefault((r["variant"], r.get("staleness", 0)), []).append(r)
+    sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    lines = ["| variant | max_staleness | held-out reward (mean ± sd) | seeds | lag at the loss (mean) | dropped samples | "
+             "kl(pi_rollout‖pi_theta) | wall time (s) |", "|---|---|---|---|---|---|---|---|"]
+    for (variant, staleness), rs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        rewards = [r["eval_reward"] for r in rs]
+        fmt = lambda k: f"{statistics.fmean(r[k] for r in rs if r.get(k) is not None):.3f}" if any(  # noqa: E731
+            r.get(k) is not None for r in rs) else "–"
+        lines.append(f"| {variant} | {staleness if variant != 'sync' else '– (synced every step)'} | "
+                     f"{statistics.fmean(rewards):.3f} ± {sd(rewards):.3f} | {len(rs)} | "
+                     f"{fmt('lag_mean') if variant not in ('sync', 'trl_as_is') else fmt('staleness_mean')} | "
+                     f"{fmt('dropped')} | {fmt('kl')} | {statistics.fmean(r['seconds'] for r in rs):.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""RolloutCorrAsyncGRPOConfig: TRL's ``AsyncGRPOConfig`` plus the rollout-correction fields (the same as
+``RolloutCorrGRPOConfig``'s), flat and CLI/YAML-parsable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from ..config import RolloutCorrectionConfig
+from ..correction_fields import RolloutCorrectionFields
+
+
+@dataclass
+class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, AsyncGRPOConfig):
+    """``AsyncGRPOConfig`` plus the rollout-correction fields.
+
+    Resolution as ``RolloutCorrGRPOConfig``: ``rollout_correction_config`` (a saved config), else
+    ``rollout_correction_preset``, else the defaults; every correction field set here overrides it. The resolved
+    config is ``args.rollout_correction``.
+
+    In the asynchronous trainer every sample is trained on exactly once, in one micro-batch, and the parameters do not
+    move between the micro-batches of one optimizer step: the decoupled anchor pi_prox (the policy before this step)
+    is therefore pi_theta detached, with no extra forward. A "batch" statistic (``rollout_is_batch_normalize``, the
+    kept-token count the loss divides by) has the scope of one micro-batch, all processes together: TRL's loss
+    normalizes each micro-batch by its own token count.
+    """
+
+    vllm_server_control_token_file: str | None = field(default=None, metadata={
+        "help": "A file holding the server's control token (`trl-rollout-corr vllm-serve-async` writes one per port "
+                "under ~/.cache/trl_rollout_corr, which a trainer on the same machine finds by itself; "
+                "TRL_ROLLOUT_CORR_CONTROL_TOKEN also works). The token itself never goes into the config."})
+    vllm_weight_sync_dir: str | None = field(default=None, metadata={
+        "help": "CPU server: directory for the weight file handed to the server at each sync (default /dev/shm); the "
+                "server must see the same path."})
+    server_unreachable_timeout_s: float = field(default=60.0, metadata={
+        "help": "While the trainer waits for samples, the vLLM server is probed every few seconds; training stops with "
+                "an error naming the server once it has not answered for this long."})
+
+    _RC_TRL_CONFIG = AsyncGRPOConfig
+
+    def __post_init__(self) -> None:
+        self._rc_begin_post_init()
+        super().__post_init__()
+        self._rc_end_post_init()
+
+    def _check_own_fields(self) -> None:
+        if not self.server_unreachable_timeout_s > 0:
+            raise ValueError(f"server_unreachable_timeout_s={self.server_unreachable_timeout_s!r} must be > 0 "
+                             "(seconds without an answer from the vLLM server before training stops).")
+
+    def _check_resolved(self, resolved: RolloutCorrectionConfig) -> None:
+        """Every correction the synchronous trainer computes is exact here (one micro-batch per sample), so only the
+        RolloutCorrectionConfig's own checks apply."""

@@ -1,0 +1,264 @@
+"""RolloutCorrAsyncGRPOTrainer: rollout correction in TRL's asynchronous GRPO trainer.
+
+TRL 1.16's ``AsyncGRPOTrainer`` generates continuously against a vLLM server while it trains; each sample carries the
+server's sampling log-probs (pi_rollout) and the policy version that produced it, and TRL's loss is PPO-clip with
+pi_old := pi_rollout (bypass by construction), with no importance weighting, rejection or diagnostics. This trainer:
+
+1. carries every sample's policy version to the loss (:mod:`.versions`); lag = trainer's version - sample's version;
+2. in ``compute_loss``, runs the policy forward as TRL does, maps TRL's flat loss terms to (B, T) rows (one per sample,
+   :mod:`trl_rollout_corr.core.flat`), computes the correction with :func:`~trl_rollout_corr.core.compute_rollout_correction_stats`
+   and runs TRL's own ``compute_loss`` on a corrected copy of the micro-batch (answering its forward with the one
+   already run):
+
+   * bypass PPO (``ppo_is_bypass``, ...): pi_old := pi_rollout (TRL's anchor); IS / RS / veto on
+     rho = pi_theta / pi_rollout; IS weights feed the metrics (the PPO ratio already is pi_theta / pi_rollout);
+   * bypass policy gradient: loss -w A log pi_theta, w = min(rho, C) (TRL's anchor := pi_theta detached: ratio 1);
+   * decoupled: pi_prox = the policy before this optimizer step = pi_theta detached (each sample is trained on once,
+     and the parameters do not move between the micro-batches of a step), PPO on pi_theta / pi_prox (ratio 1), IS
+     weight w = min(pi_prox / pi_rollout, C) on the advantage, RS and veto on the same ratio (AReaL's decoupled
+     objective);
+   * a rejected term keeps its place with advantage 0 (no gradient) and leaves the token count the loss divides by
+     (the kept tokens of the micro-batch, all processes: as the synchronous trainer's ``dapo``);
+3. logs ``rollout_corr/*`` (reduced across processes once per logging step), also per lag (``rollout_corr/lag_<k>/*``).
+
+On a machine without CUDA it installs TRL's CPU support (:func:`.install_cpu_support`) and, unless a
+``weight_transfer`` is given, syncs weights into the server with :class:`.CPUFileWeightTransfer` (TRL's default is
+NCCL). On a GPU nothing changes: TRL's transfer, ``vllm serve`` as TRL documents it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+from .._trl import TrlInternalsChanged
+from ..config import RolloutCorrectionConfig
+from ..core import compute_rollout_correction_stats
+from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
+from ..core.lag import lag_stats
+from ..core.stats import STAT_DTYPE, RolloutStats
+from .config import RolloutCorrAsyncGRPOConfig
+from .versions import ServerProbe, carrying_sample_versions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RolloutCorrAsyncGRPOConfig", "RolloutCorrAsyncGRPOTrainer"]
+
+# the micro-batch keys TRL 1.16's compute_loss reads, and the one this trainer adds
+_TRL_LOSS_KEYS = ("input_ids", "attention_mask", "position_ids", "shift_labels", "token_index", "old_log_probs",
+                  "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",
+                  "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_max_seqlens")
+
+
+class _AnsweredForward:
+    """Stands in for the model in TRL's ``compute_loss``: answers its one forward with the outputs already computed,
+    after checking that TRL asks for the same packed row."""
+
+    def __init__(self, outputs: Any, input_ids: torch.Tensor) -> None:
+        self.outputs, self.input_ids, self.calls = outputs, input_ids, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls > 1 or args or not torch.equal(kwargs.get("input_ids", torch.empty(0)), self.input_ids):
+            raise TrlInternalsChanged("AsyncGRPOTrainer.compute_loss no longer runs one forward on the packed row "
+                                      "(input_ids= keyword)")
+        return self.outputs
+
+
+class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """``AsyncGRPOTrainer`` with rollout correction (see the module docstring). Takes ``AsyncGRPOTrainer``'s arguments;
+    ``args`` must be a :class:`RolloutCorrAsyncGRPOConfig`."""
+
+    def __init__(self, model: str, reward_funcs: Any = None, args: RolloutCorrAsyncGRPOConfig | None = None,
+                 *rest: Any, weight_transfer: Any = None, **kwargs: Any) -> None:
+        if args is None:  # the default config, named as TRL names its own
+            args = RolloutCorrAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
+        if not isinstance(args, RolloutCorrAsyncGRPOConfig):
+            raise TypeError("RolloutCorrAsyncGRPOTrainer needs args=RolloutCorrAsyncGRPOConfig(...) (an AsyncGRPOConfig "
+                            f"subclass with the rollout-correction fields), got {type(args).__name__}. Replace "
+                            "AsyncGRPOConfig by RolloutCorrAsyncGRPOConfig with the same arguments.")
+        from .cpu import install_cpu_support
+
+        on_cpu = install_cpu_support()  # no-op (False) with CUDA
+        self._rc_probe = None
+        if weight_transfer is None and on_cpu and kwargs.get("rollout_worker") is None:
+            weight_transfer = self._cpu_weight_transfer(args)
+        if kwargs.get("rollout_worker") is None:
+            self._rc_probe = ServerProbe(args.vllm_server_base_url, args.server_unreachable_timeout_s)
+        super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer, **kwargs)
+        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
+        self.args._rc_frozen_by = type(self).__name__  # a later change to the correction fields raises
+        self._rc_stats = RolloutStats()
+        self._rc_policy_version = 0  # the trainer's policy version, on every rank (TRL keeps it on rank 0)
+        self._rc_max_lag = self.args.max_staleness + 1  # dequeue staleness + the batch accelerate prefetches
+        self._warn_truncated_sampler()
+        if self.accelerator.is_main_process:
+            cfg = self.rollout_correction
+            logger.info("Rollout correction (async): %s mode, IS=%s, RS=%s, veto=%s, loss=%s",
+                        "bypass" if cfg.bypass_mode else "decoupled", cfg.rollout_is, cfg.rollout_rs,
+                        cfg.rollout_token_veto_threshold, "policy gradient" if cfg.use_policy_gradient else "PPO-clip")
+
+    @staticmethod
+    def _cpu_weight_transfer(args: RolloutCorrAsyncGRPOConfig):
+        """CPUFileWeightTransfer to ``args.vllm_server_base_url``, with the server's control token; the server must
+        answer now (a clear error otherwise, before any model is loaded)."""
+        from urllib.parse import urlparse
+
+        import requests
+
+        from ..vllm.security import find_token
+        from .transfer import CPUFileWeightTransfer
+
+        url = args.vllm_server_base_url.rstrip("/")
+        try:
+            requests.get(f"{url}/health", timeout=10).raise_for_status()
+        except requests.RequestException as error:
+            raise RuntimeError(
+                f"No vLLM server answers at {url} ({type(error).__name__}). Start it first, e.g. `trl-rollout-corr "
+                f"vllm-serve-async MODEL --port {urlparse(url).port or 8000} --dtype float32`, and wait until it "
+                "prints that it is ready.") from error
+        token = find_token(urlparse(url).port, args.vllm_server_control_token_file)
+        return CPUFileWeightTransfer(url, token=token, sync_dir=args.vllm_weight_sync_dir,
+                                     timeout=float(args.weight_sync_timeout))
+
+    def _warn_truncated_sampler(self) -> None:
+        a = self.args
+        if (a.top_k or 0) > 0 or (a.top_p or 1.0) < 1.0 or a.min_p or (a.repetition_penalty or 1.0) != 1.0:
+            if self.accelerator.is_main_process:
+                logger.warning(
+                    "top_k=%s, top_p=%s, min_p=%s, repetition_penalty=%s: the server's log-probs are over the truncated "
+                    "or penalized distribution, and TRL's fused head computes pi_theta over the full vocabulary (at "
+                    "the temperature), so rho = pi_theta / pi_rollout is biased on every token. The asynchronous "
+                    "trainer cannot renormalize pi_theta (its head returns the sampled tokens' log-probs only): prefer "
+                    "top_k=0, top_p=1, min_p=None, repetition_penalty=1.", a.top_k, a.top_p, a.min_p,
+                    a.repetition_penalty)
+
+    def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self.accelerator.num_processes == 1 or not dist.is_initialized():
+            return tensor
+        reduced = tensor.clone()
+        dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return reduced
+
+    # ------------------------------------------------------------------ 1. versions
+    def get_train_dataloader(self):
+        with carrying_sample_versions(self._rc_probe if self.accelerator.is_main_process else None):
+            return super().get_train_dataloader()
+
+    def _sync_weight(self) -> None:
+        super()._sync_weight()
+        version = torch.tensor([self.model_version], dtype=torch.long, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1 and dist.is_initialized():
+            dist.broadcast(version, src=0)
+        self._rc_policy_version = int(version.item())
+
+    # ------------------------------------------------------------------ 2. the corrected loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        missing = [k for k in (*_TRL_LOSS_KEYS, "rc_sample_version") if k not in inputs]
+        if missing:
+            raise TrlInternalsChanged(f"the async GRPO micro-batch has no {', '.join(missing)} at compute_loss")
+        mask_bool = inputs["attention_mask"].bool()  # (1, N_pad)
+        selected = inputs["token_index"] >= 0  # (1, M_pad)
+        input_ids = inputs["input_ids"][mask_bool].unsqueeze(0)  # (1, N)
+        tree_kwargs = {key: inputs[key][inputs[key] >= 0]
+                       for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
+        tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
+        router_kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        forward_start = time.time()
+        outputs = model(input_ids=input_ids, position_ids=inputs["position_ids"][mask_bool].unsqueeze(0),
+                        shift_labels=inputs["shift_labels"][mask_bool].unsqueeze(0), fused_lm_head=True,
+                        **router_kwargs, **tree_kwargs)
+        forward_s = time.time() - forward_start
+        token_index = inputs["token_index"][selected]  # (M,)
+        log_probs = outputs.log_probs.flatten()[token_index].detach()  # (M,) log pi_theta at the sampled tokens
+
+        advantages, anchor, kept_total = self._correct_terms(inputs, selected, log_probs)
+        patched = dict(inputs)
+        patched["advantages"] = inputs["advantages"].masked_scatter(selected, advantages)  # (1, M_pad)
+        patched["old_log_probs"] = inputs["old_log_probs"].masked_scatter(selected, anchor)  # (1, M_pad)
+        patched["global_n_tokens"] = torch.full_like(inputs["global_n_tokens"], kept_total)  # the loss's divisor
+        loss = super().compute_loss(_AnsweredForward(outputs, input_ids), patched, return_outputs, num_items_in_batch)
+        self._step_forward_s += forward_s  # TRL timed the answered call
+        return loss
+
+    def _correct_terms(self, inputs: dict, selected: torch.Tensor, log_probs: torch.Tensor):
+        """The corrected advantage and PPO anchor of every loss term, and the global kept-token count.
+
+        log_probs: (M,) log pi_theta (detached). Returns (M,), (M,), float.
+        """
+        cfg = self.rollout_correction
+        rollout = inputs["old_log_probs"][selected].float()  # (M,) log pi_rollout
+        adv = inputs["advantages"][selected].float()  # (M,)
+        versions = inputs["rc_sample_version"][selected]  # (M,)
+        layout = rows_from_segments(inputs["segment_id"][selected])
+        mask = to_rows(torch.ones_like(adv, dtype=torch.bool), layout, False)  # (B, T)
+        train_rows = to_rows(log_probs.float(), layout, 0.0)  # (B, T) pi_theta = pi_prox (decoupled) or pi_theta
+        rollout_rows = to_rows(rollout, layout, 0.0)  # (B, T)
+        if self.args.require_rollout_logprobs:
+            self._require_finite(rollout_rows, mask)
+        result = compute_rollout_correction_stats(train_rows, rollout_rows, mask, **cfg.pipeline_kwargs(),
+                                                  reduce_fn=self._rc_reduce)
+        keep_rows = result.modified_response_mask.bool()  # (B, T)
+        lag = self._rc_policy_version - per_row(versions, layout)  # (B,)
+        finite = torch.isfinite(train_rows) & torch.isfinite(rollout_rows)  # (B, T)
+        valid_rows = mask & ~(mask & ~finite).any(1, keepdim=True)  # (B, T) what the statistics average over
+        stats = RolloutStats().update(result.stats).update(
+            lag_stats(train_rows, rollout_rows, mask, valid_rows, keep_rows, lag, self._rc_max_lag, result.is_weights))
+        keep = to_terms(keep_rows, layout)  # (M,)
+        weights = None if result.is_weights is None else to_terms(result.is_weights, layout).float()  # (M,)
+        if cfg.bypass_mode and not cfg.use_policy_gradient:
+            anchor = rollout  # TRL's ratio pi_theta / pi_rollout: the IS weight is in it already
+        else:
+            anchor = log_probs  # ratio 1: the gradient is -w A grad log pi_theta
+            if weights is not None:
+                adv = adv * weights
+        anchor = torch.where(keep & torch.isfinite(anchor), anchor, log_probs)  # (M,) rejected: ratio 1 ...
+        adv = torch.where(keep, adv, torch.zeros_like(adv))  # ... and no gradient
+        kept_total = self._rc_reduce(keep.sum(dtype=torch.float32).reshape(1), "sum")  # (1,)
+        n_kept = kept_total.to(STAT_DTYPE).reshape(())
+        once = float(self.accelerator.is_main_process)  # a micro-batch spans every process: count it once
+        stats.update(RolloutStats(sums={"loss.empty_micro_batches": (n_kept == 0).to(STAT_DTYPE) * once,
+                                        "loss.micro_batches": torch.full((), once, dtype=STAT_DTYPE,
+                                                                         device=n_kept.device)}))
+        self._rc_stats.update(stats)
+        return adv.to(inputs["advantages"].dtype), anchor.to(inputs["old_log_probs"].dtype), float(kept_total.item())
+
+    @staticmethod
+    def _require_finite(rollout_rows: torch.Tensor, mask: torch.Tensor) -> None:
+        bad = (mask & ~torch.isfinite(rollout_rows)).any(1)  # (B,)
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten().tolist()
+            raise ValueError(f"Samples {rows} of this rank's micro-batch have non-finite rollout log-probs on trained "
+                             "tokens (require_rollout_logprobs=True). Check the server's logprobs output, or set "
+                             "require_rollout_logprobs=False to reject such samples and count them in "
+                             "rollout_corr/invalid_logprob_fraction.")
+
+    # ------------------------------------------------------------------ 3. logging and saving
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        from ..core.metrics import finalize_floats
+
+        stats, self._rc_stats = self._rc_stats, RolloutStats()
+        if self.model.training and stats.sums:
+            all_floats = stats.all_reduce(self._rc_reduce).to_floats()  # the one host sync of this logging step
+            metrics = finalize_floats(all_floats)
+            empty = all_floats.get("sum:loss.empty_micro_batches", 0.0)
+            metrics["rollout_corr/all_rejected_micro_batches"] = empty
+            if empty > 0 and self.accelerator.is_main_process:
+                logger.warning(
+                    "Rollout correction rejected every token of %d of %d micro-batches since the last log "
+                    "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
+                    "rollout_token_veto_threshold, lower max_staleness or check the server.", int(empty),
+                    int(all_floats.get("sum:loss.micro_batches", 0.0)),
+                    metrics.get("rollout_corr/rejected_token_fraction", 1.0))
+            logs.update(metrics)
+        super().log(logs, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            self.rollout_correction.save_pretrained(output_dir or self.args.output_dir)

@@ -1,0 +1,148 @@
+"""Every sample's policy version, carried from TRL's rollout queue to ``compute_loss`` (TRL 1.16 drops it there).
+
+TRL's ``get_train_dataloader`` builds a ``RolloutQueueDataset`` (which reads ``RolloutSample.model_version`` only to
+drop samples older than ``max_staleness``) and a ``DataCollatorForRollout`` (which packs the samples of each rank
+into one row of flat loss terms). While it runs, :func:`carrying_sample_versions` puts two subclasses in their place:
+
+* the dataset tags each sample dict it yields with ``rc_model_version`` (read from the queue's last sample, checked to
+  be the one yielded) and, while it waits on an empty queue, also probes the vLLM server: a server that has not
+  answered for ``unreachable_timeout_s`` stops training with an error naming it;
+* the collator adds ``rc_sample_version`` (num_processes, M): the version of the sample of every loss term, -1 on
+  padding, aligned with TRL's ``token_index`` / ``segment_id``.
+
+Only these names and their call signatures are assumed; each is checked, and a change raises
+:class:`~trl_rollout_corr._trl.TrlInternalsChanged`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .._trl import TrlInternalsChanged
+
+_TRL_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
+
+
+class _LastSampleQueue:
+    """The rollout queue, remembering the last sample ``get`` returned."""
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+        self.last = None
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._queue.get(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+class ServerProbe:
+    """``probe()`` raises once the server at ``base_url`` has not answered ``/health`` for ``timeout_s`` seconds."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._last_ok = time.monotonic()
+
+    def probe(self) -> None:
+        import requests
+
+        try:
+            ok = requests.get(f"{self.base_url}/health", timeout=min(5.0, self.timeout_s)).status_code == 200
+        except requests.RequestException:
+            ok = False
+        now = time.monotonic()
+        if ok:
+            self._last_ok = now
+        elif now - self._last_ok >= self.timeout_s:
+            raise RuntimeError(
+                f"The vLLM server at {self.base_url} has not answered for {now - self._last_ok:.0f} s while the trainer "
+                "waited for samples: it stopped or is unreachable. Restart it (trl-rollout-corr vllm-serve-async MODEL "
+                "...) and resume from the last checkpoint.")
+
+
+def _dataset_class(base: type, probe: ServerProbe | None) -> type:
+    class VersionedRolloutQueueDataset(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if "rollout_queue" not in kwargs or "check_health_fn" not in kwargs:
+                raise TrlInternalsChanged("AsyncGRPOTrainer.get_train_dataloader no longer builds RolloutQueueDataset "
+                                          "with rollout_queue= and check_health_fn= keywords")
+            kwargs["rollout_queue"] = _LastSampleQueue(kwargs["rollout_queue"])
+            if probe is not None:
+                check_health = kwargs["check_health_fn"]
+
+                def check_health_and_server(*a: Any, **k: Any) -> Any:
+                    result = check_health(*a, **k)
+                    probe.probe()
+                    return result
+
+                kwargs["check_health_fn"] = check_health_and_server
+            super().__init__(*args, **kwargs)
+
+        def __iter__(self) -> Iterator[dict]:
+            for item in super().__iter__():
+                sample = self.queue.last
+                if sample is None or item.get("input_ids") is not getattr(sample, "input_ids", None):
+                    raise TrlInternalsChanged("RolloutQueueDataset yielded a sample other than the last one it took "
+                                              "from the rollout queue")
+                item["rc_model_version"] = int(sample.model_version)
+                yield item
+
+    return VersionedRolloutQueueDataset
+
+
+def _collator_class(base: type) -> type:
+    class VersionedCollator(base):
+        def torch_call(self, examples: list[Any]) -> dict[str, Any]:
+            batch = super().torch_call(examples)
+            (rows,) = examples
+            token_index, segment_id = batch.get("token_index"), batch.get("segment_id")
+            if token_index is None or segment_id is None or token_index.shape != segment_id.shape:
+                raise TrlInternalsChanged("DataCollatorForRollout no longer returns token_index / segment_id of one "
+                                          "shape")
+            versions = []
+            for r, row in enumerate(rows):
+                try:
+                    row_versions = torch.tensor([s["rc_model_version"] for s in row.samples], dtype=torch.long)  # (S,)
+                except KeyError:
+                    raise TrlInternalsChanged("a packed sample lost rc_model_version between RolloutQueueDataset and "
+                                              "DataCollatorForRollout") from None
+                valid = token_index[r] >= 0  # (M,)
+                if row_versions.numel() == 0:
+                    versions.append(torch.full_like(token_index[r], -1))
+                    continue
+                index = segment_id[r].clamp(0, row_versions.numel() - 1)  # (M,) padding points at sample 0
+                versions.append(torch.where(valid, row_versions[index], torch.full_like(index, -1)))
+            batch["rc_sample_version"] = torch.stack(versions)  # (num_processes, M)
+            return batch
+
+    return VersionedCollator
+
+
+@contextlib.contextmanager
+def carrying_sample_versions(probe: ServerProbe | None = None) -> Iterator[None]:
+    """While TRL builds its dataloader, its dataset and collator carry every sample's policy version."""
+    import importlib
+
+    module = importlib.import_module(_TRL_MODULE)
+    originals = {}
+    for name in ("RolloutQueueDataset", "DataCollatorForRollout"):
+        if not isinstance(getattr(module, name, None), type):
+            raise TrlInternalsChanged(f"{_TRL_MODULE}.{name} is gone: the rollout-correction trainer carries the "
+                                      "samples' policy versions through it")
+        originals[name] = getattr(module, name)
+    module.RolloutQueueDataset = _dataset_class(originals["RolloutQueueDataset"], probe)
+    module.DataCollatorForRollout = _collator_class(originals["DataCollatorForRollout"])
+    try:
+        yield
+    finally:
+        for name, cls in originals.items():
+            setattr(module, name, cls)
+

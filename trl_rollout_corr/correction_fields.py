@@ -1,0 +1,161 @@
+"""The rollout-correction fields of a TRL config, shared by the synchronous and the asynchronous trainer's configs.
+
+A config class mixes :class:`RolloutCorrectionFields` into TRL's own config (``GRPOConfig``, ``AsyncGRPOConfig``):
+the correction is resolved at construction (saved config, else preset, else defaults; then every field set here
+overrides it), checked by the subclass's ``_check_resolved``, and written back into the flat fields, so ``to_dict()``,
+the hyper-parameters ``report_to`` records and a saved ``training_args`` show what runs. A later change re-resolves
+and re-checks (restored on error); once a trainer is built on the config, a change raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .config import RolloutCorrectionConfig, none_if_unset
+
+CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
+
+
+@dataclass
+class RolloutCorrectionFields:
+    """The correction fields (flat, CLI/YAML-parsable). Mix in before TRL's config class."""
+
+    rollout_correction_preset: str | None = field(default=None, metadata={"help": "Preset name, e.g. decoupled_token_is."})
+    rollout_correction_config: str | None = field(default=None, metadata={"help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
+    rollout_is: str | None = field(default=None, metadata={"help": "IS level: token | sequence | none."})
+    rollout_is_threshold: float | None = field(default=None, metadata={"help": "IS truncation C (default 2.0)."})
+    rollout_is_batch_normalize: bool | None = field(default=None, metadata={"help": "Normalize IS weights to mean 1 over each generation batch."})
+    rollout_rs: str | None = field(default=None, metadata={"help": "RS level: token | sequence | geometric | none."})
+    rollout_rs_threshold: float | None = field(default=None, metadata={"help": "RS upper bound."})
+    rollout_rs_threshold_lower: float | None = field(default=None, metadata={"help": "RS lower bound (default 1/upper)."})
+    rollout_token_veto_threshold: float | None = field(default=None, metadata={"help": "Veto a sequence if any rho < this."})
+    bypass_mode: bool | None = field(default=None, metadata={"help": "pi_old := pi_rollout (no extra forward pass)."})
+    use_policy_gradient: bool | None = field(default=None, metadata={"help": "REINFORCE loss (bypass only)."})
+    rollout_rs_criteria: str | None = field(default=None, metadata={
+        "help": "Divergence RS criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3."})
+    rollout_rs_criteria_threshold: str | None = field(default=None, metadata={
+        "help": "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); k2/k3 upper."})
+    require_rollout_logprobs: bool = field(default=False, metadata={
+        "help": "Raise instead of training a sample uncorrected when its sampler's per-token log-probs are missing "
+                "(a mocked, wrapped or remote generate; a rollout_func that returns none)."})
+
+    # TRL's config class this is mixed into (this package's own fields are the ones it does not have)
+    _RC_TRL_CONFIG: ClassVar[type]
+    # TRL fields the correction's checks depend on: a change re-resolves and re-checks
+    _RC_PLAN_INPUTS: ClassVar[tuple[str, ...]] = ()
+
+    # ------------------------------------------------------------------ hooks for the subclass
+    def _check_own_fields(self) -> None:
+        """Check this package's non-correction fields (raise ValueError naming the field)."""
+
+    def _check_resolved(self, resolved: RolloutCorrectionConfig) -> None:
+        """Check the resolved correction against TRL's fields (raise ValueError naming the field and the fix)."""
+
+    def _refuse_change(self, name: str, value: Any) -> None:
+        """Raise for a change after construction that must never be made (e.g. TRL's own correction switched on)."""
+
+    # ------------------------------------------------------------------ construction
+    def _rc_begin_post_init(self) -> None:
+        """Call first in ``__post_init__``: records the correction fields the user set."""
+        object.__setattr__(self, "_rc_constructed", False)
+        self._check_own_fields()
+        # the correction fields the user set (the flat fields are overwritten with the resolved values)
+        self._rc_explicit = {name: getattr(self, name) for name in CORRECTION_FIELDS if getattr(self, name) is not None}
+
+    def _rc_end_post_init(self) -> None:
+        """Call last in ``__post_init__`` (after TRL's): resolves, checks and writes back the correction."""
+        self._rc_frozen_by: str | None = None
+        self._apply_correction()
+        object.__setattr__(self, "_rc_constructed", True)
+
+    @classmethod
+    def _rc_own_fields(cls) -> frozenset[str]:
+        trl_fields = {f.name for f in dataclasses.fields(cls._RC_TRL_CONFIG)}
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.name not in trl_fields)
+
+    def _apply_correction(self) -> None:
+        """Resolve the correction, check it, and write the resolved values into the flat fields (``"none"`` marks a
+        level switched off)."""
+        resolved = self.resolve_rollout_correction()
+        self._check_resolved(resolved)  # raises where it is not exact
+        object.__setattr__(self, "rollout_correction", resolved)
+        for name, value in resolved.to_dict().items():
+            if name in ("rollout_is", "rollout_rs") and value is None:
+                value = "none"
+            object.__setattr__(self, name, value)
+
+    def resolve_rollout_correction(self) -> RolloutCorrectionConfig:
+        if self.rollout_correction_config:
+            base = RolloutCorrectionConfig.from_pretrained(self.rollout_correction_config).to_dict()
+        elif self.rollout_correction_preset:
+            base = RolloutCorrectionConfig.from_preset(self.rollout_correction_preset).to_dict()
+        else:
+            base = RolloutCorrectionConfig().to_dict()
+        explicit = dict(self.__dict__.get("_rc_explicit", {}))
+        for level in ("rollout_is", "rollout_rs"):
+            if level in explicit:
+                explicit[level] = none_if_unset(explicit[level])
+        if "rollout_rs" in explicit and explicit["rollout_rs"] is None:
+            # switching RS off also drops the preset's RS thresholds unless they were set here
+            base["rollout_rs_threshold"] = explicit.get("rollout_rs_threshold")
+            base["rollout_rs_threshold_lower"] = explicit.get("rollout_rs_threshold_lower")
+        return RolloutCorrectionConfig(**{**base, **explicit})
+
+    # ------------------------------------------------------------------ later changes
+    def __setattr__(self, name: str, value: Any) -> None:
+        """After construction, a correction field, the preset, the saved-config path or a TRL field the checks depend
+        on re-resolves the correction (an invalid change raises and leaves the config as it was); once a trainer
+        was built on this config, a change to this package's fields raises (the trainer would not see it)."""
+        if not self.__dict__.get("_rc_constructed", False):
+            object.__setattr__(self, name, value)
+            return
+        self._refuse_change(name, value)
+        if name not in self._rc_own_fields() and name not in self._RC_PLAN_INPUTS:
+            object.__setattr__(self, name, value)
+            return
+        self.update_rollout_correction(**{name: value})
+
+    def update_rollout_correction(self, **changes: Any) -> None:
+        """Change several fields at once (they are checked together), e.g.
+        ``args.update_rollout_correction(rollout_rs="token", rollout_rs_threshold=2.0)``: the correction fields,
+        the preset, the saved-config path, this package's other fields and the TRL fields the checks depend on. An
+        invalid combination raises and leaves the config as it was."""
+        own = self._rc_own_fields()
+        allowed = own | set(self._RC_PLAN_INPUTS)
+        unknown = sorted(set(changes) - allowed)
+        if unknown:
+            also = f" and {', '.join(self._RC_PLAN_INPUTS)}" if self._RC_PLAN_INPUTS else ""
+            raise ValueError(f"update_rollout_correction() takes this package's fields{also}; got {unknown}.")
+        for name, value in changes.items():
+            if (name in own and name != "require_rollout_logprobs"  # read live by the trainer
+                    and self._rc_frozen_by is not None and getattr(self, name) != value):
+                raise AttributeError(
+                    f"{name} changed after {self._rc_frozen_by} was built on these args: the trainer resolved the "
+                    "correction at construction and would not see the change. Set it before building the trainer (or "
+                    "build a new trainer with the changed args).")
+        saved = dict(self.__dict__)
+        explicit = dict(self.__dict__.get("_rc_explicit", {}))
+        for name, value in changes.items():
+            object.__setattr__(self, name, value)
+            if name in CORRECTION_FIELDS:
+                if value is None:
+                    explicit.pop(name, None)
+                else:
+                    explicit[name] = value
+        object.__setattr__(self, "_rc_explicit", explicit)
+        try:
+            self._check_own_fields()
+            self._apply_correction()
+        except ValueError as error:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            if len(changes) == 1:
+                raise ValueError(f"{error} (To change several correction fields together, use "
+                                 "args.update_rollout_correction(field=value, ...).)") from None
+            raise
+        except Exception:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
