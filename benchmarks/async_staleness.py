@@ -75,10 +75,11 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
                   temperature=1.0, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
                   dtype="float32", gradient_checkpointing=False, seed=seed, disable_tqdm=True, max_staleness=staleness,
                   token_budget=-1, vllm_server_base_url=url, weight_sync_steps=1)
+    model_dir = os.environ["ASYNC_BENCH_MODEL_DIR"]  # the path the server serves: TRL's worker asks for it by name
     with tempfile.TemporaryDirectory() as out_dir:
-        model.save_pretrained(out_dir)
-        tok.save_pretrained(out_dir)
-        kwargs = dict(model=out_dir, reward_funcs=reverse_chat_reward, processing_class=tok,
+        model.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+        kwargs = dict(model=model_dir, reward_funcs=reverse_chat_reward, processing_class=tok,
                       train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Recorder()])
         if variant == "trl_as_is":
             from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -147,6 +148,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     with tempfile.TemporaryDirectory() as model_dir:
+        env["ASYNC_BENCH_MODEL_DIR"] = model_dir
         build_model(hidden_size=64, num_layers=2, seed=0, num_heads=2).save_pretrained(model_dir)
         build_chat_tokenizer().save_pretrained(model_dir)
         cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", model_dir, "--port", str(port),

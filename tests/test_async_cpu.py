@@ -193,6 +193,16 @@ def test_corrected_async_trainer_on_the_real_server(chat_model_dir, async_server
 
 
 @requires_vllm
+def test_a_server_serving_another_model_name_is_a_clear_error(chat_model_dir, async_server, tmp_path):
+    import shutil
+
+    other = str(tmp_path / "same_weights_other_path")
+    shutil.copytree(chat_model_dir, other)
+    with pytest.raises(ValueError, match=r"serves .* but the trainer loads .*same_weights_other_path"):
+        corrected_trainer(other, async_server["url"], tmp_path / "out")
+
+
+@requires_vllm
 def test_server_dying_mid_run_is_a_clear_error_in_bounded_time_and_leaves_no_process(chat_model_dir, async_server,
                                                                                    tmp_path):
     # runs last in this module: it kills the module's server

@@ -90,6 +90,7 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             weight_transfer = self._cpu_weight_transfer(args)
         if kwargs.get("rollout_worker") is None:
             self._rc_probe = ServerProbe(args.vllm_server_base_url, args.server_unreachable_timeout_s)
+            self._check_served_model(args, model)
         super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
         self.args._rc_frozen_by = type(self).__name__  # a later change to the correction fields raises
@@ -125,6 +126,30 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
         token = find_token(urlparse(url).port, args.vllm_server_control_token_file)
         return CPUFileWeightTransfer(url, token=token, sync_dir=args.vllm_weight_sync_dir,
                                      timeout=float(args.weight_sync_timeout))
+
+    @staticmethod
+    def _check_served_model(args: RolloutCorrAsyncGRPOConfig, model: Any) -> None:
+        """TRL's rollout worker asks the server for the model by the string the trainer loads; a server serving it
+        under another name answers 404 forever (the trainer would wait without end). Checked when the server answers."""
+        import requests
+
+        from ..vllm.security import TOKEN_HEADER, find_token
+        from urllib.parse import urlparse
+
+        if not isinstance(model, str):
+            return
+        url = args.vllm_server_base_url.rstrip("/")
+        token = find_token(urlparse(url).port, args.vllm_server_control_token_file)
+        try:
+            answer = requests.get(f"{url}/v1/models", timeout=10, headers={TOKEN_HEADER: token} if token else {})
+            served = [m["id"] for m in answer.json()["data"]] if answer.status_code == 200 else None
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            served = None  # not up yet (TRL waits for it) or not a vLLM server: TRL's own errors apply
+        if served is not None and model not in served:
+            raise ValueError(f"The vLLM server at {url} serves {served}, but the trainer loads {model!r}: TRL's rollout "
+                             "worker requests the model by that string and would get 404 on every request. Start the "
+                             f"server with the same string (trl-rollout-corr vllm-serve-async {model} ...) or pass the "
+                             "model path the server was started with.")
 
     def _warn_truncated_sampler(self) -> None:
         a = self.args
