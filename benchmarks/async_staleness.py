@@ -177,7 +177,8 @@ def summarize(output_dir: str) -> str:
                if f.endswith(".json")]
     rows = {}
     for r in results:
-        rows.setdefault((r["variant"], r.get("staleness", 0)), []).append(r)
+        variant = "sync" if r["variant"] == "on_policy" else r["variant"]  # the demo's worker names it on_policy
+        rows.setdefault((variant, r.get("staleness", 0)), []).append(r)
     sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
     lines = ["| variant | max_staleness | held-out reward (mean ± sd) | seeds | lag at the loss (mean) | dropped samples | "
              "kl(pi_rollout‖pi_theta) | wall time (s) |", "|---|---|---|---|---|---|---|---|"]

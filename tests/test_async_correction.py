@@ -321,3 +321,67 @@ def test_server_probe_raises_only_after_the_timeout():
     time.sleep(0.6)
     with pytest.raises(RuntimeError, match=r"vLLM server at http://127.0.0.1:9 has not answered .*vllm-serve-async"):
         probe.probe()
+
+
+def test_ppo_is_bypass_trains_exactly_as_trl_async_grpo(model_dir, tmp_path):
+    """Bypass PPO keeps TRL's loss (pi_old := pi_rollout, clipped ratio pi_theta / pi_rollout): with nothing rejected,
+    the same gradient as TRL's AsyncGRPOTrainer itself, which then logs nothing under rollout_corr/."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from async_stub import StubRolloutWorker, StubWeightTransfer, async_args
+
+    batch = make_samples(model_dir, n_groups=4, noise=0.4, seed=9)
+    ours, _ = build_trainer(model_dir, batch, str(tmp_path / "ours"), max_steps=1, per_device_train_batch_size=8,
+                            max_grad_norm=0.0, rollout_correction_preset="ppo_is_bypass")
+    own = async_args(str(tmp_path / "trl"), max_steps=1, per_device_train_batch_size=8, max_grad_norm=0.0).to_dict()
+    trl_args = AsyncGRPOConfig(**{k: v for k, v in own.items() if k in AsyncGRPOConfig.__dataclass_fields__
+                                  and AsyncGRPOConfig.__dataclass_fields__[k].init and not k.startswith("_")})
+    trl_args.output_dir = str(tmp_path / "trl")
+    theirs = AsyncGRPOTrainer(model=model_dir, reward_funcs=[], args=trl_args,
+                              train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}),
+                              processing_class=AutoTokenizer.from_pretrained(model_dir),
+                              rollout_worker=StubRolloutWorker(batch), weight_transfer=StubWeightTransfer())
+    grads = []
+    for trainer in (ours, theirs):
+        capture = GradCapture()
+        trainer.add_callback(capture)
+        trainer.train()
+        grads.append(capture.grads)
+    assert max(float((grads[0][n] - g).abs().max()) for n, g in grads[1].items()) < 1e-7
+    ours_log, theirs_log = ours.state.log_history[0], theirs.state.log_history[0]
+    assert ours_log["loss"] == pytest.approx(theirs_log["loss"], rel=1e-6)
+    assert ours_log["ratio"] == pytest.approx(theirs_log["ratio"], rel=1e-6)
+    assert not any(k.startswith("rollout_corr/") for k in theirs_log)
+
+
+def test_each_assumption_about_trl_fails_loudly_when_broken(model_dir, samples, tmp_path, monkeypatch):
+    import importlib
+
+    from trl_rollout_corr._trl import TrlInternalsChanged
+    from trl_rollout_corr.async_grpo.trainer import _AnsweredForward
+    from trl_rollout_corr.async_grpo.versions import carrying_sample_versions
+
+    module = importlib.import_module("trl.experimental.async_grpo.async_grpo_trainer")
+    original = module.DataCollatorForRollout
+    monkeypatch.delattr(module, "DataCollatorForRollout")
+    with pytest.raises(TrlInternalsChanged, match="DataCollatorForRollout is gone.*installed TRL"):
+        with carrying_sample_versions():
+            pass
+    monkeypatch.setattr(module, "DataCollatorForRollout", original, raising=False)
+    with carrying_sample_versions():  # swapped while TRL builds its dataloader, restored after
+        assert module.DataCollatorForRollout is not original
+    assert module.DataCollatorForRollout is original
+
+    answered = _AnsweredForward("outputs", torch.tensor([[1, 2, 3]]))
+    with pytest.raises(TrlInternalsChanged, match="one forward on the packed row"):
+        answered(input_ids=torch.tensor([[1, 2, 4]]))
+    assert _AnsweredForward("outputs", torch.tensor([[1]]))(input_ids=torch.tensor([[1]])) == "outputs"
+
+    trainer, _ = build_trainer(model_dir, samples, str(tmp_path), max_steps=1)
+    with pytest.raises(TrlInternalsChanged, match="no rc_sample_version at compute_loss"):
+        trainer.compute_loss(trainer.model, {k: torch.zeros(1, 1) for k in (
+            "input_ids", "attention_mask", "position_ids", "shift_labels", "token_index", "old_log_probs",
+            "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",
+            "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_max_seqlens")})

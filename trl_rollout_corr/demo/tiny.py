@@ -128,6 +128,9 @@ def _text(x) -> str:
     return x[-1]["content"] if isinstance(x, list) else x
 
 
-def reverse_chat_reward(prompts, completions, **_) -> list[float]:
-    """:func:`reverse_reward` on conversational prompts and completions (TRL's asynchronous trainer)."""
-    return reverse_reward([_text(p) for p in prompts], [_text(c) or "" for c in completions])
+def reverse_chat_reward(prompts, completions, completion_ids=None, **_) -> list[float]:
+    """:func:`reverse_reward` on conversational prompts (TRL's asynchronous trainer). The completion is read from its
+    token ids (TRL's response parser, made for chat models, would leave the prompt in a plain completion's text)."""
+    texts = ([" ".join(VOCAB[i] for i in ids) for ids in completion_ids] if completion_ids is not None
+             else [_text(c) or "" for c in completions])
+    return reverse_reward([_text(p) for p in prompts], texts)
