@@ -6,9 +6,9 @@ samples (8 prompts x 8), TRL 1.16's asynchronous trainer generating continuously
 one server serves every run, one run at a time). Held-out reward: the policy's own mean reward on 256 fixed prompts
 (temperature 1), averaged over the evaluations in the last 20% of the steps.
 
-Variants: ``trl_as_is`` (TRL's AsyncGRPOTrainer itself), ``decoupled_token_is`` and ``pg_is`` (this package's
-RolloutCorrAsyncGRPOTrainer), at ``max_staleness`` 4 (TRL's default) and a larger one; plus ``sync`` (this package's
-synchronous trainer with colocated vLLM synced every step: no staleness) on the same steps.
+Variants: ``trl_as_is`` (TRL's AsyncGRPOTrainer itself) and this package's RolloutCorrAsyncGRPOTrainer with the
+corrections of ``ASYNC_VARIANTS``, at ``max_staleness`` 4 (TRL's default) and a larger one; plus ``sync`` (this
+package's synchronous trainer with colocated vLLM synced every step: no staleness) on the same steps.
 
     python benchmarks/async_staleness.py --seeds 0,1,2 --steps 200 --staleness 4,16
 
@@ -27,8 +27,16 @@ import sys
 import tempfile
 import time
 
-ASYNC_VARIANTS = {"trl_as_is": None, "ppo_is_bypass": "ppo_is_bypass", "decoupled_token_is": "decoupled_token_is",
-                  "pg_is": "pg_is"}
+# variant -> this package's correction fields (None: TRL's own AsyncGRPOTrainer)
+ASYNC_VARIANTS = {
+    "trl_as_is": None,
+    "ppo_is_bypass": dict(rollout_correction_preset="ppo_is_bypass"),  # TRL's loss (same gradient, tested) + metrics
+    "decoupled_token_is": dict(rollout_correction_preset="decoupled_token_is"),
+    "pg_is": dict(rollout_correction_preset="pg_is"),
+    "icepop": dict(rollout_correction_preset="icepop"),  # decoupled, token IS, token RS [0.5, 2]
+    "bypass_ppo_token_rs": dict(rollout_correction_preset="ppo_is_bypass", rollout_rs="token",
+                                rollout_rs_threshold=2.0),  # TRL's PPO + a two-sided token mask [0.5, 2]
+}
 
 
 def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eval_every: int, out: str) -> None:
@@ -94,8 +102,7 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
         else:
             from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
 
-            args = RolloutCorrAsyncGRPOConfig(output_dir=out_dir, rollout_correction_preset=ASYNC_VARIANTS[variant],
-                                              **common)
+            args = RolloutCorrAsyncGRPOConfig(output_dir=out_dir, **ASYNC_VARIANTS[variant], **common)
             trainer = RolloutCorrAsyncGRPOTrainer(args=args, **kwargs)
         trainer.train()
     tail = [r for s, r in curve if s >= 0.8 * steps]
