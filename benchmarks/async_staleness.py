@@ -36,6 +36,10 @@ ASYNC_VARIANTS = {
     "icepop": dict(rollout_correction_preset="icepop"),  # decoupled, token IS, token RS [0.5, 2]
     "bypass_ppo_token_rs": dict(rollout_correction_preset="ppo_is_bypass", rollout_rs="token",
                                 rollout_rs_threshold=2.0),  # TRL's PPO + a two-sided token mask [0.5, 2]
+    "bypass_ppo_token_rs_tight": dict(rollout_correction_preset="ppo_is_bypass", rollout_rs="token",
+                                      rollout_rs_threshold=1.25),  # the mask at [0.8, 1.25]: PPO's clip band
+    "bypass_ppo_geo_rs": dict(rollout_correction_preset="ppo_is_bypass", rollout_rs="geometric",
+                              rollout_rs_threshold=1.25),  # whole sequences whose geometric-mean ratio left [0.8, 1.25]
 }
 
 

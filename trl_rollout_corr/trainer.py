@@ -23,7 +23,6 @@ import logging
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from trl import GRPOConfig, GRPOTrainer
 
 from ._trl import (TrlForwardCalls, TrlInternalsChanged, forward_input_names, kept_token_normalizer_losses,
@@ -31,7 +30,7 @@ from ._trl import (TrlForwardCalls, TrlInternalsChanged, forward_input_names, ke
 from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.pipeline import rollout_usable_mask
-from .core.stats import STAT_DTYPE, RolloutStats
+from .core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
 from .grpo_config import RolloutCorrGRPOConfig
 from .losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
@@ -136,11 +135,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             refuse_beam_search(self.generation_config.num_beams)
 
     def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if self.accelerator.num_processes == 1 or not dist.is_initialized():
-            return tensor
-        reduced = tensor.clone()
-        dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-        return reduced
+        return process_all_reduce(tensor, op)
 
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"

@@ -41,7 +41,7 @@ from ..config import RolloutCorrectionConfig
 from ..core import compute_rollout_correction_stats
 from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
 from ..core.lag import lag_stats
-from ..core.stats import STAT_DTYPE, RolloutStats
+from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
 from .config import RolloutCorrAsyncGRPOConfig
 from .versions import ServerProbe, carrying_sample_versions
 
@@ -164,11 +164,7 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
                     a.repetition_penalty)
 
     def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if self.accelerator.num_processes == 1 or not dist.is_initialized():
-            return tensor
-        reduced = tensor.clone()
-        dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-        return reduced
+        return process_all_reduce(tensor, op)
 
     # ------------------------------------------------------------------ 1. versions
     def get_train_dataloader(self):

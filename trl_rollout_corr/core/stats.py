@@ -69,6 +69,18 @@ class RolloutStats:
         return dict(zip(keys, host))
 
 
+def process_all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """A :data:`ReduceFn` over every process of the default group (``op`` in sum / max / min); the tensor itself
+    when there is one process or no process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor
+    reduced = tensor.clone()
+    dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return reduced
+
+
 def count(mask: torch.Tensor) -> torch.Tensor:
     """Number of True entries of a boolean mask, as a float64 statistic (0-dim)."""
     return mask.sum(dtype=STAT_DTYPE)
