@@ -173,35 +173,6 @@ def test_mismatch_grows_with_the_lag(model_dir, tmp_path):
     assert [log["rollout_corr/lag_max"] for log in logs] == [0, 1, 2, 3]
 
 
-def _preset_names():
-    from trl_rollout_corr import RolloutCorrectionConfig
-
-    return list(RolloutCorrectionConfig.preset_names())
-
-
-@pytest.mark.parametrize("preset", _preset_names())
-def test_every_preset_trains_and_logs_finite_metrics(model_dir, samples, tmp_path, preset):
-    from trl_rollout_corr.core.lag import LAG_METRICS
-    from trl_rollout_corr.core.metrics import ALWAYS_METRICS, OFFPOLICY_METRICS, PREFIX
-
-    trainer, _ = build_trainer(model_dir, samples, str(tmp_path), max_steps=2, rollout_correction_preset=preset)
-    trainer.train()
-    logs = [log for log in trainer.state.log_history if "loss" in log]
-    assert len(logs) == 2
-    for log in logs:
-        metrics = {k: v for k, v in log.items() if k.startswith(PREFIX)}
-        assert all(math.isfinite(v) for v in metrics.values()), metrics
-        assert {PREFIX + m for m in (*OFFPOLICY_METRICS, *ALWAYS_METRICS)} <= metrics.keys()
-        if trainer.rollout_correction.rollout_is is not None:
-            assert PREFIX + "rollout_is_mean" in metrics
-    lag1 = {k.split("/")[-1] for k in logs[1] if k.startswith(PREFIX + "lag_1/")}
-    expected = set(LAG_METRICS) - ({"is_weight_mean"} if trainer.rollout_correction.rollout_is is None else set())
-    assert lag1 == expected
-    trainer.save_model()
-    saved = json.loads((tmp_path / "rollout_correction_config.json").read_text())
-    assert saved["bypass_mode"] == trainer.rollout_correction.bypass_mode
-
-
 def test_all_rejected_micro_batch_trains_nothing_and_warns_and_a_normal_run_stays_quiet(model_dir, samples, tmp_path,
                                                                                          caplog):
     caplog.set_level(logging.WARNING, logger="trl_rollout_corr")
