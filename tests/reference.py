@@ -31,8 +31,11 @@ def _unbiased_std(xs):
 
 
 def reference(old, rollout, mask, rollout_is=None, C=2.0, rollout_rs=None, rs_upper=None, rs_lower=None,
-              veto=None, batch_normalize=False, seen=None):
+              veto=None, batch_normalize=False, seen=None, is_lower=None, is_bound="truncate"):
     """Return (weights or None, modified mask, metrics) as nested lists / dict of floats.
+
+    IS bound: "truncate" w = clamp(rho, is_lower, C) (no lower clip when is_lower is None); "mask" w = rho if
+    is_lower <= rho <= C else 0 (the token stays in the mask; counted in rollout_is_masked_fraction).
 
     ``seen[i]`` False: row i has no pi_rollout; it is left uncorrected (weight 1, kept) and out of every statistic.
     """
@@ -94,8 +97,22 @@ def reference(old, rollout, mask, rollout_is=None, C=2.0, rollout_rs=None, rs_up
             safe = lambda i, t: math.exp(_clamp(lr_(i, t), -B, B))  # noqa: E731
         else:
             safe = lambda i, t: math.exp(_clamp(seq_sum(i), -B, B))  # noqa: E731
-        family("rollout_is", rollout_is, safe, seq_sum, 1.0 / C, C)
-        weights = [[min(safe(i, t), C) if valid[i][t] else 0.0 for t in range(n_cols)] for i in range(n_rows)]
+        family("rollout_is", rollout_is, safe, seq_sum, 1.0 / C if is_lower is None else is_lower, C)
+        low = 0.0 if is_lower is None else is_lower
+
+        def bounded(v):
+            if is_bound == "mask":
+                return v if low <= v <= C else 0.0
+            return min(max(v, low), C)
+
+        weights = [[bounded(safe(i, t)) if valid[i][t] else 0.0 for t in range(n_cols)] for i in range(n_rows)]
+        if is_bound == "mask":
+            zeroed = [[valid[i][t] and weights[i][t] == 0.0 for t in range(n_cols)] for i in range(n_rows)]
+            n_valid = sum(len(toks_of[i]) for i in seqs)
+            metrics["rollout_corr/rollout_is_masked_fraction"] = (
+                sum(map(sum, zeroed)) / n_valid if n_valid else 0.0)
+            metrics["rollout_corr/rollout_is_seq_masked_fraction"] = (
+                sum(any(row) for row in zeroed) / len(seqs) if seqs else 0.0)
         if batch_normalize:
             if rollout_is == "token":
                 mean = _mean([weights[i][t] for i in seqs for t in toks_of[i]])

@@ -5,23 +5,26 @@ import pytest
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 
 FIELDS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold",
-          "rollout_rs_threshold_lower", "rollout_token_veto_threshold", "bypass_mode", "use_policy_gradient")
+          "rollout_rs_threshold_lower", "rollout_token_veto_threshold", "bypass_mode", "use_policy_gradient",
+          "rollout_is_threshold_lower", "rollout_is_bound")
 
 PRESETS = {
-    "decoupled_token_is": ("token", 2.0, False, None, None, None, None, False, False),
-    "decoupled_seq_is": ("sequence", 2.0, False, None, None, None, None, False, False),
-    "decoupled_seq_is_rs": ("sequence", 2.0, False, "sequence", 2.0, 0.5, None, False, False),
-    "decoupled_geo_rs": (None, 2.0, False, "geometric", 1.001, 0.999, 1e-4, False, False),
-    "ppo_is_bypass": ("token", 2.0, False, None, None, None, None, True, False),
-    "pg_is": ("sequence", 2.0, False, None, None, None, None, True, True),
-    "pg_rs": (None, 2.0, False, "geometric", 1.001, 0.999, 1e-4, True, True),
-    "disabled": (None, 2.0, False, None, None, None, None, False, False),
-    "icepop": (None, 2.0, False, "token", 2.0, 0.5, None, False, False),
+    "decoupled_token_is": ("token", 2.0, False, None, None, None, None, False, False, None, "truncate"),
+    "decoupled_seq_is": ("sequence", 2.0, False, None, None, None, None, False, False, None, "truncate"),
+    "decoupled_seq_is_rs": ("sequence", 2.0, False, "sequence", 2.0, 0.5, None, False, False, None, "truncate"),
+    "decoupled_geo_rs": (None, 2.0, False, "geometric", 1.001, 0.999, 1e-4, False, False, None, "truncate"),
+    "ppo_is_bypass": ("token", 2.0, False, None, None, None, None, True, False, None, "truncate"),
+    "pg_is": ("sequence", 2.0, False, None, None, None, None, True, True, None, "truncate"),
+    "pg_rs": (None, 2.0, False, "geometric", 1.001, 0.999, 1e-4, True, True, None, "truncate"),
+    "disabled": (None, 2.0, False, None, None, None, None, False, False, None, "truncate"),
+    "icepop": (None, 2.0, False, "token", 2.0, 0.5, None, False, False, None, "truncate"),
+    "trl_default": ("sequence", 3.0, False, None, None, None, None, False, False, None, "mask"),
 }
 
 
 def test_defaults():
-    assert tuple(getattr(Cfg(), f) for f in FIELDS) == ("token", 2.0, False, None, None, None, None, False, False)
+    assert tuple(getattr(Cfg(), f) for f in FIELDS) == ("token", 2.0, False, None, None, None, None, False, False,
+                                                        None, "truncate")
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

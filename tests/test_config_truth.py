@@ -116,31 +116,34 @@ def test_a_change_after_the_trainer_is_built_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------ TRL's own vLLM IS fields
-@pytest.mark.parametrize("name, value, equivalent", [
-    ("vllm_importance_sampling_mode", "token_truncate", "rollout_is="),
-    ("vllm_importance_sampling_mode", "sequence_mask", "rollout_rs="),
-    ("vllm_importance_sampling_clip_max", 3.0, "rollout_is_threshold"),
-    ("vllm_importance_sampling_clip_min", 0.5, "rollout_rs_threshold_lower"),
-    ("vllm_importance_sampling_cap", 3.0, "rollout_is_threshold"),
+@pytest.mark.parametrize("name, value, field, expected", [
+    ("vllm_importance_sampling_mode", "token_truncate", "rollout_is", "token"),
+    ("vllm_importance_sampling_mode", "sequence_mask", "rollout_is_bound", "mask"),
+    ("vllm_importance_sampling_clip_max", 2.5, "rollout_is_threshold", 2.5),
+    ("vllm_importance_sampling_clip_min", 0.5, "rollout_is_threshold_lower", 0.5),
+    ("vllm_importance_sampling_cap", 2.5, "rollout_is_threshold", 2.5),
 ])
-def test_trl_importance_sampling_fields_name_this_packages_equivalent(tmp_path, name, value, equivalent):
-    with pytest.raises(ValueError, match=f"{name}=.*{equivalent}"):
-        grpo_args(tmp_path, **{name: value})
-    args = grpo_args(tmp_path)
-    with pytest.raises(ValueError, match=f"{name}=.*{equivalent}"):
+def test_trl_importance_sampling_fields_are_translated_and_saved_as_what_runs(tmp_path, name, value, field, expected):
+    args = grpo_args(tmp_path, **{name: value})
+    assert getattr(args, field) == expected and getattr(args.rollout_correction, field) == expected
+    assert args.to_dict()[field] == expected and args.to_dict()[name] in (None, False)  # TRL's own stays off
+    with pytest.raises(ValueError, match=f"{name}=.*after construction.*update_rollout_correction"):
         setattr(args, name, value)
-    assert getattr(args, name) is None
+    assert getattr(args, name) in (None, False)
 
 
-def test_trl_importance_sampling_fields_refused_from_the_command_line(tmp_path):
+def test_trl_importance_sampling_fields_from_the_command_line(tmp_path):
     from trl import TrlParser
 
     parser = TrlParser((RolloutCorrGRPOConfig,))
     (args,) = parser.parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none"])
-    assert args.vllm_importance_sampling_mode is None and not args.vllm_importance_sampling_correction
-    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='token_mask'.*rollout_rs="):
-        parser.parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu",
-                                      "--vllm_importance_sampling_mode", "token_mask"])
+    assert args.rollout_correction == RolloutCorrectionConfig.trl_default()  # no preset: TRL's default
+    assert args.vllm_importance_sampling_mode is None and args.vllm_importance_sampling_correction is False
+    (args,) = parser.parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none",
+                                            "--vllm_importance_sampling_mode", "token_mask",
+                                            "--vllm_importance_sampling_clip_min", "0.5"])
+    assert (args.rollout_is, args.rollout_is_bound, args.rollout_is_threshold, args.rollout_is_threshold_lower) == (
+        "token", "mask", 3.0, 0.5)
 
 
 # ------------------------------------------------------------------ save / load / push like a transformers config

@@ -104,3 +104,46 @@ def test_compute_offpolicy_metrics_matches_the_reference_diagnostics():
     _, _, want = reference(old.double().tolist(), rollout.double().tolist(), mask.tolist())
     assert set(got) == {f"rollout_corr/{k}" for k in OFFPOLICY_METRICS}
     assert_metrics_close(got, {k: want[k] for k in got})
+
+
+# TRL's bounds (rollout_is_bound / rollout_is_threshold_lower): every level x bound x lower, with RS and batch norm
+IS_BOUND_CASES = list(itertools.product(("token", "sequence"), ("truncate", "mask"), (None, 0.7), (False, True)))
+
+
+@pytest.mark.parametrize("rollout_is,bound,lower,bn", IS_BOUND_CASES)
+def test_is_bounds_match_reference(rollout_is, bound, lower, bn):
+    zeroed = 0
+    for seed in range(3):
+        old, rollout, mask = make_batch(seed)
+        w, m, metrics = compute_rollout_correction_and_rejection_mask(
+            old, rollout, mask, rollout_is=rollout_is, rollout_is_threshold=1.6, rollout_is_batch_normalize=bn,
+            rollout_is_threshold_lower=lower, rollout_is_bound=bound, rollout_rs="token", rollout_rs_threshold=4.0)
+        rw, rm, rmetrics = reference(old.double().tolist(), rollout.double().tolist(), mask.tolist(), rollout_is, 1.6,
+                                     "token", 4.0, None, None, bn, is_lower=lower, is_bound=bound)
+        assert m.tolist() == rm
+        torch.testing.assert_close(w.double(), torch.tensor(rw, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        assert_metrics_close(metrics, rmetrics)
+        zeroed += int(((w == 0) & m.bool()).sum())
+        if bound == "truncate" and lower is not None and not bn:
+            assert (w[m.bool()] >= lower - 1e-7).all()
+    assert (zeroed > 0) == (bound == "mask")  # the mask zeroes weights on these batches, truncation never does
+
+
+def test_trl_default_by_hand():
+    """Sequence mask, C=3: rho = prod_t pi_old/pi_rollout; 2.0 keeps its weight, 4.0 gets 0 (and stays in the mask)."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rollout = torch.zeros(2, 3)
+    old = torch.tensor([[math.log(2.0), 0.0, 5.0], [math.log(2.0), math.log(2.0), 0.0]])  # rho_seq = 2, 4
+    w, m, metrics = compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_is="sequence", rollout_is_threshold=3.0, rollout_is_bound="mask")
+    torch.testing.assert_close(w, torch.tensor([[2.0, 2.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert m.tolist() == mask.tolist()
+    assert metrics["rollout_corr/rollout_is_masked_fraction"] == pytest.approx(3 / 5)
+    assert metrics["rollout_corr/rollout_is_seq_masked_fraction"] == pytest.approx(1 / 2)
+    assert metrics["rollout_corr/rejected_token_fraction"] == 0.0
+    # truncation with a lower bound: clamp(rho, 0.5, 3) per token
+    old = torch.tensor([[math.log(0.25), math.log(5.0), 0.0]])
+    w, _, _ = compute_rollout_correction_and_rejection_mask(
+        old, torch.zeros(1, 3), torch.ones(1, 3), rollout_is="token", rollout_is_threshold=3.0,
+        rollout_is_threshold_lower=0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.5, 3.0, 1.0]]))

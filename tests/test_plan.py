@@ -88,4 +88,5 @@ def test_the_trainer_config_fails_at_construction_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match="pi_old_source='never'"):
         RolloutCorrGRPOConfig(**base, pi_old_source="never")
     with pytest.raises(ValueError, match="GSPO"):
-        RolloutCorrGRPOConfig(**base, importance_sampling_level="sequence", loss_type="grpo")
+        RolloutCorrGRPOConfig(**base, rollout_correction_preset="decoupled_token_is", importance_sampling_level="sequence",
+                              loss_type="grpo")

@@ -24,7 +24,8 @@ def assert_finite(log):
     ("rollout_correction_preset: no_such_preset\n", "Unknown rollout correction preset"),
     ("rollout_rs: sequence\nrollout_rs_threshold: 2.0\nrollout_rs_threshold_lower: 3.0\n", "must be <="),
     ("rollout_token_veto_threshold: 0\n", "rollout_token_veto_threshold must be a finite number > 0"),
-    ("vllm_importance_sampling_correction: true\n", "correct the same mismatch twice"),
+    ("vllm_importance_sampling_correction: true\nrollout_correction_preset: pg_is\n", "name one correction"),
+    ("vllm_importance_sampling_mode: token_clip\n", "TRL's modes are token_truncate"),
     ("rollout_rs_criteria: token_k9\nrollout_rs_criteria_threshold: '1.0'\n", "unknown criteria"),
 ])
 def test_invalid_yaml_recipe_fails_at_parse_naming_the_field(tmp_path, body, match):

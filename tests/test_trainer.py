@@ -185,12 +185,15 @@ def test_config_preset_overrides_and_refusals(tmp_path):
     assert cfg.rollout_correction.rollout_rs_threshold == 5.0 and cfg.rollout_correction.rollout_is == "sequence"
     cfg = RolloutCorrGRPOConfig(**base, rollout_correction_preset="decoupled_seq_is_rs", rollout_rs="none")
     assert cfg.rollout_correction.rollout_rs is None and cfg.rollout_correction.rollout_rs_threshold is None
-    assert RolloutCorrGRPOConfig(**base).rollout_correction == RolloutCorrectionConfig()
+    assert RolloutCorrGRPOConfig(**base).rollout_correction == RolloutCorrectionConfig.trl_default()  # TRL's default
     assert not RolloutCorrGRPOConfig(**base).vllm_importance_sampling_correction
     with pytest.raises(ValueError, match="Unknown rollout correction preset 'bogus'"):
         RolloutCorrGRPOConfig(**base, rollout_correction_preset="bogus")
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
-        RolloutCorrGRPOConfig(**base, vllm_importance_sampling_correction=True)
+    # TRL's own switch on with a preset named: two corrections, refused (alone it is TRL's correction, translated)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True.*name one correction"):
+        RolloutCorrGRPOConfig(**base, vllm_importance_sampling_correction=True, rollout_correction_preset="pg_is")
+    assert RolloutCorrGRPOConfig(**base, vllm_importance_sampling_correction=True).rollout_correction == \
+        RolloutCorrectionConfig.trl_default()
     with pytest.raises(ValueError, match="use_policy_gradient=True requires bypass_mode"):
         RolloutCorrGRPOConfig(**base, use_policy_gradient=True)
     saved = RolloutCorrectionConfig.pg_rs().save_pretrained(tmp_path / "hub_like")
@@ -202,8 +205,8 @@ def test_config_preset_overrides_and_refusals(tmp_path):
 def test_only_contradicting_trl_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="continuous batching path returns no per-token log-probs"):
         make_trainer(tmp_path, use_transformers_continuous_batching=True)
-    with pytest.raises(ValueError, match="would correct the same mismatch twice"):
-        make_trainer(tmp_path, vllm_importance_sampling_correction=True)
+    with pytest.raises(ValueError, match="name one correction"):
+        make_trainer(tmp_path, preset="decoupled_token_is", vllm_importance_sampling_correction=True)
     # each of these composes with the correction (tests/test_trl_equivalence.py checks them against TRL)
     for setting in (dict(loss_type="cispo"), dict(loss_type="sapo"), dict(loss_type="luspo"), dict(loss_type="vespo"),
                     dict(entropy_coef=0.01), dict(top_entropy_quantile=0.5), dict(off_policy_mask_threshold=0.5)):

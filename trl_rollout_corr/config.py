@@ -13,9 +13,10 @@ from typing import Any, ClassVar
 from huggingface_hub import ModelHubMixin
 
 from .core.divergence import parse_divergence_criteria
+from .trl_names import TRL_DEFAULT
 from .verl_names import ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_criteria_string, translate_rollout_rs
 from .core.rejection import RS_LEVELS
-from .core.weights import IS_LEVELS
+from .core.weights import IS_BOUNDS, IS_LEVELS
 
 CONFIG_NAME = "rollout_correction_config.json"
 NONE_STRINGS = ("none", "null", "None", "")
@@ -36,7 +37,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     Args:
         rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
-        rollout_is_threshold: C, the upper truncation of the IS weight (> 0).
+        rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none).
+        rollout_is_threshold_lower: C_lower, the lower bound of the IS weight (``None``: none).
+        rollout_is_bound: what happens to a weight outside [C_lower, C]: ``"truncate"`` clips it to the bound (TIS),
+            ``"mask"`` sets it to 0 (masked IS, TRL's ``*_mask`` modes; the token keeps its place in the loss's
+            token count, unlike rejection).
         rollout_is_batch_normalize: divide truncated weights by their batch mean.
         rollout_rs: rejection level, ``"token"`` | ``"sequence"`` | ``"geometric"`` | ``None``.
         rollout_rs_threshold: upper acceptance bound of the RS statistic (required with ``rollout_rs``).
@@ -54,6 +59,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     rollout_is: str | None = "token"
     rollout_is_threshold: float = 2.0
     rollout_is_batch_normalize: bool = False
+    rollout_is_threshold_lower: float | None = None
+    rollout_is_bound: str = "truncate"
     rollout_rs: str | None = None
     rollout_rs_threshold: float | None = None
     rollout_rs_threshold_lower: float | None = None
@@ -65,7 +72,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     PRESETS: ClassVar[tuple[str, ...]] = (
         "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop",
+        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "trl_default",
     )
 
     def __post_init__(self) -> None:
@@ -93,7 +100,9 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         if self.rollout_rs is not None and self.rollout_rs not in RS_LEVELS:
             raise ValueError(
                 f"rollout_rs must be one of 'token', 'sequence', 'geometric' or None, got {self.rollout_rs!r}.")
-        _positive("rollout_is_threshold", self.rollout_is_threshold, "e.g. 2.0")
+        _positive("rollout_is_threshold", self.rollout_is_threshold, "e.g. 2.0, or inf for no upper bound",
+                  allow_inf=True)
+        self._validate_is_bound()
         if self.rollout_rs is not None:
             if self.rollout_rs_threshold is None:
                 raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_threshold (the upper bound): "
@@ -127,6 +136,26 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                              "bypass PPO applies no IS weight (its PPO ratio already is pi_theta/pi_rollout), so "
                              "normalizing the weights would change nothing but a metric. Set "
                              "rollout_is_batch_normalize=False, or use_policy_gradient=True.")
+
+    def _validate_is_bound(self) -> None:
+        self.rollout_is_bound = none_if_unset(self.rollout_is_bound) or "truncate"
+        if self.rollout_is_bound not in IS_BOUNDS:
+            raise ValueError(f"rollout_is_bound must be 'truncate' (clip the weight to its bounds) or 'mask' (set it to "
+                             f"0 outside them), got {self.rollout_is_bound!r}.")
+        if self.rollout_is_threshold_lower is not None:
+            _positive("rollout_is_threshold_lower", self.rollout_is_threshold_lower, "or None for no lower bound")
+            if self.rollout_is_threshold_lower >= self.rollout_is_threshold:
+                raise ValueError(f"rollout_is_threshold_lower ({self.rollout_is_threshold_lower}) must be < "
+                                 f"rollout_is_threshold ({self.rollout_is_threshold}): lower it or leave it None.")
+        if self.rollout_is is None and (self.rollout_is_bound != "truncate" or self.rollout_is_threshold_lower is not None):
+            raise ValueError("rollout_is_bound / rollout_is_threshold_lower are set but rollout_is is None, so they would "
+                             "be ignored: set rollout_is ('token' or 'sequence') or leave them at their defaults.")
+        if self.bypass_mode and not self.use_policy_gradient and self.rollout_is is not None and (
+                self.rollout_is_bound != "truncate" or self.rollout_is_threshold_lower is not None):
+            raise ValueError("rollout_is_bound='mask' / rollout_is_threshold_lower with bypass_mode=True and "
+                             "use_policy_gradient=False: bypass PPO applies no IS weight (its PPO ratio already is "
+                             "pi_theta/pi_rollout), so they would change nothing but a metric. Leave them at their "
+                             "defaults, or use decoupled mode (bypass_mode=False).")
 
     @property
     def rs_threshold_lower(self) -> float | None:
@@ -164,6 +193,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             rollout_is_batch_normalize=self.rollout_is_batch_normalize,
             rollout_rs_criteria=self.rollout_rs_criteria,
             rollout_rs_criteria_threshold=self.rollout_rs_criteria_threshold,
+            rollout_is_threshold_lower=self.rollout_is_threshold_lower, rollout_is_bound=self.rollout_is_bound,
         )
 
     # ------------------------------------------------------------------ presets
@@ -218,6 +248,13 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         """Two-sided token masking ("IcePop"): decoupled PPO, no IS weight, tokens with rho outside [lower, upper]
         leave the loss."""
         return cls(**{**ICEPOP, "rollout_rs_threshold": upper, "rollout_rs_threshold_lower": lower, **overrides})
+
+    @classmethod
+    def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> "RolloutCorrectionConfig":
+        """TRL 1.16's own default correction (``vllm_importance_sampling_mode="sequence_mask"``, ``clip_max=3``):
+        decoupled PPO, w = prod_t rho_t * 1[prod_t rho_t <= C]; a sequence above C keeps its tokens in the loss's
+        token count with weight 0."""
+        return cls(**{**TRL_DEFAULT, "rollout_is_threshold": threshold, **overrides})
 
     @classmethod
     def disabled(cls, **overrides: Any) -> "RolloutCorrectionConfig":
@@ -326,6 +363,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return cls.from_file(hf_hub_download(repo_id=path, filename=CONFIG_NAME, **hub_kwargs))
 
 
-def _positive(name: str, value: Any, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r} ({hint}).")
+def _positive(name: str, value: Any, hint: str, allow_inf: bool = False) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0
+            or (math.isinf(value) and not allow_inf)):
+        kind = "a number > 0 (inf allowed)" if allow_inf else "a finite number > 0"
+        raise ValueError(f"{name} must be {kind}, got {value!r} ({hint}).")

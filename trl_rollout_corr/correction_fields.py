@@ -25,8 +25,11 @@ class RolloutCorrectionFields:
     rollout_correction_preset: str | None = field(default=None, metadata={"help": "Preset name, e.g. decoupled_token_is."})
     rollout_correction_config: str | None = field(default=None, metadata={"help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
     rollout_is: str | None = field(default=None, metadata={"help": "IS level: token | sequence | none."})
-    rollout_is_threshold: float | None = field(default=None, metadata={"help": "IS truncation C (default 2.0)."})
+    rollout_is_threshold: float | None = field(default=None, metadata={"help": "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default)."})
     rollout_is_batch_normalize: bool | None = field(default=None, metadata={"help": "Normalize IS weights to mean 1 over each generation batch."})
+    rollout_is_threshold_lower: float | None = field(default=None, metadata={"help": "IS lower bound C_lower (default none)."})
+    rollout_is_bound: str | None = field(default=None, metadata={
+        "help": "IS weight outside [C_lower, C]: truncate (clip to the bound, default) | mask (set to 0; TRL's *_mask modes)."})
     rollout_rs: str | None = field(default=None, metadata={"help": "RS level: token | sequence | geometric | none."})
     rollout_rs_threshold: float | None = field(default=None, metadata={"help": "RS upper bound."})
     rollout_rs_threshold_lower: float | None = field(default=None, metadata={"help": "RS lower bound (default 1/upper)."})
@@ -45,6 +48,8 @@ class RolloutCorrectionFields:
     _RC_TRL_CONFIG: ClassVar[type]
     # TRL fields the correction's checks depend on: a change re-resolves and re-checks
     _RC_PLAN_INPUTS: ClassVar[tuple[str, ...]] = ()
+    # the correction with no preset, no saved config and none of TRL's correction fields: what TRL's trainer does
+    _RC_DEFAULT_PRESET: ClassVar[str] = "trl_default"
 
     # ------------------------------------------------------------------ hooks for the subclass
     def _check_own_fields(self) -> None:
@@ -55,6 +60,10 @@ class RolloutCorrectionFields:
 
     def _refuse_change(self, name: str, value: Any) -> None:
         """Raise for a change after construction that must never be made (e.g. TRL's own correction switched on)."""
+
+    def _default_correction(self) -> dict[str, Any]:
+        """The base correction when neither a saved config nor a preset is named (see ``_RC_DEFAULT_PRESET``)."""
+        return RolloutCorrectionConfig.from_preset(self._RC_DEFAULT_PRESET).to_dict()
 
     # ------------------------------------------------------------------ construction
     def _rc_begin_post_init(self) -> None:
@@ -92,7 +101,7 @@ class RolloutCorrectionFields:
         elif self.rollout_correction_preset:
             base = RolloutCorrectionConfig.from_preset(self.rollout_correction_preset).to_dict()
         else:
-            base = RolloutCorrectionConfig().to_dict()
+            base = self._default_correction()
         explicit = dict(self.__dict__.get("_rc_explicit", {}))
         for level in ("rollout_is", "rollout_rs"):
             if level in explicit:
@@ -101,6 +110,10 @@ class RolloutCorrectionFields:
             # switching RS off also drops the preset's RS thresholds unless they were set here
             base["rollout_rs_threshold"] = explicit.get("rollout_rs_threshold")
             base["rollout_rs_threshold_lower"] = explicit.get("rollout_rs_threshold_lower")
+        if "rollout_is" in explicit and explicit["rollout_is"] is None:
+            # switching IS off also drops the base's IS bound settings unless they were set here
+            base["rollout_is_bound"] = explicit.get("rollout_is_bound", "truncate")
+            base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
         return RolloutCorrectionConfig(**{**base, **explicit})
 
     # ------------------------------------------------------------------ later changes

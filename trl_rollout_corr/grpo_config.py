@@ -10,27 +10,19 @@ from trl import GRPOConfig
 from ._trl import kept_token_normalizer_losses
 from .config import RolloutCorrectionConfig
 from .correction_fields import RolloutCorrectionFields
+from .trl_names import TRL_IS_FIELDS, translate_trl_correction
 from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
 
 # TRL fields the correction plan depends on: a change re-checks the composition and the plan
 _PLAN_INPUTS = ("loss_type", "importance_sampling_level", "pi_old_source", "gradient_accumulation_steps",
                 "steps_per_generation", "num_iterations")
-# TRL's own vLLM IS correction: each field and what this package spells it as
-_TRL_IS_FIELDS = {
-    "vllm_importance_sampling_mode": "rollout_is='token'|'sequence' (truncate) or rollout_rs='token'|'sequence' (mask), "
-                                     "or a preset such as rollout_correction_preset='decoupled_token_is'",
-    "vllm_importance_sampling_clip_max": "rollout_is_threshold (truncation C) or rollout_rs_threshold (mask bound)",
-    "vllm_importance_sampling_clip_min": "rollout_rs_threshold_lower (lower mask bound)",
-    "vllm_importance_sampling_cap": "rollout_is_threshold (truncation C) or rollout_rs_threshold (mask bound)",
-}
-
-
 @dataclass
 class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
     """``GRPOConfig`` plus the rollout-correction fields (flat, CLI/YAML-parsable).
 
     Resolution order: ``rollout_correction_config`` (a saved config: directory, file or Hub repo id), else
-    ``rollout_correction_preset``, else the ``RolloutCorrectionConfig`` defaults; then every correction field
+    ``rollout_correction_preset``, else TRL's own correction as its ``vllm_importance_sampling_*`` fields spell it
+    (unset: TRL's default, the ``trl_default`` preset; see :mod:`trl_rollout_corr.trl_names`); then every correction field
     set here (not ``None``) overrides it. Use the string ``"none"`` to switch ``rollout_is``/``rollout_rs`` off
     explicitly. The resolved config is ``args.rollout_correction``; where pi_old comes from and where the correction
     is computed is ``args.correction_plan()`` (see :mod:`trl_rollout_corr.plan`). Every combination that the
@@ -44,14 +36,20 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
     truncated_support_correction: bool | None = field(default=None, metadata={
         "help": "Apply top-k/top-p/min-p to the training logits before the ratio with pi_rollout (default: on when "
                 "any of them is set)."})
-    vllm_importance_sampling_correction: bool = field(
-        default=False, metadata={"help": "TRL's own vLLM IS correction; must stay False (this package corrects)."})
-    # TRL's own correction's settings: unset here (an error when set: they would be ignored)
+    # TRL's own correction, in TRL's spelling: translated into the rollout_* fields (trl_rollout_corr.trl_names) and
+    # computed by this package; after construction they read False / None (what runs is in the rollout_* fields)
+    vllm_importance_sampling_correction: bool | None = field(default=None, metadata={
+        "help": "TRL's vLLM IS switch, as in TRL: False = no correction (preset disabled); True or unset = TRL's "
+                "correction (mode below), unless a rollout correction preset or saved config is named."})
     vllm_importance_sampling_mode: str | None = field(default=None, metadata={
-        "help": "TRL's own vLLM IS mode: not used here (an error when set); use rollout_is / rollout_rs."})
+        "help": "TRL's IS mode (token_truncate | token_mask | sequence_truncate | sequence_mask, TRL's default), "
+                "translated to rollout_is / rollout_is_bound."})
     vllm_importance_sampling_clip_max: float | None = field(default=None, metadata={
-        "help": "TRL's own vLLM IS bound: not used here (an error when set); use rollout_is_threshold / "
-                "rollout_rs_threshold."})
+        "help": "TRL's C_max (default 3.0; inf for none), translated to rollout_is_threshold."})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={
+        "help": "TRL's C_min (default none), translated to rollout_is_threshold_lower."})
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata={
+        "help": "TRL's deprecated name of vllm_importance_sampling_clip_max."})
     vllm_dtype: str | None = field(default=None, metadata={
         "help": "dtype of the colocated vLLM engine (float32 | bfloat16 | float16 | auto). Default: TRL's behaviour "
                 "(vLLM's 'auto', which runs a float32 checkpoint in bfloat16)."})
@@ -70,17 +68,39 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
     _RC_PLAN_INPUTS = _PLAN_INPUTS
 
     def __post_init__(self) -> None:
-        if self.vllm_importance_sampling_correction:
-            raise ValueError(
-                "vllm_importance_sampling_correction=True would correct the same mismatch twice (TRL's own IS and this "
-                "package's). Leave it False and pick a rollout correction preset or the rollout_* fields instead.")
-        for name, equivalent in _TRL_IS_FIELDS.items():
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}={getattr(self, name)!r} is TRL's own vLLM correction, which this trainer "
-                                 f"replaces (it would be ignored). Unset it and use {equivalent}.")
+        self._rc_trl_base = self._translate_trl_fields()
+        for name in TRL_IS_FIELDS:  # TRL's own code must never apply its correction: this package computes it
+            object.__setattr__(self, name, False if name == "vllm_importance_sampling_correction" else None)
         self._rc_begin_post_init()
         super().__post_init__()
         self._rc_end_post_init()
+
+    def _translate_trl_fields(self) -> dict[str, Any] | None:
+        """TRL's ``vllm_importance_sampling_*`` spelling as this package's fields (None: not used)."""
+        values = {name: getattr(self, name) for name in TRL_IS_FIELDS}
+        if all(v is None for v in values.values()):
+            return None
+        named = self.rollout_correction_preset or self.rollout_correction_config
+        if values["vllm_importance_sampling_correction"] is False:
+            return None if named else translate_trl_correction(False)  # TRL's "off": no correction unless one is named
+        if named:
+            set_here = ", ".join(f"{k}={v!r}" for k, v in values.items() if v is not None)
+            raise ValueError(f"{set_here} (TRL's correction) together with rollout_correction_preset / "
+                             "rollout_correction_config: name one correction. TRL's modes are the preset trl_default "
+                             "and the fields rollout_is / rollout_is_bound / rollout_is_threshold(_lower).")
+        return translate_trl_correction(
+            values["vllm_importance_sampling_correction"], values["vllm_importance_sampling_mode"],
+            values["vllm_importance_sampling_clip_max"], values["vllm_importance_sampling_clip_min"],
+            values["vllm_importance_sampling_cap"])
+
+    def _default_correction(self) -> dict[str, Any]:
+        """TRL's correction as spelled in TRL's fields; else TRL's default (sequence_mask, C=3); for VESPO, whose
+        phi takes per-token ratios (TRL refuses its sequence modes there), TRL's token_truncate with C=3."""
+        if self.__dict__.get("_rc_trl_base") is not None:
+            return RolloutCorrectionConfig(**self._rc_trl_base).to_dict()
+        if self.loss_type == "vespo":
+            return RolloutCorrectionConfig(**translate_trl_correction(True, "token_truncate")).to_dict()
+        return super()._default_correction()
 
     def _check_own_fields(self) -> None:
         if self.vllm_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
@@ -104,9 +124,11 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
                         kept_token_normalizer_losses=kept_token_normalizer_losses())  # raises where it is not exact
 
     def _refuse_change(self, name: str, value: Any) -> None:
-        if (name in _TRL_IS_FIELDS and value is not None) or (name == "vllm_importance_sampling_correction" and value):
-            raise ValueError(f"{name}={value!r}: TRL's own vLLM correction is replaced by this package's (it would be "
-                             f"ignored or correct twice). Use {_TRL_IS_FIELDS.get(name, 'a rollout correction preset')}.")
+        if name in TRL_IS_FIELDS and value not in (None, False):
+            raise ValueError(f"{name}={value!r} after construction: TRL's correction fields are translated when the "
+                             "config is built. Pass them to RolloutCorrGRPOConfig(...), or change the correction with "
+                             "args.update_rollout_correction(rollout_is=..., rollout_is_bound=..., "
+                             "rollout_is_threshold=...).")
 
     def correction_plan(self) -> CorrectionPlan:
         """Where pi_old comes from and where the correction is computed, for the current field values."""

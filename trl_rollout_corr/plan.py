@@ -133,7 +133,9 @@ def plan_correction(
 
 def check_composition(cfg: RolloutCorrectionConfig, loss_type: str, importance_sampling_level: str) -> None:
     """Refuse TRL losses whose meaning the correction would change silently (each error says why and the fix)."""
-    if importance_sampling_level == "sequence" and cfg.rollout_is == "token" and cfg.applies_is_weights:
+    # (VESPO takes the per-token ratio into its sequence weight phi, not as a token weight: no conflict there)
+    if (importance_sampling_level == "sequence" and cfg.rollout_is == "token" and cfg.applies_is_weights
+            and loss_type != "vespo"):
         raise ValueError(
             "importance_sampling_level='sequence' (GSPO) optimizes one clipped ratio per sequence, so a per-token IS "
             "weight has no defined place in its objective. Use rollout_is='sequence' (one weight per sequence, "

@@ -16,7 +16,8 @@ class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, AsyncGRPOConfig):
     """``AsyncGRPOConfig`` plus the rollout-correction fields.
 
     Resolution as ``RolloutCorrGRPOConfig``: ``rollout_correction_config`` (a saved config), else
-    ``rollout_correction_preset``, else the defaults; every correction field set here overrides it. The resolved
+    ``rollout_correction_preset``, else ``ppo_is_bypass`` (what TRL's ``AsyncGRPOTrainer`` computes: PPO clipped against
+    pi_rollout, no IS weight); every correction field set here overrides it. The resolved
     config is ``args.rollout_correction``.
 
     In the asynchronous trainer every sample is trained on exactly once, in one micro-batch, and the parameters do not
@@ -38,6 +39,8 @@ class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, AsyncGRPOConfig):
                 "an error naming the server once it has not answered for this long."})
 
     _RC_TRL_CONFIG = AsyncGRPOConfig
+    # TRL's AsyncGRPOTrainer clips pi_theta / pi_rollout with no IS weight: bypass PPO (its gradient, tested)
+    _RC_DEFAULT_PRESET = "ppo_is_bypass"
 
     def __post_init__(self) -> None:
         self._rc_begin_post_init()

@@ -34,6 +34,7 @@ OFFPOLICY_METRICS = (
 )
 VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction")
 RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
+IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
 ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction", "missing_rollout_logprobs_fraction")
 
 
@@ -240,6 +241,9 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
         metrics[PREFIX + "invalid_logprob_fraction"] = _div(s("mask.invalid_tok_n"), s("mask.input_tok_n"))
         metrics[PREFIX + "rejected_token_fraction"] = _div(s("mask.input_tok_n") - s("mask.kept_tok_n"), s("mask.input_tok_n"))
         metrics[PREFIX + "missing_rollout_logprobs_fraction"] = _div(s("mask.missing_seq_n"), s("mask.all_seq_n"))
+        if "sum:mask.is_masked_tok_n" in f:  # rollout_is_bound="mask": weights set to 0 (tokens stay in the mask)
+            metrics[PREFIX + "rollout_is_masked_fraction"] = _div(s("mask.is_masked_tok_n"), tok_n)
+            metrics[PREFIX + "rollout_is_seq_masked_fraction"] = _div(s("mask.is_masked_seq_n"), seq_n)
         if "sum:mask.rs_rejected_tok_n" in f:
             metrics[PREFIX + "rollout_rs_masked_fraction"] = _div(s("mask.rs_rejected_tok_n"), tok_n)
             metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = _div(s("mask.rs_rejected_seq_n"), seq_n)

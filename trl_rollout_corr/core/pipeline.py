@@ -10,7 +10,7 @@ from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, 
 from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
 from .stats import ReduceFn, RolloutStats, count, count_rows, stat_constant
-from .weights import compute_rollout_correction_weights, sequence_log_ratio
+from .weights import bound_weights, compute_rollout_correction_weights, sequence_log_ratio
 
 
 class RolloutCorrection(NamedTuple):
@@ -47,6 +47,8 @@ def compute_rollout_correction_stats(
     rollout_rs_criteria: Any = None,
     rollout_rs_criteria_threshold: Any = None,
     rollout_seen: torch.Tensor | None = None,
+    rollout_is_threshold_lower: float | None = None,
+    rollout_is_bound: str = "truncate",
 ) -> RolloutCorrection:
     """Host-sync-free form of :func:`compute_rollout_correction_and_rejection_mask`.
 
@@ -58,6 +60,8 @@ def compute_rollout_correction_stats(
     ``rollout_seen`` (B,) marks the samples whose pi_rollout is known; the others (a sampler whose distribution
     could not be seen) stay uncorrected: weight 1, nothing rejected, left out of every statistic, and counted in
     ``missing_rollout_logprobs_fraction``.
+    ``rollout_is_bound="mask"`` sets a weight outside [C_lower, C] to 0 instead of clipping it (TRL's ``*_mask``
+    modes): the token stays in the mask (and in a loss's token count); counted in ``rollout_is_masked_fraction``.
     """
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
@@ -82,12 +86,18 @@ def compute_rollout_correction_stats(
         is_weights = None
         if rollout_is is not None:
             is_weights, safe, norm_mean = compute_rollout_correction_weights(
-                log_ratio, valid, rollout_is, rollout_is_threshold, rollout_is_batch_normalize, reduce_fn
+                log_ratio, valid, rollout_is, rollout_is_threshold, rollout_is_batch_normalize, reduce_fn,
+                rollout_is_threshold_lower, rollout_is_bound,
             )
             seq_log = sequence_log_ratio(log_ratio, valid).unsqueeze(1).expand_as(log_ratio)  # (B, T)
+            is_lower = 1.0 / rollout_is_threshold if rollout_is_threshold_lower is None else rollout_is_threshold_lower
             stats.update(weight_family_stats(
-                "rollout_is", safe, seq_log, valid, rollout_is, 1.0 / rollout_is_threshold, rollout_is_threshold
+                "rollout_is", safe, seq_log, valid, rollout_is, is_lower, rollout_is_threshold
             ))
+            if rollout_is_bound == "mask":
+                zeroed = valid & (bound_weights(safe, rollout_is_threshold, rollout_is_threshold_lower, "mask") == 0)
+                stats.sums["mask.is_masked_tok_n"] = count(zeroed)  # (B, T) -> 0-dim
+                stats.sums["mask.is_masked_seq_n"] = count_rows(zeroed)
             if norm_mean is not None:  # float64
                 stats.sums["rollout_is.norm_mean_sum"] = norm_mean
                 stats.sums["rollout_is.norm_n"] = stat_constant(1.0, norm_mean)
@@ -149,11 +159,14 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_rs_criteria: Any = None,
     rollout_rs_criteria_threshold: Any = None,
     rollout_seen: torch.Tensor | None = None,
+    rollout_is_threshold_lower: float | None = None,
+    rollout_is_bound: str = "truncate",
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """IS weights, rejection/veto mask and metrics in one call (the signature of verl's helper of the same name).
 
-    * IS (``rollout_is`` token|sequence): w = min(exp(clamp(log rho, -20, 20)), C) * m, optionally
-      divided by its batch mean; detached.
+    * IS (``rollout_is`` token|sequence): w = min(exp(clamp(log rho, -20, 20)), C) * m (``rollout_is_bound``
+      "truncate", with ``rollout_is_threshold_lower`` also clipped from below) or rho * 1[C_lower <= rho <= C] * m
+      ("mask"), optionally divided by its batch mean; detached.
     * RS (``rollout_rs`` token|sequence|geometric): keep iff C_lower <= statistic <= C_upper.
     * veto: drop a sequence if any valid token has rho_t < C_veto (unclamped, log space).
     * ``rollout_seen`` (B,): samples without pi_rollout stay uncorrected (weight 1, kept, out of the statistics).
@@ -168,6 +181,7 @@ def compute_rollout_correction_and_rejection_mask(
         old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold, rollout_rs,
         rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold, rollout_is_batch_normalize,
         rollout_rs_criteria=rollout_rs_criteria, rollout_rs_criteria_threshold=rollout_rs_criteria_threshold,
-        rollout_seen=rollout_seen,
+        rollout_seen=rollout_seen, rollout_is_threshold_lower=rollout_is_threshold_lower,
+        rollout_is_bound=rollout_is_bound,
     )
     return result.is_weights, result.modified_response_mask, finalize_stats(result.stats)

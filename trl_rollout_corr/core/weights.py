@@ -14,6 +14,9 @@ SAFETY_BOUND = 20.0
 """Log-space clamp before any ``exp``: exp(+-20) ~ 4.85e8 / 2.06e-9, finite in every float dtype."""
 
 IS_LEVELS = ("token", "sequence")
+IS_BOUNDS = ("truncate", "mask")
+"""What happens to a weight outside [C_lower, C]: clipped to the bound (TIS) or set to 0 (masked IS, TRL's
+``*_mask`` modes: the token stays in the loss's token count with weight 0)."""
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -64,6 +67,24 @@ def batch_normalize_weights(
     return weights / factor, mean  # a 0-dim factor keeps the weights' dtype
 
 
+def bound_weights(safe: torch.Tensor, upper: float, lower: float | None = None,
+                  bound: str = "truncate") -> torch.Tensor:
+    """The bounded IS weight from the safety-bounded rho (zero on padding stays zero).   (B, T)
+
+    truncate: w = clamp(rho, C_lower, C)                 (C_lower = None: min(rho, C), the seeds' TIS)
+    mask:     w = rho * 1[C_lower <= rho <= C]           (C_lower = None: 0; TRL's ``*_mask`` modes)
+    """
+    if bound == "truncate":
+        weights = safe.clamp(max=upper)  # (B, T)
+        return weights if lower is None else torch.where(safe > 0, weights.clamp(min=lower), weights)  # (B, T)
+    if bound == "mask":
+        inside = safe <= upper  # (B, T)
+        if lower is not None:
+            inside = inside & (safe >= lower)  # (B, T)
+        return torch.where(inside, safe, torch.zeros_like(safe))  # (B, T)
+    raise ValueError(f"rollout_is_bound must be one of {IS_BOUNDS}, got {bound!r}.")
+
+
 def compute_rollout_correction_weights(
     log_ratio: torch.Tensor,
     response_mask: torch.Tensor,
@@ -71,19 +92,22 @@ def compute_rollout_correction_weights(
     rollout_is_threshold: float = 2.0,
     rollout_is_batch_normalize: bool = False,
     reduce_fn: ReduceFn | None = None,
+    rollout_is_threshold_lower: float | None = None,
+    rollout_is_bound: str = "truncate",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Truncated IS weights w = min(rho, C) at token or sequence level.
+    """Bounded IS weights from rho at token or sequence level.
 
     1. safety bound: exp(clamp(log rho, -20, 20)) (token) or exp(clamp(sum_t log rho_t, -20, 20)) (sequence)
     2. zero padding (x m)
-    3. truncate: min(w, C)  -- TIS, no lower truncation
+    3. bound (:func:`bound_weights`): truncate w = min(rho, C) (TIS; with C_lower: clamp(rho, C_lower, C)), or
+       mask w = rho * 1[C_lower <= rho <= C]
     4. optional batch normalization (see :func:`batch_normalize_weights`)
-    Returns ``(weights (B, T) detached, safe untruncated weights (B, T) for metrics, batch-norm mean or None)``.
+    Returns ``(weights (B, T) detached, safe unbounded weights (B, T) for metrics, batch-norm mean or None)``.
     """
     response_mask = response_mask.bool()
     with torch.no_grad():
         safe = safe_is_weights(log_ratio.detach(), response_mask, rollout_is)  # (B, T)
-        weights = safe.clamp(max=rollout_is_threshold)  # (B, T)
+        weights = bound_weights(safe, rollout_is_threshold, rollout_is_threshold_lower, rollout_is_bound)  # (B, T)
         norm_mean = None
         if rollout_is_batch_normalize:
             weights, norm_mean = batch_normalize_weights(weights, response_mask, rollout_is, reduce_fn)

@@ -54,8 +54,13 @@ def resolve_engine(engine: str) -> str:
 METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/rejected_token_fraction")
 
 
-def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_every: int, out: str) -> None:
-    """Train one variant with one seed and write its curves and mean diagnostics to ``out`` (JSON)."""
+def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_every: int, out: str,
+               preset: str | None = None, stale: bool | None = None, config_overrides: dict | None = None) -> None:
+    """Train one variant with one seed and write its curves and mean diagnostics to ``out`` (JSON).
+
+    ``variant`` names a row of :data:`VARIANTS`; ``preset`` / ``stale`` replace its preset and whether it samples from
+    the mismatched engine, and ``config_overrides`` adds ``RolloutCorrGRPOConfig`` fields (the mismatch benchmark's
+    methods and scenarios, ``benchmarks/mismatch_bench.py``)."""
     import torch
 
     torch.set_num_threads(1)
@@ -72,7 +77,9 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     hf_logging.set_verbosity_error()
     logging.getLogger("trl_rollout_corr.monitor").setLevel(logging.ERROR)  # alerts go to the table, not stderr
     t0 = time.time()
-    preset, stale = VARIANTS[variant]
+    default_preset, default_stale = VARIANTS.get(variant, (None, True))
+    preset = default_preset if preset is None else preset
+    stale = default_stale if stale is None else stale
     tok = build_tokenizer()
     # vLLM's CPU attention needs head size >= 32: 2 heads of 32 instead of 4 of 16 for the real engine
     model = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2 if engine == "vllm" else 4)
@@ -111,7 +118,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
             max_completion_length=9, max_steps=steps, learning_rate=3e-4, lr_scheduler_type="constant",
             adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, temperature=1.0, logging_steps=10,
             save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,
-            disable_tqdm=True, dataloader_num_workers=0, **vllm_kwargs,
+            disable_tqdm=True, dataloader_num_workers=0, **{**vllm_kwargs, **(config_overrides or {})},
         )
         sampler = EmulatedRolloutEngine(engine, lag=lag) if stale and engine != "vllm" else None
         # warn-only monitor (no stop); the engine's lag is known here: `lag` for a stale engine (emulated, or vLLM

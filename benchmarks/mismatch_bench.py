@@ -1,0 +1,281 @@
+"""Which correction trains best for which sampler/trainer mismatch, against TRL's own default correction.
+
+One command, resumable (each finished run is a JSON file that a re-run skips), two runs at a time:
+
+    python benchmarks/mismatch_bench.py                                   # every scenario, every method, 5 seeds
+    python benchmarks/mismatch_bench.py --scenarios vllm_sync8,wq3 --seeds 0,1,2 --methods uncorrected,trl_default
+
+Task and model: the demo's (reverse 6 digits, a tiny Qwen2-style model built locally and warmed up with 90
+supervised steps, ``--steps`` GRPO steps of 8 prompts x 8 completions, dapo, lr 3e-4, T=1). Score: the **policy's
+own** mean reward on 256 fixed held-out prompts (T=1), averaged over the evaluations in the last 20% of the steps.
+
+Scenarios (the sampler every method but ``on_policy`` trains on):
+
+* ``vllm_sync8``: the real vLLM engine (CPU build, colocated, float32) synced every 8 optimizer steps (0..7 behind);
+* ``stale4``: the emulated engine, a copy of the policy exactly 4 optimizer steps behind;
+* ``wq3`` / ``wq4``: a persistent precision gap, every Linear weight fake-quantized to 3 / 4 bits (per channel);
+* ``int8``: torch's dynamic INT8 quantization of every Linear;
+* ``vllm_bf16``: vLLM in bfloat16 (weights and compute), synced every step, the trainer in float32;
+* ``vllm_top_p``: vLLM synced every step, sampling with top_p=0.8 (a truncated support: pi_rollout is renormalized
+  over the kept tokens, the trainer's pi_theta is not).
+
+``on_policy`` (the same model sampling for itself: vLLM synced every step in float32 for the vLLM scenarios, the
+policy's own ``generate`` otherwise) is the ceiling, ``uncorrected`` (preset ``disabled``) the floor:
+gap = on_policy - uncorrected, and "gap closed" = (method - uncorrected) / gap, with a 95% bootstrap interval
+(seeds resampled within each row). Every row also shows its difference to ``trl_default`` (TRL 1.16's default,
+``vllm_importance_sampling_mode="sequence_mask"``, C=3: what a TRL user has) with a 95% Welch interval.
+
+Methods: TRL's four modes (``trl_<mode>``, spelled with TRL's own fields and run as TRL runs them: no truncated-support
+fix), this package's presets, and ``METHODS``' other rows. Output: ``OUTPUT_DIR/runs/*.json``,
+``OUTPUT_DIR/mismatch_results.csv``, ``OUTPUT_DIR/mismatch_gap_closed.png`` and the table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+# scenario -> (engine, lag, extra RolloutCorrGRPOConfig fields, on-policy reference)
+SCENARIOS = {
+    "vllm_sync8": ("vllm", 8, {}, "vllm"),
+    "stale4": ("stale", 4, {}, "policy"),
+    "wq3": ("wq3", 1, {}, "policy"),
+    "vllm_top_p": ("vllm", 1, dict(top_p=0.8), "vllm"),
+    "int8": ("int8", 1, {}, "policy"),
+    "vllm_bf16": ("vllm", 1, dict(vllm_dtype="bfloat16"), "vllm"),
+    "wq4": ("wq4", 1, {}, "policy"),
+}
+# on-policy references: (engine, lag) of a run whose sampler is the policy itself
+REFERENCES = {"vllm": ("vllm", 1), "policy": ("stale", 4)}
+_AS_TRL = dict(truncated_support_correction=False)  # TRL computes its ratio against the full softmax
+# method -> (preset, extra fields); the fields are RolloutCorrGRPOConfig's, TRL's own spelling included
+METHODS = {
+    "uncorrected": ("disabled", {}),
+    "trl_default": (None, {**_AS_TRL}),  # no preset, no TRL field: TRL's default (= vllm_importance_sampling_mode
+                                         # "sequence_mask", clip_max 3), this package's default too
+    "trl_sequence_truncate": (None, dict(vllm_importance_sampling_mode="sequence_truncate", **_AS_TRL)),
+    "trl_token_mask": (None, dict(vllm_importance_sampling_mode="token_mask", **_AS_TRL)),
+    "trl_token_truncate": (None, dict(vllm_importance_sampling_mode="token_truncate", **_AS_TRL)),
+    "decoupled_token_is": ("decoupled_token_is", {}),
+    "ppo_is_bypass": ("ppo_is_bypass", {}),
+    "icepop": ("icepop", {}),
+    "decoupled_geo_rs": ("decoupled_geo_rs", {}),
+    "decoupled_seq_is_rs": ("decoupled_seq_is_rs", {}),
+    # candidates for where nothing closes the gap: the masks of TRL's modes made two-sided
+    "seq_mask_two_sided": ("trl_default", dict(rollout_is_threshold_lower=1 / 3)),  # sequence rho in [1/3, 3], else 0
+    "token_mask_in_divisor": ("trl_default", dict(rollout_is="token", rollout_is_threshold=2.0,
+                                                  rollout_is_threshold_lower=0.5)),  # icepop's band, kept in the count
+}
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def run_path(output_dir: str, scenario: str, method: str, seed: int) -> str:
+    """On-policy runs are shared by the scenarios of one reference."""
+    if method == "on_policy":
+        scenario = f"ref-{SCENARIOS[scenario][3]}"
+    return os.path.join(output_dir, "runs", f"{scenario}__{method}__seed{seed}.json")
+
+
+def worker(scenario: str, method: str, seed: int, steps: int, eval_every: int, out: str) -> None:
+    from trl_rollout_corr.demo.run import run_worker
+
+    engine, lag, fields, reference = SCENARIOS[scenario]
+    if method == "on_policy":
+        engine, lag = REFERENCES[reference]
+        run_worker("on_policy", seed, steps, lag, engine, eval_every, out, preset="disabled", stale=False)
+        return
+    preset, extra = METHODS[method]
+    run_worker(method, seed, steps, lag, engine, eval_every, out, preset=preset, stale=True,
+               config_overrides={**fields, **extra})
+
+
+def run_all(cells: list[tuple[str, str, int]], steps: int, eval_every: int, output_dir: str, jobs: int) -> None:
+    """Run every missing cell, ``jobs`` processes at a time (each process is one run: a trainer that ran before
+    slows later generation)."""
+    os.makedirs(os.path.join(output_dir, "runs"), exist_ok=True)
+    todo = [c for c in cells if not os.path.exists(run_path(output_dir, *c))]
+    todo = list(dict.fromkeys(todo))
+    print(f"{len(cells)} runs, {len(cells) - len(todo)} already done, {len(todo)} to go", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    running: list[tuple[subprocess.Popen, str, float]] = []
+    done = 0
+    while todo or running:
+        while todo and len(running) < jobs:
+            scenario, method, seed = todo.pop(0)
+            out = run_path(output_dir, scenario, method, seed)
+            if any(o == out for _, o, _ in running):
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", scenario, "--method", method,
+                   "--seed", str(seed), "--steps", str(steps), "--eval_every", str(eval_every), "--out", out]
+            running.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+                            out, time.time()))
+        time.sleep(0.5)
+        for proc, out, t0 in list(running):
+            if proc.poll() is None:
+                continue
+            running.remove((proc, out, t0))
+            done += 1
+            if proc.returncode != 0:
+                print(f"FAILED {out}:\n{proc.stderr.read().decode()[-3000:]}", flush=True)
+            else:
+                print(f"[{done}] {os.path.basename(out)} {time.time() - t0:.0f} s", flush=True)
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval."""
+    m = statistics.fmean(xs)
+    return m, (T_975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
+
+
+def welch_ci(a: list[float], b: list[float]) -> tuple[float, float]:
+    """mean(a) - mean(b) and the half-width of its 95% Welch interval."""
+    d = statistics.fmean(a) - statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return d, math.nan
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return d, 0.0
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return d, T_975.get(max(1, round(dof)), 1.96) * se
+
+
+def gap_closed_ci(method: list[float], floor: list[float], ceiling: list[float], n_boot: int = 4000,
+                  seed: int = 0) -> tuple[float, float, float]:
+    """(m - u) / (o - u) and its 95% bootstrap interval (each row's seeds resampled independently)."""
+    def closed(x, u, o):
+        gap = statistics.fmean(o) - statistics.fmean(u)
+        return (statistics.fmean(x) - statistics.fmean(u)) / gap if gap != 0 else math.nan
+
+    point = closed(method, floor, ceiling)
+    rng = random.Random(seed)
+    draws = sorted(closed(rng.choices(method, k=len(method)), rng.choices(floor, k=len(floor)),
+                          rng.choices(ceiling, k=len(ceiling))) for _ in range(n_boot))
+    draws = [d for d in draws if math.isfinite(d)]
+    if not draws:
+        return point, math.nan, math.nan
+    return point, draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
+
+
+def load(output_dir: str, scenario: str, method: str, seeds: list[int]) -> list[dict]:
+    runs = []
+    for seed in seeds:
+        path = run_path(output_dir, scenario, method, seed)
+        if os.path.exists(path):
+            with open(path) as f:
+                runs.append(json.load(f))
+    return runs
+
+
+def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output_dir: str) -> str:
+    rows, lines = [], []
+    for scenario in scenarios:
+        by = {m: load(output_dir, scenario, m, seeds) for m in ["on_policy", *methods]}
+        reward = {m: [r["eval_reward"] for r in runs] for m, runs in by.items()}
+        if not any(reward.values()):
+            continue
+        lines.append(f"\n{scenario}: held-out reward, mean ± 95% CI (seeds: n per row)")
+        lines.append(f"{'method':24s} {'n':>2s} {'reward':>15s} {'vs trl_default':>17s} {'gap closed [95% CI]':>24s} "
+                     f"{'kl':>7s} {'rejected':>8s} {'s/run':>6s}")
+        for m in ["on_policy", *methods]:
+            xs = reward[m]
+            if not xs:
+                continue
+            mean, half = mean_ci(xs)
+            diff, diff_half = (welch_ci(xs, reward["trl_default"]) if reward.get("trl_default") and m != "trl_default"
+                               else (math.nan, math.nan))
+            closed = lo = hi = math.nan
+            if m not in ("on_policy", "uncorrected") and reward.get("uncorrected") and reward["on_policy"]:
+                closed, lo, hi = gap_closed_ci(xs, reward["uncorrected"], reward["on_policy"])
+            kl = statistics.fmean(r["metrics"]["rollout_corr/kl"] for r in by[m])
+            rej = statistics.fmean(r["metrics"]["rollout_corr/rejected_token_fraction"] for r in by[m])
+            secs = statistics.fmean(r["seconds"] for r in by[m])
+            fmt_diff = f"{diff:+.3f} ± {diff_half:.3f}" if math.isfinite(diff) else ""
+            fmt_closed = f"{closed * 100:4.0f}% [{lo * 100:4.0f}, {hi * 100:4.0f}]" if math.isfinite(closed) else ""
+            lines.append(f"{m:24s} {len(xs):2d} {mean:7.3f} ± {half:5.3f} {fmt_diff:>17s} {fmt_closed:>24s} "
+                         f"{kl:7.4f} {rej:8.3f} {secs:6.0f}")
+            rows.append(dict(scenario=scenario, method=m, n_seeds=len(xs), reward_mean=mean, reward_ci95=half,
+                             per_seed=" ".join(f"{x:.3f}" for x in xs), vs_trl_default=diff,
+                             vs_trl_default_ci95=diff_half, gap_closed=closed, gap_closed_lo=lo, gap_closed_hi=hi,
+                             kl=kl, rejected_token_fraction=rej, seconds_per_run=secs,
+                             alerts=" | ".join(",".join(f"{a}@{s}" for s, a in r.get("alerts", [])) or "-"
+                                               for r in by[m])))
+    if rows:
+        with open(os.path.join(output_dir, "mismatch_results.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        lines.append(f"\nwrote {output_dir}/mismatch_results.csv")
+        try:
+            plot(rows, os.path.join(output_dir, "mismatch_gap_closed.png"))
+            lines.append(f"wrote {output_dir}/mismatch_gap_closed.png")
+        except ImportError:
+            lines.append("(install matplotlib for the plot)")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """One panel per scenario: each method's held-out reward with its 95% CI, on-policy and uncorrected as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 4.8), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios):
+        mine = [r for r in rows if r["scenario"] == scenario and r["method"] not in ("on_policy", "uncorrected")]
+        for r in rows:
+            if r["scenario"] == scenario and r["method"] in ("on_policy", "uncorrected"):
+                ax.axvline(r["reward_mean"], ls="--" if r["method"] == "uncorrected" else "-", color="grey")
+        ax.errorbar([r["reward_mean"] for r in mine], range(len(mine)),
+                    xerr=[0 if math.isnan(r["reward_ci95"]) else r["reward_ci95"] for r in mine], fmt="o")
+        ax.set_yticks(range(len(mine)), [r["method"] for r in mine], fontsize=7)
+        ax.set(title=scenario, xlabel="held-out reward (95% CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ", ".join(SCENARIOS))
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval_every", type=int, default=50)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--output_dir", default="outputs/mismatch_bench")
+    p.add_argument("--summary_only", action="store_true", help="print the table of the runs already done")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a.worker, a.method, a.seed, a.steps, a.eval_every, a.out)
+        return
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = [s for s in scenarios if s not in SCENARIOS] + [m for m in methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown scenario(s)/method(s) {unknown}")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    t0 = time.time()
+    if not a.summary_only:
+        # scenario by scenario, seed by seed: a partial run compares like with like
+        cells = [(s, m, seed) for s in scenarios for seed in seeds for m in ["on_policy", *methods]]
+        run_all(cells, a.steps, a.eval_every, a.output_dir, a.jobs)
+    print(summarize(scenarios, methods, seeds, a.output_dir))
+    print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
