@@ -59,6 +59,11 @@ CASES = {
                             entropy_coef=0.05),
     "nan_and_missing": dict(preset="decoupled_token_is", rollout_is_batch_normalize=True,
                             engine=dict(nan_every=3, missing_every=4)),
+    "trl_default": dict(preset="trl_default", rollout_is_threshold=1.5),  # the sequence mask bites at C=1.5
+    "token_mask_two_sided": dict(preset="trl_default", rollout_is="token", rollout_is_threshold=1.3,
+                                 rollout_is_threshold_lower=0.8),
+    "token_truncate_two_sided": dict(preset="decoupled_token_is", rollout_is_threshold=1.3,
+                                     rollout_is_threshold_lower=0.8),
 }
 
 
@@ -187,7 +192,13 @@ def corrected_quantities(cfg, train_logps, rollout, mask):
     weights = None
     if cfg.rollout_is is not None:
         raw = log_rho if cfg.rollout_is == "token" else seq.expand_as(log_rho)
-        weights = torch.exp(raw.clamp(-20, 20)).clamp(max=cfg.rollout_is_threshold) * valid  # (B, T)
+        rho = torch.exp(raw.clamp(-20, 20))  # (B, T)
+        lower = cfg.rollout_is_threshold_lower
+        if cfg.rollout_is_bound == "mask":  # rho where C_lower <= rho <= C, else 0 (the token stays in the mask)
+            inside = (rho <= cfg.rollout_is_threshold) & (rho >= (lower if lower is not None else 0.0))
+            weights = torch.where(inside, rho, torch.zeros_like(rho)) * valid  # (B, T)
+        else:  # clamp(rho, C_lower, C)
+            weights = rho.clamp(min=lower, max=cfg.rollout_is_threshold) * valid  # (B, T)
     keep |= mask & missing[:, None]
     return weights, keep, valid, missing
 

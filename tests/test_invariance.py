@@ -87,6 +87,9 @@ CASES = {
                               rollout_token_veto_threshold=0.3),
     "bypass_pg_is_bn": dict(preset="pg_is", rollout_is_batch_normalize=True),
     "bypass_ppo_token_rs_dapo": dict(preset="ppo_is_bypass", rollout_rs="token", rollout_rs_threshold=2.0),
+    "trl_default_dapo": dict(preset="trl_default"),
+    "token_mask_two_sided_bn": dict(preset="trl_default", rollout_is="token", rollout_is_threshold=2.0,
+                                    rollout_is_threshold_lower=0.5, rollout_is_batch_normalize=True),
 }
 
 
@@ -161,7 +164,7 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
 
 
 TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", "bypass_pg_rs_dapo",
-                     "missing_rollout_bn_rs"]
+                     "missing_rollout_bn_rs", "token_mask_two_sided_bn"]
 
 
 def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:
