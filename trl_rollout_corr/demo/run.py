@@ -29,6 +29,7 @@ VARIANTS = {
     # name: (preset, uses the stale sampler)
     "on_policy": ("disabled", False),
     "stale_uncorrected": ("disabled", True),
+    "trl_default": ("trl_default", True),  # TRL 1.16's own default correction (sequence-masked IS, C=3)
     "decoupled_token_is": ("decoupled_token_is", True),
     "ppo_is_bypass": ("ppo_is_bypass", True),
     "pg_is": ("pg_is", True),
@@ -138,6 +139,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
                     for k in METRICS},
         "kl_curve": [(log["step"], log.get("rollout_corr/kl", 0.0)) for log in logs],
         "alerts": [(a["step"], a["alert"]) for a in monitor.alerts],
+        "logs": logs,  # every logged row (the monitor's replay input)
     }
     with open(out, "w") as f:
         json.dump(result, f)
