@@ -27,7 +27,8 @@ gap = on_policy - uncorrected, and "gap closed" = (method - uncorrected) / gap, 
 
 Methods: TRL's four modes (``trl_<mode>``, spelled with TRL's own fields and run as TRL runs them: no truncated-support
 fix), this package's presets, and ``METHODS``' other rows. Output: ``OUTPUT_DIR/runs/*.json``,
-``OUTPUT_DIR/mismatch_results.csv``, ``OUTPUT_DIR/mismatch_gap_closed.png`` and the table on stdout.
+``OUTPUT_DIR/mismatch_results.csv``, ``OUTPUT_DIR/mismatch_results.md`` (the README's table),
+``OUTPUT_DIR/mismatch_gap_closed.png`` and the table on stdout.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ METHODS = {
     "seq_mask_two_sided": ("trl_default", dict(rollout_is_threshold_lower=1 / 3)),  # sequence rho in [1/3, 3], else 0
     "token_mask_in_divisor": ("trl_default", dict(rollout_is="token", rollout_is_threshold=2.0,
                                                   rollout_is_threshold_lower=0.5)),  # icepop's band, kept in the count
+    # M2PO-style second-moment mask (tau 0.04, the paper's), on TRL's default and on bypass PPO
+    "trl_default_m2": ("trl_default", dict(rollout_m2_threshold=0.04)),
+    "bypass_m2": ("ppo_is_bypass", dict(rollout_m2_threshold=0.04)),
 }
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -209,17 +213,39 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
                              alerts=" | ".join(",".join(f"{a}@{s}" for s, a in r.get("alerts", [])) or "-"
                                                for r in by[m])))
     if rows:
+        with open(os.path.join(output_dir, "mismatch_results.md"), "w") as f:
+            f.write(markdown(rows) + "\n")
         with open(os.path.join(output_dir, "mismatch_results.csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-        lines.append(f"\nwrote {output_dir}/mismatch_results.csv")
+        lines.append(f"\nwrote {output_dir}/mismatch_results.csv and {output_dir}/mismatch_results.md (the README's table)")
         try:
             plot(rows, os.path.join(output_dir, "mismatch_gap_closed.png"))
             lines.append(f"wrote {output_dir}/mismatch_gap_closed.png")
         except ImportError:
             lines.append("(install matplotlib for the plot)")
     return "\n".join(lines)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's table: one block of rows per scenario, best first; **bold** where a method is significantly
+    above TRL's default (its 95% Welch interval excludes 0)."""
+    out = ["| scenario | method | n | held-out reward (95% CI) | vs `trl_default` (95% CI) | gap closed (95% CI) | kl | rejected |",
+           "|---|---|---|---|---|---|---|---|"]
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        block = sorted((r for r in rows if r["scenario"] == scenario), key=lambda r: -r["reward_mean"])
+        for r in block:
+            diff, half = r["vs_trl_default"], r["vs_trl_default_ci95"]
+            better = math.isfinite(diff) and math.isfinite(half) and diff - half > 0
+            worse = math.isfinite(diff) and math.isfinite(half) and diff + half < 0
+            name = f"**{r['method']}**" if better else r["method"]
+            vs = f"{diff:+.3f} ± {half:.3f}" + (" ↓" if worse else "") if math.isfinite(diff) else "—"
+            closed = (f"{r['gap_closed'] * 100:.0f}% [{r['gap_closed_lo'] * 100:.0f}, {r['gap_closed_hi'] * 100:.0f}]"
+                      if math.isfinite(r["gap_closed"]) else "")
+            out.append(f"| {scenario} | {name} | {r['n_seeds']} | {r['reward_mean']:.3f} ± {r['reward_ci95']:.3f} | "
+                       f"{vs} | {closed} | {r['kl']:.3f} | {r['rejected_token_fraction']:.2f} |")
+    return "\n".join(out)
 
 
 def plot(rows: list[dict], path: str) -> None:

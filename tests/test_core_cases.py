@@ -146,6 +146,10 @@ def test_metric_names_are_exact():
                                  "rollout_rs_seq_masked_fraction", "invalid_logprob_fraction", "rejected_token_fraction",
                                  "missing_rollout_logprobs_fraction")}
     assert set(met) == expected
+    _, _, met = correct(old, rollout, mask, rollout_is="sequence", rollout_is_bound="mask", rollout_m2_threshold=0.04)
+    assert {P + "rollout_is_masked_fraction", P + "rollout_is_seq_masked_fraction", P + "rollout_m2",
+            P + "rollout_m2_kept", P + "rollout_m2_masked_fraction"} <= set(met)
+    assert not any("rollout_rs_" in k for k in met)
     # the documented names, spelled out so that a rename fails here
     for name in ("rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
                  "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_is_seq_mean",

@@ -64,6 +64,8 @@ CASES = {
                                  rollout_is_threshold_lower=0.8),
     "token_truncate_two_sided": dict(preset="decoupled_token_is", rollout_is_threshold=1.3,
                                      rollout_is_threshold_lower=0.8),
+    "second_moment_mask": dict(preset="decoupled_token_is", rollout_m2_threshold=0.02),
+    "bypass_second_moment_mask": dict(preset="ppo_is_bypass", rollout_m2_threshold=0.02, loss_type="grpo"),
 }
 
 
@@ -170,8 +172,19 @@ def logps_at(model, params, batch):
         return forward64(model, batch)
 
 
-def corrected_quantities(cfg, train_logps, rollout, mask):
-    """(IS weights or None, kept mask, per-row validity) from pi_train and pi_rollout, rows of one batch (float64)."""
+def m2_cut(log_rho, valid, tau):
+    """The second-moment mask's cut: the smallest v = (log rho)^2 dropped from the sorted values (inf: none)."""
+    ordered = sorted((log_rho.clamp(-20, 20)[valid] ** 2).tolist())
+    k = len(ordered)
+    while k > 0 and sum(ordered[:k]) / k > tau:
+        k -= 1
+    return ordered[k] if k < len(ordered) else math.inf
+
+
+def corrected_quantities(cfg, train_logps, rollout, mask, cut=None):
+    """(IS weights or None, kept mask, per-row validity) from pi_train and pi_rollout, rows of one batch (float64).
+
+    ``cut``: the second-moment mask's cut of the generation batch (None: this batch's own)."""
     missing = (torch.isnan(rollout) | ~mask).all(1) & mask.any(1)  # (B,) no pi_rollout at all: uncorrected
     finite = torch.isfinite(rollout) & torch.isfinite(train_logps)
     valid_row = ~((mask & ~finite).any(1)) & ~missing  # (B,)
@@ -187,6 +200,9 @@ def corrected_quantities(cfg, train_logps, rollout, mask):
         keep &= (stat >= math.log(lower)) & (stat <= math.log(cfg.rollout_rs_threshold))
     if cfg.rollout_token_veto_threshold is not None:
         keep &= ~((log_rho < math.log(cfg.rollout_token_veto_threshold)) & valid).any(1, keepdim=True)
+    if cfg.rollout_m2_threshold is not None:
+        cut = m2_cut(log_rho, valid, cfg.rollout_m2_threshold) if cut is None else cut
+        keep &= log_rho.clamp(-20, 20) ** 2 < cut
     if cfg.rollout_rs_criteria == "token_k3":  # k3 = rho - 1 - log rho <= threshold
         keep &= (torch.exp(log_rho) - 1 - log_rho) <= float(cfg.rollout_rs_criteria_threshold)
     weights = None
@@ -225,6 +241,10 @@ def reference_gradient(trainer, recorder, step, model, reference_params):
         gen_train = logps_at(model, theta if cfg.bypass_mode else generation["params"], generation)
         gen_w, gen_keep, gen_valid, _ = corrected_quantities(
             cfg, gen_train, generation["sampling_per_token_logps"].double(), gen_mask)
+        cut = None
+        if cfg.rollout_m2_threshold is not None:  # a generation-batch statistic, like the batch-norm mean
+            gen_log_rho = torch.nan_to_num(gen_train - generation["sampling_per_token_logps"].double())
+            cut = m2_cut(gen_log_rho, gen_valid, cfg.rollout_m2_threshold)
         norm = batch_norm_mean(cfg, gen_w, gen_valid) if cfg.rollout_is_batch_normalize else 1.0
         n_kept = gen_keep.sum()
         # this micro-batch: pi_old (the parameters that scored its generation batch), pi_ref, then pi_theta with grad
@@ -236,7 +256,8 @@ def reference_gradient(trainer, recorder, step, model, reference_params):
             p.grad = None
         logps, entropy = forward64(model, mb, entropy=True)  # (B, T) with grad
         sampling = mb["sampling_per_token_logps"].double()  # (B, T)
-        w, keep, valid, missing = corrected_quantities(cfg, logps.detach() if cfg.bypass_mode else old, sampling, mask)
+        w, keep, valid, missing = corrected_quantities(cfg, logps.detach() if cfg.bypass_mode else old, sampling, mask,
+                                                       cut)
         applies_w = w is not None and (not cfg.bypass_mode or cfg.use_policy_gradient)
         if applies_w:
             w = torch.where(missing[:, None] & mask, torch.ones_like(w), w / norm)  # no pi_rollout: weight 1

@@ -90,6 +90,7 @@ CASES = {
     "trl_default_dapo": dict(preset="trl_default"),
     "token_mask_two_sided_bn": dict(preset="trl_default", rollout_is="token", rollout_is_threshold=2.0,
                                     rollout_is_threshold_lower=0.5, rollout_is_batch_normalize=True),
+    "second_moment_mask_grpo": dict(preset="decoupled_token_is", rollout_m2_threshold=0.02, loss_type="grpo"),
 }
 
 
@@ -164,7 +165,7 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
 
 
 TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", "bypass_pg_rs_dapo",
-                     "missing_rollout_bn_rs", "token_mask_two_sided_bn"]
+                     "missing_rollout_bn_rs", "token_mask_two_sided_bn", "second_moment_mask_grpo"]
 
 
 def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:

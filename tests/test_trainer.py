@@ -29,6 +29,10 @@ def expected_metric_names(cfg: RolloutCorrectionConfig) -> set:
         names |= {P + "rollout_rs_masked_fraction", P + "rollout_rs_seq_masked_fraction"}
     if cfg.rollout_is_batch_normalize:
         names.add(P + "rollout_is_batch_norm_factor")
+    if cfg.rollout_is and cfg.rollout_is_bound == "mask":
+        names |= {P + "rollout_is_masked_fraction", P + "rollout_is_seq_masked_fraction"}
+    if cfg.rollout_m2_threshold is not None:
+        names |= {P + "rollout_m2", P + "rollout_m2_kept", P + "rollout_m2_masked_fraction"}
     return names
 
 

@@ -52,6 +52,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             (see :mod:`trl_rollout_corr.core.divergence`).
         rollout_rs_criteria_threshold: one value per criterion, comma-separated: k1 takes ratio bounds
             ``"lower_upper"`` or an upper (lower = 1/upper); k2/k3 take an upper bound.
+        rollout_m2_threshold: tau of the second-moment mask (M2PO-style): the tokens with the largest (log rho)^2 leave
+            the loss until the batch's mean (log rho)^2 of the rest is <= tau (``None`` = off; M2PO uses 0.04).
         bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
         use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
     """
@@ -67,6 +69,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     rollout_token_veto_threshold: float | None = None
     rollout_rs_criteria: str | None = None
     rollout_rs_criteria_threshold: str | None = None
+    rollout_m2_threshold: float | None = None
     bypass_mode: bool = False
     use_policy_gradient: bool = False
 
@@ -126,6 +129,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                 setattr(self, name, str(value))
             setattr(self, name, none_if_unset(getattr(self, name)))
         parse_divergence_criteria(self.rollout_rs_criteria, self.rollout_rs_criteria_threshold)  # raises with the fix
+        if self.rollout_m2_threshold is not None:
+            _positive("rollout_m2_threshold", self.rollout_m2_threshold, "the bound on the mean (log rho)^2, e.g. 0.04")
         if self.rollout_token_veto_threshold is not None:
             _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold, "typically 1e-4 .. 1e-6, or None")
         if self.use_policy_gradient and not self.bypass_mode:
@@ -174,14 +179,13 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     @property
     def is_enabled(self) -> bool:
         """Whether anything changes the loss (IS weights applied, RS, divergence criteria or veto)."""
-        return (self.applies_is_weights or self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
-                or self.rollout_rs_criteria is not None)
+        return (self.applies_is_weights or self.masks_tokens)
 
     @property
     def masks_tokens(self) -> bool:
-        """Whether rejection (RS, divergence criteria) or the veto can remove tokens from the loss."""
+        """Whether rejection (RS, divergence criteria, the second-moment mask) or the veto can remove tokens."""
         return (self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
-                or self.rollout_rs_criteria is not None)
+                or self.rollout_rs_criteria is not None or self.rollout_m2_threshold is not None)
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`~trl_rollout_corr.core.compute_rollout_correction_stats` for this config."""
@@ -194,6 +198,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             rollout_rs_criteria=self.rollout_rs_criteria,
             rollout_rs_criteria_threshold=self.rollout_rs_criteria_threshold,
             rollout_is_threshold_lower=self.rollout_is_threshold_lower, rollout_is_bound=self.rollout_is_bound,
+            rollout_m2_threshold=self.rollout_m2_threshold,
         )
 
     # ------------------------------------------------------------------ presets

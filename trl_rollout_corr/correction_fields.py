@@ -40,6 +40,9 @@ class RolloutCorrectionFields:
         "help": "Divergence RS criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3."})
     rollout_rs_criteria_threshold: str | None = field(default=None, metadata={
         "help": "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); k2/k3 upper."})
+    rollout_m2_threshold: float | None = field(default=None, metadata={
+        "help": "Second-moment mask (M2PO-style): mask the tokens with the largest (log rho)^2 until the batch's mean "
+                "(log rho)^2 is <= this tau (e.g. 0.04); default off."})
     require_rollout_logprobs: bool = field(default=False, metadata={
         "help": "Raise instead of training a sample uncorrected when its sampler's per-token log-probs are missing "
                 "(a mocked, wrapped or remote generate; a rollout_func that returns none)."})

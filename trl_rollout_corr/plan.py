@@ -13,7 +13,8 @@ rho = pi_train / pi_rollout (pi_train = pi_old, or pi_theta in bypass mode) is k
 the scope of a whole **generation batch** (across processes) instead:
 
 * IS batch normalization: w~ = w / mean(w), the mean over the generation batch;
-* the kept-token count that ``dapo`` / ``cispo`` / ``vespo`` divide by, when RS or the veto can reject tokens.
+* the kept-token count that ``dapo`` / ``cispo`` / ``vespo`` divide by, when RS or the veto can reject tokens;
+* the second-moment mask's threshold (``rollout_m2_threshold``): which tokens it masks depends on the whole batch.
 
 A micro-batch holds the whole generation batch only when ``steps_per_generation == 1``. Otherwise a batch-scope
 statistic is computed at generation time, for every sample at once, from a no-grad forward of the policy; the
@@ -65,6 +66,8 @@ def batch_scope_statistics(cfg: RolloutCorrectionConfig, loss_type: str,
     scope = []
     if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize and cfg.applies_is_weights:
         scope.append("rollout_is_batch_normalize")
+    if cfg.rollout_m2_threshold is not None:
+        scope.append("the second-moment mask's threshold (rollout_m2_threshold)")
     if cfg.masks_tokens and loss_type in kept_token_normalizer_losses:
         scope.append(f"the kept-token count {loss_type} divides by (RS/veto reject tokens)")
     return tuple(scope)

@@ -35,6 +35,7 @@ OFFPOLICY_METRICS = (
 VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction")
 RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
 IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
+M2_METRICS = ("rollout_m2", "rollout_m2_kept", "rollout_m2_masked_fraction")
 ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction", "missing_rollout_logprobs_fraction")
 
 
@@ -244,6 +245,10 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
         if "sum:mask.is_masked_tok_n" in f:  # rollout_is_bound="mask": weights set to 0 (tokens stay in the mask)
             metrics[PREFIX + "rollout_is_masked_fraction"] = _div(s("mask.is_masked_tok_n"), tok_n)
             metrics[PREFIX + "rollout_is_seq_masked_fraction"] = _div(s("mask.is_masked_seq_n"), seq_n)
+        if "sum:mask.m2_masked_tok_n" in f:  # second-moment mask: mean (log rho)^2 before / after, tokens masked
+            metrics[PREFIX + "rollout_m2"] = _div(s("m2.v_sum"), tok_n)
+            metrics[PREFIX + "rollout_m2_kept"] = _div(s("m2.v_kept_sum"), tok_n - s("mask.m2_masked_tok_n"))
+            metrics[PREFIX + "rollout_m2_masked_fraction"] = _div(s("mask.m2_masked_tok_n"), tok_n)
         if "sum:mask.rs_rejected_tok_n" in f:
             metrics[PREFIX + "rollout_rs_masked_fraction"] = _div(s("mask.rs_rejected_tok_n"), tok_n)
             metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = _div(s("mask.rs_rejected_seq_n"), seq_n)

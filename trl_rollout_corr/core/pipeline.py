@@ -9,7 +9,8 @@ import torch
 from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, parse_divergence_criteria
 from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
-from .stats import ReduceFn, RolloutStats, count, count_rows, stat_constant
+from .second_moment import second_moment_mask
+from .stats import ReduceFn, RolloutStats, count, count_rows, masked_sum, stat_constant
 from .weights import bound_weights, compute_rollout_correction_weights, sequence_log_ratio
 
 
@@ -49,6 +50,7 @@ def compute_rollout_correction_stats(
     rollout_seen: torch.Tensor | None = None,
     rollout_is_threshold_lower: float | None = None,
     rollout_is_bound: str = "truncate",
+    rollout_m2_threshold: float | None = None,
 ) -> RolloutCorrection:
     """Host-sync-free form of :func:`compute_rollout_correction_and_rejection_mask`.
 
@@ -62,6 +64,8 @@ def compute_rollout_correction_stats(
     ``missing_rollout_logprobs_fraction``.
     ``rollout_is_bound="mask"`` sets a weight outside [C_lower, C] to 0 instead of clipping it (TRL's ``*_mask``
     modes): the token stays in the mask (and in a loss's token count); counted in ``rollout_is_masked_fraction``.
+    ``rollout_m2_threshold`` (tau) masks the tokens with the largest (log rho)^2 until the batch's mean of the rest
+    is <= tau (:mod:`.second_moment`; global across processes with ``reduce_fn``).
     """
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
@@ -124,6 +128,12 @@ def compute_rollout_correction_stats(
             div_keep, div_stats = compute_divergence_rejection_mask(log_ratio, valid, criteria)
             stats.update(div_stats)
             keep = keep & div_keep
+        if rollout_m2_threshold is not None:
+            m2_keep, v = second_moment_mask(log_ratio, valid, rollout_m2_threshold, reduce_fn)  # (B, T) each
+            mask_sums["m2_masked_tok_n"] = count(valid & ~m2_keep)
+            stats.sums["m2.v_sum"] = masked_sum(v, valid)
+            stats.sums["m2.v_kept_sum"] = masked_sum(v, m2_keep)
+            keep = keep & m2_keep
         if rollout_token_veto_threshold is not None:
             veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, rollout_token_veto_threshold)
             mask_sums["catastrophic_tok_n"] = count(catastrophic)
@@ -161,6 +171,7 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_seen: torch.Tensor | None = None,
     rollout_is_threshold_lower: float | None = None,
     rollout_is_bound: str = "truncate",
+    rollout_m2_threshold: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """IS weights, rejection/veto mask and metrics in one call (the signature of verl's helper of the same name).
 
@@ -169,6 +180,7 @@ def compute_rollout_correction_and_rejection_mask(
       ("mask"), optionally divided by its batch mean; detached.
     * RS (``rollout_rs`` token|sequence|geometric): keep iff C_lower <= statistic <= C_upper.
     * veto: drop a sequence if any valid token has rho_t < C_veto (unclamped, log space).
+    * second-moment mask (``rollout_m2_threshold`` tau): mask the largest (log rho_t)^2 until their mean is <= tau.
     * ``rollout_seen`` (B,): samples without pi_rollout stay uncorrected (weight 1, kept, out of the statistics).
     Returns ``(is_weights (B, T) or None, modified_response_mask (B, T), metrics)`` where metrics maps
     ``rollout_corr/<name>`` to floats. For training loops use :func:`compute_rollout_correction_stats`,
@@ -182,6 +194,6 @@ def compute_rollout_correction_and_rejection_mask(
         rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold, rollout_is_batch_normalize,
         rollout_rs_criteria=rollout_rs_criteria, rollout_rs_criteria_threshold=rollout_rs_criteria_threshold,
         rollout_seen=rollout_seen, rollout_is_threshold_lower=rollout_is_threshold_lower,
-        rollout_is_bound=rollout_is_bound,
+        rollout_is_bound=rollout_is_bound, rollout_m2_threshold=rollout_m2_threshold,
     )
     return result.is_weights, result.modified_response_mask, finalize_stats(result.stats)
