@@ -88,6 +88,12 @@ def run_path(output_dir: str, scenario: str, method: str, seed: int) -> str:
     return os.path.join(output_dir, "runs", f"{scenario}__{method}__seed{seed}.json")
 
 
+def _engine(scenario: str, method: str) -> str:
+    """The engine a run samples with (the on-policy reference's for ``on_policy``)."""
+    engine, _, _, reference = SCENARIOS[scenario]
+    return REFERENCES[reference][0] if method == "on_policy" else engine
+
+
 def worker(scenario: str, method: str, seed: int, steps: int, eval_every: int, out: str) -> None:
     from trl_rollout_corr.demo.run import run_worker
 
@@ -117,9 +123,11 @@ def run_all(cells: list[tuple[str, str, int]], steps: int, eval_every: int, outp
             out = run_path(output_dir, scenario, method, seed)
             if any(o == out for _, o, _ in running):
                 continue
+            # a worker that never samples with vLLM skips its import (as the demo's do)
+            no_vllm = {"TRL_ROLLOUT_CORR_NO_VLLM": "1"} if _engine(scenario, method) != "vllm" else {}
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", scenario, "--method", method,
                    "--seed", str(seed), "--steps", str(steps), "--eval_every", str(eval_every), "--out", out]
-            running.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+            running.append((subprocess.Popen(cmd, env={**env, **no_vllm}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
                             out, time.time()))
         time.sleep(0.5)
         for proc, out, t0 in list(running):
@@ -214,7 +222,7 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
                                                for r in by[m])))
     if rows:
         with open(os.path.join(output_dir, "mismatch_results.md"), "w") as f:
-            f.write(markdown(rows) + "\n")
+            f.write(markdown(rows) + "\n\n" + recommendations(rows) + "\n")
         with open(os.path.join(output_dir, "mismatch_results.csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
@@ -228,9 +236,78 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
     return "\n".join(lines)
 
 
+SCENARIO_TEXT = {
+    "vllm_sync8": "a stale engine: vLLM synced every 8 steps",
+    "stale4": "a stale engine: the emulated copy 4 steps behind",
+    "wq3": "a persistent precision gap: a 3-bit weight-quantized engine",
+    "wq4": "a persistent precision gap: a 4-bit weight-quantized engine",
+    "int8": "a persistent precision gap: an INT8 engine",
+    "vllm_bf16": "a persistent precision gap: vLLM in bfloat16, the trainer in float32",
+    "vllm_top_p": "truncated sampling: vLLM at top_p 0.8",
+}
+
+
+def _significant(r: dict, sign: int) -> bool:
+    """Whether ``r`` differs from TRL's default in direction ``sign`` (its 95% Welch interval excludes 0)."""
+    diff, half = r["vs_trl_default"], r["vs_trl_default_ci95"]
+    return math.isfinite(diff) and math.isfinite(half) and sign * diff - half > 0
+
+
+def recommendations(rows: list[dict]) -> str:
+    """The README's "which preset for which mismatch", generated from the table's rows, each line citing its rows.
+
+    Per scenario: the methods significantly above TRL's default (best first), or "keep TRL's default" when there is
+    none; the methods significantly below it (to avoid); and whether any method closed half the gap."""
+    out = []
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        block = {r["method"]: r for r in rows if r["scenario"] == scenario}
+        trl = block.get("trl_default")
+        if trl is None:
+            continue
+        methods = [r for m, r in block.items() if m not in ("on_policy", "trl_default")]
+        better = sorted((r for r in methods if _significant(r, +1)), key=lambda r: -r["reward_mean"])
+        worse = sorted((r for r in methods if _significant(r, -1)), key=lambda r: r["reward_mean"])
+        cite = lambda r: (f"`{r['method']}` {r['reward_mean']:.3f} ({r['vs_trl_default']:+.3f} ± "  # noqa: E731
+                          f"{r['vs_trl_default_ci95']:.3f})")
+        line = f"- **{SCENARIO_TEXT.get(scenario, scenario)}** (`{scenario}`; TRL's default {trl['reward_mean']:.3f}): "
+        if better:
+            line += "use " + ", then ".join(cite(r) for r in better[:3]) + "."
+        else:
+            best = max(methods, key=lambda r: r["reward_mean"], default=None)
+            line += "keep TRL's default: no method is significantly above it"
+            line += f" (best: {cite(best)})." if best is not None else "."
+        if worse:
+            line += " Significantly below TRL's default: " + ", ".join(f"`{r['method']}`" for r in worse) + "."
+        closing = [r for r in methods if math.isfinite(r["gap_closed"])]
+        ref, floor = block.get("on_policy"), block.get("uncorrected")
+        if ref and floor:
+            gap, gap_half = welch_ci([float(x) for x in ref["per_seed"].split()],
+                                     [float(x) for x in floor["per_seed"].split()])
+            if not gap - gap_half > 0:
+                line += f" The mismatch costs nothing measurable here (on-policy − uncorrected {gap:+.3f} ± {gap_half:.3f})."
+            elif closing:
+                top = max(closing, key=lambda r: r["gap_closed"])
+                share = (f"`{top['method']}`, {top['gap_closed'] * 100:.0f}% [{top['gap_closed_lo'] * 100:.0f}, "
+                         f"{top['gap_closed_hi'] * 100:.0f}]")
+                gap_text = f"on-policy − uncorrected {gap:+.3f} ± {gap_half:.3f}"
+                line += (f" Best at closing the gap ({gap_text}): {share}." if top["gap_closed"] >= 0.5 else
+                         f" No method closes half the gap ({gap_text}; best: {share}).")
+        out.append(line)
+    return "\n".join(out)
+
+
+def read_rows(csv_path: str) -> list[dict]:
+    """The rows of a ``mismatch_results.csv`` as :func:`summarize` wrote them (numbers as floats)."""
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    text = ("scenario", "method", "per_seed", "alerts")
+    return [{k: (v if k in text else int(v) if k == "n_seeds" else float(v)) for k, v in r.items()} for r in rows]
+
+
 def markdown(rows: list[dict]) -> str:
     """The README's table: one block of rows per scenario, best first; **bold** where a method is significantly
-    above TRL's default (its 95% Welch interval excludes 0)."""
+    above TRL's default (its 95% Welch interval excludes 0), ↓ where significantly below; ``on_policy`` is the
+    ceiling (no mismatch), ``uncorrected`` the floor."""
     out = ["| scenario | method | n | held-out reward (95% CI) | vs `trl_default` (95% CI) | gap closed (95% CI) | kl | rejected |",
            "|---|---|---|---|---|---|---|---|"]
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
@@ -239,7 +316,7 @@ def markdown(rows: list[dict]) -> str:
             diff, half = r["vs_trl_default"], r["vs_trl_default_ci95"]
             better = math.isfinite(diff) and math.isfinite(half) and diff - half > 0
             worse = math.isfinite(diff) and math.isfinite(half) and diff + half < 0
-            name = f"**{r['method']}**" if better else r["method"]
+            name = f"**{r['method']}**" if better and r["method"] != "on_policy" else r["method"]
             vs = f"{diff:+.3f} ± {half:.3f}" + (" ↓" if worse else "") if math.isfinite(diff) else "—"
             closed = (f"{r['gap_closed'] * 100:.0f}% [{r['gap_closed_lo'] * 100:.0f}, {r['gap_closed_hi'] * 100:.0f}]"
                       if math.isfinite(r["gap_closed"]) else "")
