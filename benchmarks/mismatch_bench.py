@@ -247,10 +247,26 @@ SCENARIO_TEXT = {
 }
 
 
+REFERENCE_ROWS = ("on_policy", "uncorrected")  # the ceiling and the floor of every scenario
+
+
 def _significant(r: dict, sign: int) -> bool:
     """Whether ``r`` differs from TRL's default in direction ``sign`` (its 95% Welch interval excludes 0)."""
     diff, half = r["vs_trl_default"], r["vs_trl_default_ci95"]
     return math.isfinite(diff) and math.isfinite(half) and sign * diff - half > 0
+
+
+def _better_corrections(rows: list[dict], scenario: str) -> list[dict]:
+    """The corrections (not the floor or the ceiling) significantly above TRL's default in ``scenario``, best first."""
+    return sorted((r for r in rows if r["scenario"] == scenario and r["method"] not in REFERENCE_ROWS
+                   and r["method"] != "trl_default" and _significant(r, +1)), key=lambda r: -r["reward_mean"])
+
+
+def recommended(rows: list[dict], scenario: str) -> str:
+    """The correction to use in ``scenario``: the best of those significantly above TRL's default, else TRL's
+    default. (No correction is the floor, not a remedy; where it beats TRL's default the advice says so.)"""
+    better = _better_corrections(rows, scenario)
+    return better[0]["method"] if better else "trl_default"
 
 
 def recommendations(rows: list[dict]) -> str:
@@ -265,7 +281,7 @@ def recommendations(rows: list[dict]) -> str:
         if trl is None:
             continue
         methods = [r for m, r in block.items() if m not in ("on_policy", "trl_default")]
-        better = sorted((r for r in methods if _significant(r, +1)), key=lambda r: -r["reward_mean"])
+        better = _better_corrections(rows, scenario)
         worse = sorted((r for r in methods if _significant(r, -1)), key=lambda r: r["reward_mean"])
         cite = lambda r: (f"`{r['method']}` {r['reward_mean']:.3f} ({r['vs_trl_default']:+.3f} ± "  # noqa: E731
                           f"{r['vs_trl_default_ci95']:.3f})")
@@ -276,6 +292,9 @@ def recommendations(rows: list[dict]) -> str:
             best = max(methods, key=lambda r: r["reward_mean"], default=None)
             line += "keep TRL's default: no method is significantly above it"
             line += f" (best: {cite(best)})." if best is not None else "."
+        floor_row = block.get("uncorrected")
+        if floor_row is not None and _significant(floor_row, +1):
+            line += f" No correction is significantly above TRL's default too: {cite(floor_row)}."
         if worse:
             line += " Significantly below TRL's default: " + ", ".join(f"`{r['method']}`" for r in worse) + "."
         closing = [r for r in methods if math.isfinite(r["gap_closed"])]
@@ -347,6 +366,30 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+TRACE_COLUMNS = ("reward", "entropy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token",
+                 "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_ratio_fraction_high",
+                 "rollout_corr/rejected_token_fraction")
+
+
+def export_trace(output_dir: str, scenario: str, method: str, seed: int, path: str) -> None:
+    """One run's logged rows in the monitor tests' trace format (``tests/data``): what the monitor saw, the run's
+    resolved correction and the engine's lag as the run's monitor knew them, and the held-out reward curve."""
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+
+    with open(run_path(output_dir, scenario, method, seed)) as f:
+        run = json.load(f)
+    engine, lag, fields, _ = SCENARIOS[scenario]
+    preset, extra = METHODS[method]
+    args = RolloutCorrGRPOConfig(output_dir=output_dir, use_cpu=True, rollout_correction_preset=preset,
+                                 **{k: v for k, v in {**fields, **extra}.items() if k.startswith(("rollout_", "vllm_imp"))})
+    rows = [[log["step"], *(log.get(c) for c in TRACE_COLUMNS)] for log in run["logs"]]
+    trace = dict(scenario=scenario, method=method, seed=seed, lag=lag if engine in ("stale", "vllm") else 0,
+                 correction=args.rollout_correction.to_dict(), eval_curve=run["curve"], alerts=run["alerts"],
+                 columns=["step", *TRACE_COLUMNS], rows=rows)
+    with open(path, "w") as f:
+        json.dump(trace, f)
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ", ".join(SCENARIOS))
@@ -357,6 +400,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--output_dir", default="outputs/mismatch_bench")
     p.add_argument("--summary_only", action="store_true", help="print the table of the runs already done")
+    p.add_argument("--export_trace", metavar="SCENARIO:METHOD:SEED:PATH",
+                   help="write one finished run's logged rows as a monitor test trace (tests/data) and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -364,6 +409,10 @@ def main(argv: list[str]) -> None:
     a = p.parse_args(argv)
     if a.worker:
         worker(a.worker, a.method, a.seed, a.steps, a.eval_every, a.out)
+        return
+    if a.export_trace:
+        scenario, method, seed, path = a.export_trace.split(":")
+        export_trace(a.output_dir, scenario, method, int(seed), path)
         return
     scenarios = [s for s in a.scenarios.split(",") if s]
     methods = [m for m in a.methods.split(",") if m]

@@ -137,7 +137,8 @@ def test_trl_importance_sampling_fields_from_the_command_line(tmp_path):
 
     parser = TrlParser((RolloutCorrGRPOConfig,))
     (args,) = parser.parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none"])
-    assert args.rollout_correction == RolloutCorrectionConfig.trl_default()  # no preset: TRL's default
+    # no preset: TRL's token_truncate mode (C=3) for a token-level loss
+    assert args.rollout_correction == RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=3.0)
     assert args.vllm_importance_sampling_mode is None and args.vllm_importance_sampling_correction is False
     (args,) = parser.parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none",
                                             "--vllm_importance_sampling_mode", "token_mask",

@@ -15,6 +15,8 @@ import pytest
 
 from trainer_utils import make_trainer
 from trl_rollout_corr import RolloutCorrectionMonitor
+from trl_rollout_corr import RolloutCorrectionConfig
+from trl_rollout_corr.monitor.advice import REMEDIES
 from trl_rollout_corr.monitor.replay import aggregate, replay
 from trl_rollout_corr.monitor.rules import ALERTS, AlertRules
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
@@ -46,25 +48,35 @@ def test_healthy_recorded_runs_stay_quiet(name, every):
 
 
 @pytest.mark.parametrize("every", [1, 5, 10])
-def test_collapsing_recorded_run_stops_by_step_40_and_advises_a_decoupled_preset(every):
+def test_collapsing_recorded_run_stops_by_step_40_and_advises_the_measured_remedy(every):
     trace = load(COLLAPSE)
     curve = dict(trace["eval_curve"])
     assert curve[20] < 0.5 * curve[0]  # the policy really collapsed (held-out reward)
-    monitor = replay(aggregate(trace["rows"], every), bypass=True, rollout_lag=0, stop_on_alert=True)
+    monitor = replay(aggregate(trace["rows"], every), correction=RolloutCorrectionConfig.ppo_is_bypass(),
+                     rollout_lag=0, stop_on_alert=True)
     assert [a["alert"] for a in monitor.alerts] == ["policy_collapse"]
     assert monitor.alerts[0]["step"] <= 40 and monitor.rules.last_step == monitor.alerts[0]["step"]
     message = monitor.alerts[0]["message"]
-    assert "decoupled_token_is" in message and "entropy" in message and "kl=" in message and "%" in message
+    persistent = REMEDIES["persistent"]
+    assert persistent.setting in message and persistent.scenario in message and "entropy" in message
+    assert "kl=" in message and "%" in message and REMEDIES["stale"].setting not in message
 
 
 def test_collapse_advice_follows_what_is_known_about_the_engine():
     rows = load(COLLAPSE)["rows"]
-    stale = replay(rows, bypass=True, rollout_lag=4).alerts[0]["message"]
-    assert "lag 4" in stale and "not bypass" in stale and "switch to a decoupled" not in stale
-    unknown = replay(rows, bypass=True, rollout_lag=None).alerts[0]["message"]
-    assert "If the engine is not stale" in unknown and "rollout_lag" in unknown
-    decoupled = replay(rows, bypass=False, rollout_lag=0).alerts[0]["message"]
-    assert "did not hold the policy" in decoupled and "switch to a decoupled" not in decoupled
+    bypass = RolloutCorrectionConfig.ppo_is_bypass()
+    stale, persistent = REMEDIES["stale"], REMEDIES["persistent"]
+    assert stale.config() == bypass  # the stale remedy is bypass: a collapse under it points elsewhere
+    stale_msg = replay(rows, correction=bypass, rollout_lag=4).alerts[0]["message"]
+    assert "lag 4" in stale_msg and "already uses" in stale_msg and "learning rate" in stale_msg
+    assert persistent.setting not in stale_msg
+    unknown = replay(rows, correction=bypass, rollout_lag=None).alerts[0]["message"]
+    assert "rollout_lag" in unknown and persistent.setting in unknown and "already uses" in unknown
+    on_remedy = replay(rows, correction=persistent.config(), rollout_lag=0).alerts[0]["message"]
+    assert "already uses" in on_remedy and stale.setting not in on_remedy
+    elsewhere = replay(rows, correction=RolloutCorrectionConfig.from_preset("decoupled_geo_rs"),
+                       rollout_lag=4).alerts[0]["message"]
+    assert stale.setting in elsewhere and "already uses" not in elsewhere
 
 
 def test_collapse_without_a_correction_advises_one():

@@ -20,11 +20,12 @@ from datasets import Dataset
 
 from test_trl_equivalence import ROWS, TOK, common_args, loss_grads_metrics, reward, rollout_func_factory
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer, RolloutCorrectionConfig
+from trl_rollout_corr.trl_names import translate_trl_correction
 from trl_rollout_corr.demo.tiny import build_model
 
 # mode, clip_min, clip_max (None: TRL's default) -> cases that make the bound bite on the test batch's ratios
 MODE_CASES = {
-    "sequence_mask_default": dict(),
+    "sequence_mask_default": dict(vllm_importance_sampling_correction=True),  # TRL's switch alone: its default
     "sequence_mask_two_sided": dict(vllm_importance_sampling_mode="sequence_mask",
                                     vllm_importance_sampling_clip_min=0.3, vllm_importance_sampling_clip_max=3.0),
     "sequence_truncate": dict(vllm_importance_sampling_mode="sequence_truncate",
@@ -72,9 +73,9 @@ def trl_with_its_correction(tmp_path, loss_type, trl_fields):
 
 
 def ours_with_trl_fields(tmp_path, loss_type, trl_fields):
-    """This package's trainer with TRL's spelling alone (its fields, or nothing for its default)."""
+    """This package's trainer with TRL's spelling alone (its fields; TRL's switch alone for its default)."""
     return _build(RolloutCorrGRPOTrainer, RolloutCorrGRPOConfig, tmp_path / "ours", loss_type,
-                  vllm_importance_sampling_correction=None, **trl_fields)
+                  **{"vllm_importance_sampling_correction": None, **trl_fields})
 
 
 @pytest.mark.parametrize("case,loss_type", [(case, loss_type) for case in MODE_CASES for loss_type in ("dapo", "grpo")
@@ -119,20 +120,22 @@ class _nothing:
         return False
 
 
-def test_no_preset_is_trls_default_and_runs_every_loss_type_and_level(tmp_path):
-    """The class swap with no preset: TRL's default correction, for every TRL loss type and GSPO (VESPO, whose phi
-    takes per-token ratios and for which TRL refuses its sequence modes, gets TRL's token_truncate, C=3)."""
+def test_no_preset_is_trls_token_truncate_or_its_default_for_every_loss_type_and_level(tmp_path):
+    """The class swap with no preset: TRL's token_truncate mode (C=3) for a token-level loss (VESPO included, whose
+    phi takes per-token ratios), TRL's own default sequence_mask (C=3) for a sequence-level one (GSPO)."""
     from test_trl_equivalence import LOSS_TYPES
 
+    token_truncate = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=3.0)
     for loss_type in LOSS_TYPES:
         for level in ("token", "sequence"):
             args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type=loss_type,
                                          importance_sampling_level=level)
-            expected = (RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=3.0) if loss_type == "vespo"
-                        else RolloutCorrectionConfig.trl_default())
+            sequence_level = args.importance_sampling_level == "sequence" and loss_type != "vespo"
+            expected = RolloutCorrectionConfig.trl_default() if sequence_level else token_truncate
             assert args.rollout_correction == expected, (loss_type, level)
     assert RolloutCorrectionConfig.trl_default() == RolloutCorrectionConfig(
         rollout_is="sequence", rollout_is_bound="mask", rollout_is_threshold=3.0)
+    assert token_truncate == RolloutCorrectionConfig(**translate_trl_correction(True, "token_truncate"))
 
 
 @pytest.mark.parametrize("loss_type,level", [("luspo", "sequence"), ("grpo", "sequence"), ("vespo", "token"),
@@ -141,11 +144,11 @@ def test_no_preset_trains(tmp_path, loss_type, level):
     from trainer_utils import make_trainer
 
     trainer, collector = make_trainer(tmp_path, max_steps=2, loss_type=loss_type, importance_sampling_level=level)
-    assert trainer.rollout_correction.rollout_is == ("token" if loss_type == "vespo" else "sequence")
+    assert trainer.rollout_correction.rollout_is == level
     trainer.train()
     logs = [log for log in collector.logs if "loss" in log]
     assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
-    if loss_type != "vespo":  # the mask's metrics are logged
+    if level == "sequence":  # TRL's sequence mask: its metrics are logged
         assert all("rollout_corr/rollout_is_masked_fraction" in log for log in logs)
 
 

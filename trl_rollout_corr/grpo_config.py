@@ -10,7 +10,7 @@ from trl import GRPOConfig
 from ._trl import kept_token_normalizer_losses
 from .config import RolloutCorrectionConfig
 from .correction_fields import RolloutCorrectionFields
-from .trl_names import TRL_IS_FIELDS, translate_trl_correction
+from .trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
 from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
 
 # TRL fields the correction plan depends on: a change re-checks the composition and the plan
@@ -22,7 +22,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
 
     Resolution order: ``rollout_correction_config`` (a saved config: directory, file or Hub repo id), else
     ``rollout_correction_preset``, else TRL's own correction as its ``vllm_importance_sampling_*`` fields spell it
-    (unset: TRL's default, the ``trl_default`` preset; see :mod:`trl_rollout_corr.trl_names`); then every correction field
+    (unset: TRL's ``token_truncate`` mode, C=3, for a token-level loss; TRL's default ``sequence_mask``, the
+    ``trl_default`` preset, for a sequence-level one; see :meth:`_default_correction`); then every correction field
     set here (not ``None``) overrides it. Use the string ``"none"`` to switch ``rollout_is``/``rollout_rs`` off
     explicitly. The resolved config is ``args.rollout_correction``; where pi_old comes from and where the correction
     is computed is ``args.correction_plan()`` (see :mod:`trl_rollout_corr.plan`). Every combination that the
@@ -94,13 +95,20 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
             values["vllm_importance_sampling_cap"])
 
     def _default_correction(self) -> dict[str, Any]:
-        """TRL's correction as spelled in TRL's fields; else TRL's default (sequence_mask, C=3); for VESPO, whose
-        phi takes per-token ratios (TRL refuses its sequence modes there), TRL's token_truncate with C=3."""
+        """TRL's correction as spelled in TRL's fields; else the default: TRL's ``token_truncate`` mode (token TIS,
+        w_t = min(rho_t, 3)) for a token-level loss, TRL's default ``sequence_mask`` (C=3) for a sequence-level one
+        (GSPO, ``importance_sampling_level="sequence"``, optimizes one ratio per sequence: a token weight has no
+        place in it; VESPO, whose phi takes per-token ratios, stays token-level).
+
+        Why not TRL's default everywhere: in the mismatch benchmark (README, "Which preset for which mismatch
+        (measured)") ``token_truncate`` trained significantly better than ``sequence_mask`` on a stale engine and on
+        a 3-bit engine, and was never significantly worse; the sequence-level default there is TRL's (not measured).
+        """
         if self.__dict__.get("_rc_trl_base") is not None:
             return RolloutCorrectionConfig(**self._rc_trl_base).to_dict()
-        if self.loss_type == "vespo":
-            return RolloutCorrectionConfig(**translate_trl_correction(True, "token_truncate")).to_dict()
-        return super()._default_correction()
+        if self.importance_sampling_level == "sequence" and self.loss_type != "vespo":
+            return super()._default_correction()
+        return RolloutCorrectionConfig(**translate_trl_correction(True, DEFAULT_TOKEN_MODE)).to_dict()
 
     def _check_own_fields(self) -> None:
         if self.vllm_dtype not in (None, "auto", "float32", "bfloat16", "float16"):

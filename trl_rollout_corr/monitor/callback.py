@@ -4,8 +4,8 @@ A ``transformers.TrainerCallback`` that reads the logged metrics. Alerts are out
 correction (rules and formulas in :mod:`trl_rollout_corr.monitor.rules`; every window is in optimizer steps):
 
 * ``policy_collapse``: the smoothed reward falls well below the run's own recent best while the entropy rises or
-  the effective sample size collapses; the message names a cause only where the evidence supports one (a bypass
-  preset under a synchronous, mismatched engine -> a decoupled preset; a known stale engine -> not bypass);
+  the effective sample size collapses; the message names only remedies the mismatch benchmark measured to help for
+  the kind of mismatch the engine's known lag implies (:mod:`trl_rollout_corr.monitor.advice`);
 * ``all_rejected``: (nearly) every token rejected by the correction;
 * ``ess_collapse``: the IS weights' effective sample size collapsed;
 * ``weights_pinned``: a large fraction of tokens has rho above the truncation bound C;
@@ -103,6 +103,7 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         self.rows = self._read_csv(args, state.global_step) if state.global_step > 0 else []
         rc = getattr(args, "rollout_correction", None)
         self.rules.bypass = bool(getattr(rc, "bypass_mode", False))
+        self.rules.correction = rc
         enabled = getattr(rc, "is_enabled", None)
         self.rules.corrected = None if rc is None or enabled is None else bool(enabled or self.rules.bypass)
         return control

@@ -45,8 +45,11 @@ def _merge(window: list[dict[str, float]]) -> dict[str, float]:
 
 
 def replay(rows: Iterable[dict[str, float]], monitor: Any = None, bypass: bool = False, output_dir: str = ".",
-           **monitor_kwargs: Any) -> Any:
+           correction: Any = None, **monitor_kwargs: Any) -> Any:
     """Feed rows (each with ``step``) through ``monitor.on_log`` as the Trainer would; returns the monitor.
+
+    ``correction``: the run's ``RolloutCorrectionConfig`` (its ``bypass_mode`` wins over ``bypass``); without it the
+    monitor knows only whether the run was in bypass mode.
 
     Stops feeding when the monitor asks the run to stop (``stop_on_alert``), as the Trainer would.
     """
@@ -56,7 +59,8 @@ def replay(rows: Iterable[dict[str, float]], monitor: Any = None, bypass: bool =
 
     if monitor is None:
         monitor = RolloutCorrectionMonitor(**{"write_csv": False, "write_plot": False, **monitor_kwargs})
-    args = SimpleNamespace(output_dir=output_dir, rollout_correction=SimpleNamespace(bypass_mode=bypass))
+    args = SimpleNamespace(output_dir=output_dir,
+                           rollout_correction=correction if correction is not None else SimpleNamespace(bypass_mode=bypass))
     state, control = TrainerState(), TrainerControl()
     monitor.on_train_begin(args, state, control)
     for r in rows:

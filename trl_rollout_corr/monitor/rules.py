@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .advice import collapse_advice
+
 ALERTS = ("policy_collapse", "all_rejected", "ess_collapse", "weights_pinned", "negative_kl")
 SIGNALS = {  # smoothed name -> logged key
     "reward": "reward",
@@ -54,8 +56,6 @@ DEFAULTS: dict[str, Any] = dict(
     ess_threshold=0.3, rejected_fraction_threshold=0.9, pinned_fraction_threshold=0.3, negative_kl_tolerance=1e-3,
 )
 _INT_FIELDS = ("smoothing_steps", "warmup_steps", "patience_steps", "collapse_window")
-_DECOUPLED_ADVICE = ("switch to a decoupled preset (rollout_correction_preset=decoupled_token_is or decoupled_geo_rs), "
-                     "which anchors the trust region on pi_old instead of the mismatched sampler")
 
 
 def validate_stop_on_alert(value: Any, field: str = "stop_on_alert") -> bool | list[str]:
@@ -95,11 +95,12 @@ class AlertRules:
     """Smoothed signals, the run's recent best and per-alert pending timers; ``update`` returns holding alerts."""
 
     def __init__(self, bypass: bool = False, rollout_lag: int | None = None, corrected: bool | None = None,
-                 **config: Any) -> None:
+                 correction: Any = None, **config: Any) -> None:
         self.config = {**DEFAULTS, **config}
         validate(self.config)
         # what the run is: a bypass preset; the engine's known lag (None: unknown); a correction active (None: unknown)
         self.bypass, self.rollout_lag, self.corrected = bypass, rollout_lag, corrected
+        self.correction = correction  # the run's resolved RolloutCorrectionConfig (None: unknown), for the advice
         self.ema: dict[str, float] = {}
         self.last_step: int | None = None
         self.first_step: int | None = None
@@ -187,8 +188,7 @@ class AlertRules:
             out["ess_collapse"] = (
                 f"the IS weights' effective sample size fell to {e['ess']:.3g} of the tokens (smoothed "
                 f"rollout_corr/rollout_is_eff_sample_size <= {c['ess_threshold']:g}){self._mismatch_text()}: a few "
-                "tokens carry the gradient. Lower rollout_is_threshold, use a rejection preset (decoupled_geo_rs), "
-                "or reduce the mismatch at its source.")
+                "tokens carry the gradient. Lower rollout_is_threshold or reduce the mismatch at its source.")
         if c["pinned_fraction_threshold"] is not None and e.get("pinned", 0.0) >= c["pinned_fraction_threshold"]:
             out["weights_pinned"] = (
                 f"{e['pinned']:.1%} of the tokens have rho above the truncation bound C (smoothed "
@@ -208,25 +208,5 @@ class AlertRules:
         return f" (mismatch: {', '.join(parts)})" if parts else ""
 
     def _collapse_advice(self) -> str:
-        kl = self.ema.get("kl")
-        if "kl" not in self.ema and "ess" not in self.ema:
-            return ("No rollout_corr/* metrics are logged: enable a rollout correction preset "
-                    "(e.g. rollout_correction_preset=decoupled_token_is).")
-        if self.corrected is False and not self.bypass:
-            shown = f" (kl={kl:.3g})" if kl is not None else ""
-            return (f"No rollout correction is active (preset disabled){shown}: with a mismatched engine, enable one "
-                    "(rollout_correction_preset=decoupled_token_is; ppo_is_bypass for a stale engine).")
-        if self.bypass and self.rollout_lag:
-            return (f"The engine is known to lag {self.rollout_lag} optimizer step(s): bypass (PPO clipped against "
-                    "pi_rollout) is the usual fix for a stale sampler, so the mismatch is staleness, not bypass; "
-                    "lower the learning rate or the lag.")
-        if self.bypass and kl is not None and kl > 0 and self.rollout_lag is not None:
-            return (f"Bypass (pi_old := pi_rollout) runs against a synchronous but mismatched sampler (kl={kl:.3g} "
-                    "does not come from staleness): PPO clipped against it anchors on the sampler; "
-                    f"{_DECOUPLED_ADVICE}.")
-        if self.bypass and kl is not None and kl > 0:
-            return ("Bypass (pi_old := pi_rollout) anchors the trust region on the sampler. If the engine is not "
-                    f"stale (a quantized / low-precision engine), {_DECOUPLED_ADVICE}; if it lags, lower the learning "
-                    "rate or the lag (pass rollout_lag to the monitor to say which).")
-        return ("The correction did not hold the policy: lower the learning rate, tighten rollout_is_threshold or use "
-                "a rejection preset, and check the rollout engine's weight sync / precision.")
+        has_metrics = "kl" in self.ema or "ess" in self.ema
+        return collapse_advice(self.correction, self.rollout_lag, self.corrected, has_metrics)
