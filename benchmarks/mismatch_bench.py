@@ -60,8 +60,8 @@ _AS_TRL = dict(truncated_support_correction=False)  # TRL computes its ratio aga
 # method -> (preset, extra fields); the fields are RolloutCorrGRPOConfig's, TRL's own spelling included
 METHODS = {
     "uncorrected": ("disabled", {}),
-    "trl_default": (None, {**_AS_TRL}),  # no preset, no TRL field: TRL's default (= vllm_importance_sampling_mode
-                                         # "sequence_mask", clip_max 3), this package's default too
+    "trl_default": ("trl_default", {**_AS_TRL}),  # TRL's default: vllm_importance_sampling_mode "sequence_mask",
+                                                   # clip_max 3 (the preset of that name)
     "trl_sequence_truncate": (None, dict(vllm_importance_sampling_mode="sequence_truncate", **_AS_TRL)),
     "trl_token_mask": (None, dict(vllm_importance_sampling_mode="token_mask", **_AS_TRL)),
     "trl_token_truncate": (None, dict(vllm_importance_sampling_mode="token_truncate", **_AS_TRL)),
@@ -191,21 +191,25 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
     rows, lines = [], []
     for scenario in scenarios:
         by = {m: load(output_dir, scenario, m, seeds) for m in ["on_policy", *methods]}
-        reward = {m: [r["eval_reward"] for r in runs] for m, runs in by.items()}
-        if not any(reward.values()):
+        done = {m: [r["eval_reward"] for r in runs] for m, runs in by.items()}
+        # a row is all of its seeds or none (a partial row would compare unlike things)
+        reward = {m: xs for m, xs in done.items() if len(xs) == len(seeds)}
+        if not reward:
             continue
         lines.append(f"\n{scenario}: held-out reward, mean ± 95% CI (seeds: n per row)")
         lines.append(f"{'method':24s} {'n':>2s} {'reward':>15s} {'vs trl_default':>17s} {'gap closed [95% CI]':>24s} "
                      f"{'kl':>7s} {'rejected':>8s} {'s/run':>6s}")
         for m in ["on_policy", *methods]:
-            xs = reward[m]
+            xs = reward.get(m, [])
             if not xs:
+                if done[m]:
+                    lines.append(f"{m:24s} {len(done[m])} of {len(seeds)} seeds done: left out")
                 continue
             mean, half = mean_ci(xs)
             diff, diff_half = (welch_ci(xs, reward["trl_default"]) if reward.get("trl_default") and m != "trl_default"
                                else (math.nan, math.nan))
             closed = lo = hi = math.nan
-            if m not in ("on_policy", "uncorrected") and reward.get("uncorrected") and reward["on_policy"]:
+            if m not in ("on_policy", "uncorrected") and reward.get("uncorrected") and reward.get("on_policy"):
                 closed, lo, hi = gap_closed_ci(xs, reward["uncorrected"], reward["on_policy"])
             kl = statistics.fmean(r["metrics"]["rollout_corr/kl"] for r in by[m])
             rej = statistics.fmean(r["metrics"]["rollout_corr/rejected_token_fraction"] for r in by[m])
@@ -215,7 +219,7 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
             lines.append(f"{m:24s} {len(xs):2d} {mean:7.3f} ± {half:5.3f} {fmt_diff:>17s} {fmt_closed:>24s} "
                          f"{kl:7.4f} {rej:8.3f} {secs:6.0f}")
             rows.append(dict(scenario=scenario, method=m, n_seeds=len(xs), reward_mean=mean, reward_ci95=half,
-                             per_seed=" ".join(f"{x:.3f}" for x in xs), vs_trl_default=diff,
+                             per_seed=" ".join(f"{x:.6f}" for x in xs), vs_trl_default=diff,
                              vs_trl_default_ci95=diff_half, gap_closed=closed, gap_closed_lo=lo, gap_closed_hi=hi,
                              kl=kl, rejected_token_fraction=rej, seconds_per_run=secs,
                              alerts=" | ".join(",".join(f"{a}@{s}" for s, a in r.get("alerts", [])) or "-"
@@ -290,7 +294,7 @@ def recommendations(rows: list[dict]) -> str:
             line += "use " + ", then ".join(cite(r) for r in better[:3]) + "."
         else:
             best = max(methods, key=lambda r: r["reward_mean"], default=None)
-            line += "keep TRL's default: no method is significantly above it"
+            line += "no method is significantly above TRL's default"
             line += f" (best: {cite(best)})." if best is not None else "."
         floor_row = block.get("uncorrected")
         if floor_row is not None and _significant(floor_row, +1):
