@@ -103,9 +103,11 @@ def reference_gradient(model_dir: str, samples: list, cfg: dict, epsilon: float 
 
 
 REFERENCE_CASES = {
-    "decoupled_token_is_token_rs": dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token",
-                                        rollout_rs_threshold=1.6, rollout_rs_threshold_lower=0.6),
-    "decoupled_seq_is_veto": dict(rollout_is="sequence", rollout_is_threshold=3.0, rollout_token_veto_threshold=0.5),
+    # bypass_mode=False: the async config's base is TRL's own (ppo_is_bypass) when no preset is named
+    "decoupled_token_is_token_rs": dict(bypass_mode=False, rollout_is="token", rollout_is_threshold=1.5,
+                                        rollout_rs="token", rollout_rs_threshold=1.6, rollout_rs_threshold_lower=0.6),
+    "decoupled_seq_is_veto": dict(bypass_mode=False, rollout_is="sequence", rollout_is_threshold=3.0,
+                                  rollout_token_veto_threshold=0.5),
     "bypass_ppo_token_rs": dict(bypass_mode=True, rollout_is="token", rollout_rs="token", rollout_rs_threshold=2.0),
     "bypass_pg_seq_is_geo_rs": dict(bypass_mode=True, use_policy_gradient=True, rollout_is="sequence",
                                     rollout_is_threshold=2.0, rollout_rs="geometric", rollout_rs_threshold=1.15),
