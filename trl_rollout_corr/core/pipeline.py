@@ -11,7 +11,7 @@ from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
 from .second_moment import second_moment_mask
 from .stats import ReduceFn, RolloutStats, count, count_rows, masked_sum, stat_constant
-from .weights import bound_weights, compute_rollout_correction_weights, sequence_log_ratio
+from .weights import compute_rollout_correction_weights, sequence_log_ratio
 
 
 class RolloutCorrection(NamedTuple):
@@ -99,7 +99,7 @@ def compute_rollout_correction_stats(
                 "rollout_is", safe, seq_log, valid, rollout_is, is_lower, rollout_is_threshold
             ))
             if rollout_is_bound == "mask":
-                zeroed = valid & (bound_weights(safe, rollout_is_threshold, rollout_is_threshold_lower, "mask") == 0)
+                zeroed = valid & (is_weights == 0)  # (B, T) masked (a valid rho is > 0; normalizing keeps 0 at 0)
                 stats.sums["mask.is_masked_tok_n"] = count(zeroed)  # (B, T) -> 0-dim
                 stats.sums["mask.is_masked_seq_n"] = count_rows(zeroed)
             if norm_mean is not None:  # float64
