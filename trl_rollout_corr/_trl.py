@@ -15,6 +15,10 @@ Written against TRL 1.16. What is assumed, and how it is checked:
 * Keys added to the output of ``_generate_and_score_completions`` (tensors with a leading batch dimension) reach
   ``compute_loss`` through TRL's shuffling and splitting: the trainer checks that they arrive.
 
+Every check reads the method the trainer really inherits (:func:`inherited_method`: the next definition after this
+package's class in the instance's MRO, what ``super()`` calls), never ``trl.GRPOTrainer``: that name can be rebound
+(a patching library, a test harness, this package's class swapped into TRL's namespace) without TRL having changed.
+
 A failed check raises :class:`TrlInternalsChanged`, naming the installed TRL version.
 """
 
@@ -44,23 +48,33 @@ class TrlInternalsChanged(RuntimeError):
                          f"{TESTED_TRL}: pin trl to {TESTED_TRL}.x or report this).")
 
 
-def forward_input_names() -> tuple[str, ...]:
-    """The model-input keyword arguments of ``GRPOTrainer._get_per_token_logps_and_entropies`` (pixel_values, ...)."""
-    from trl import GRPOTrainer
+def inherited_method(owner: type, name: str, cls: type | None = None) -> Callable:
+    """The function ``super(owner, self).<name>`` calls for ``type(self) = cls`` (default ``owner``): the first
+    definition of ``name`` after ``owner`` in ``cls``'s MRO."""
+    mro = (cls or owner).__mro__
+    for klass in mro[mro.index(owner) + 1:]:
+        if name in vars(klass):
+            return inspect.unwrap(vars(klass)[name])
+    raise TrlInternalsChanged(f"no base class of {owner.__name__} defines {name}")
 
-    params = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+
+def forward_input_names(owner: type, cls: type | None = None) -> tuple[str, ...]:
+    """The model-input keyword arguments of ``GRPOTrainer._get_per_token_logps_and_entropies`` (pixel_values, ...)."""
+    params = list(inspect.signature(inherited_method(owner, "_get_per_token_logps_and_entropies", cls)).parameters)
     if tuple(params[: len(_FORWARD_CONTROL_ARGS)]) != _FORWARD_CONTROL_ARGS:
         raise TrlInternalsChanged(f"GRPOTrainer._get_per_token_logps_and_entropies takes {params}, expected "
                                   f"{list(_FORWARD_CONTROL_ARGS)} first")
     return tuple(params[len(_FORWARD_CONTROL_ARGS):])
 
 
-@functools.lru_cache(maxsize=1)
-def kept_token_normalizer_losses() -> tuple[str, ...]:
+def kept_token_normalizer_losses(owner: type, cls: type | None = None) -> tuple[str, ...]:
     """The loss types whose ``GRPOTrainer._compute_loss`` divides by ``num_items_in_batch``, read from its source."""
-    from trl import GRPOTrainer
+    return _kept_token_normalizer_losses(inherited_method(owner, "_compute_loss", cls))
 
-    source = inspect.getsource(GRPOTrainer._compute_loss)
+
+@functools.lru_cache(maxsize=8)
+def _kept_token_normalizer_losses(compute_loss: Callable) -> tuple[str, ...]:
+    source = inspect.getsource(compute_loss)
     for match in re.finditer(r"self\.loss_type in \[([^\]]*)\]:(.*?)(?=\n\s*elif |\n\s*else:)", source, re.S):
         if 'inputs["num_items_in_batch"]' in match.group(2):
             return tuple(sorted(re.findall(r"[\"'](\w+)[\"']", match.group(1))))
@@ -68,12 +82,14 @@ def kept_token_normalizer_losses() -> tuple[str, ...]:
                               "inputs['num_items_in_batch']")
 
 
-@functools.lru_cache(maxsize=1)
-def generate_result_fields() -> tuple[str, ...]:
+def generate_result_fields(owner: type, cls: type | None = None) -> tuple[str, ...]:
     """The names of the values ``GRPOTrainer._generate`` returns, in order, read from its ``return`` statement."""
-    from trl import GRPOTrainer
+    return _generate_result_fields(inherited_method(owner, "_generate", cls))
 
-    returns = re.findall(r"\n\s*return ([\w, ]+)\n", inspect.getsource(GRPOTrainer._generate))
+
+@functools.lru_cache(maxsize=8)
+def _generate_result_fields(generate: Callable) -> tuple[str, ...]:
+    returns = re.findall(r"\n\s*return ([\w, ]+)\n", inspect.getsource(generate))
     fields = tuple(name.strip() for name in returns[-1].split(",")) if returns else ()
     if not {"completion_ids", "logprobs"} <= set(fields):
         raise TrlInternalsChanged(f"GRPOTrainer._generate's return statement names {fields or 'nothing'}, without "
@@ -88,9 +104,9 @@ def trl_runs_pi_old_forward(trainer: Any) -> bool:
             or (trainer.use_vllm and trainer.vllm_importance_sampling_correction))
 
 
-def unpack_generate_result(result: Any) -> dict[str, Any]:
+def unpack_generate_result(result: Any, owner: type, cls: type | None = None) -> dict[str, Any]:
     """``GRPOTrainer._generate``'s tuple as a dict named by :func:`generate_result_fields`, after checking it."""
-    names = generate_result_fields()
+    names = generate_result_fields(owner, cls)
     if not isinstance(result, tuple) or len(result) != len(names):
         raise TrlInternalsChanged(f"GRPOTrainer._generate returned {type(result).__name__} of length "
                                   f"{len(result) if isinstance(result, tuple) else '?'}, expected the "

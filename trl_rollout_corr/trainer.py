@@ -95,7 +95,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if self.rollout_func is not None:
             self.rollout_func = _checked_rollout_func(self.rollout_func)
         self._check_supported()
-        self._trl_forwards = TrlForwardCalls(forward_input_names())
+        self._trl_forwards = TrlForwardCalls(forward_input_names(__class__, type(self)))
         self._rc_stats = {"train": RolloutStats(), "eval": RolloutStats()}
         self._rc_truncation = self._resolve_sampling_truncation()
         self._rc_apply_truncation = self._rc_truncation is not None and self.args.truncated_support_correction is not False
@@ -159,7 +159,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         return completion_ids, [logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
     def _generate(self, prompts: list):
-        fields = unpack_generate_result(super()._generate(prompts))
+        fields = unpack_generate_result(super()._generate(prompts), __class__, type(self))
         source = "rollout_func" if self.rollout_func is not None else ("vLLM" if self.use_vllm else "transformers generate")
         logprobs, seen = check_rollout_logprobs(fields["completion_ids"], fields["logprobs"], source,
                                                 require=self.args.require_rollout_logprobs,
@@ -182,7 +182,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         named = dict(zip(("batch_size", "compute_entropy", "compute_aux_loss", *self._trl_forwards.input_names), args))
         return self._trl_forwards.answer(
             model, input_ids, attention_mask, logits_to_keep, {**named, **kwargs},
-            lambda: super(RolloutCorrGRPOTrainer, self)._get_per_token_logps_and_entropies(
+            lambda: super(__class__, self)._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs))
 
     def _generate_and_score_completions(self, inputs):
@@ -206,7 +206,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 if value is not None:
                     output[key] = value  # (B, T)
             output["num_items_in_batch"] = self.accelerator.gather(correction.keep.sum()).sum()  # kept tokens, global
-        elif self.loss_type in kept_token_normalizer_losses():  # samples with a non-finite pi_rollout leave the count
+        elif self.loss_type in kept_token_normalizer_losses(__class__, type(self)):
+            # samples with a non-finite pi_rollout leave the count
             usable = rollout_usable_mask(output["sampling_per_token_logps"], loss_mask, output["rc_rollout_seen"])
             output["num_items_in_batch"] = self.accelerator.gather(usable.sum()).sum()
         return output
@@ -322,7 +323,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             patched["importance_sampling_ratio"] = correction.sampler_ratio  # (B, T), read by VESPO only
         sampling = patched["sampling_per_token_logps"]  # (B, T) read by TRL's off-policy mask only
         patched["sampling_per_token_logps"] = torch.where(torch.isfinite(sampling), sampling, logps.detach())
-        if whole_batch and cfg.masks_tokens and self.loss_type in kept_token_normalizer_losses():
+        if whole_batch and cfg.masks_tokens and self.loss_type in kept_token_normalizer_losses(__class__, type(self)):
             # the micro-batch is the whole generation batch here (plan): its kept tokens, across processes
             patched["num_items_in_batch"] = self._rc_reduce(kept_mask.sum().to(torch.float32), "sum")
         return patched
