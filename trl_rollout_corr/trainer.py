@@ -75,8 +75,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, *rest: Any,
                  rollout_sampler: Any = None, **kwargs: Any) -> None:
+        from .supported_versions import check_version
         from .vllm.engine import vllm_engine_setup
 
+        check_version("trl")
         if args is None:  # the default config, named as TRL names its own
             from trl.trainer.utils import get_config_model_id
 
@@ -86,6 +88,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
                             f"rollout-correction fields), got {type(args).__name__}. Replace GRPOConfig by "
                             "RolloutCorrGRPOConfig with the same arguments.")
+        if args.use_vllm:
+            check_version("vllm")
         with vllm_engine_setup(args) as vllm_setup:  # CPU fixes, engine dtype, control token: while TRL builds vLLM
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction

