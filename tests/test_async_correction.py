@@ -194,6 +194,30 @@ def test_all_rejected_micro_batch_trains_nothing_and_warns_and_a_normal_run_stay
     assert all(torch.equal(p.detach(), start[n]) for n, p in trainer.model.named_parameters())  # no update
 
 
+def _every_preset():
+    from trl_rollout_corr import RolloutCorrectionConfig
+
+    return [*RolloutCorrectionConfig.PRESETS, "decoupled_k3_rs_token_tis", "bypass_pg_geo_rs_seq_tis"]
+
+
+@pytest.mark.parametrize("preset", _every_preset())
+def test_every_preset_trains_on_trl_s_async_trainer(model_dir, samples, tmp_path, preset):
+    """Each preset (and two of verl's divergence-criteria names) trains 2 steps with every metric finite and the
+    resolved config saved (against the real server: four of them, tests/test_async_cpu.py)."""
+    import json
+
+    from trl_rollout_corr.core.metrics import ALWAYS_METRICS, OFFPOLICY_METRICS, PREFIX
+
+    trainer, _ = build_trainer(model_dir, samples, str(tmp_path), max_steps=2, rollout_correction_preset=preset)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and {PREFIX + m for m in (*OFFPOLICY_METRICS, *ALWAYS_METRICS)} <= logs[-1].keys()
+    assert all(math.isfinite(v) for log in logs for k, v in log.items() if k.startswith(PREFIX)), logs
+    trainer.save_model()
+    saved = json.loads((tmp_path / "rollout_correction_config.json").read_text())
+    assert saved == json.loads(trainer.rollout_correction.to_json_string())
+
+
 def test_require_rollout_logprobs_names_the_sample(model_dir, tmp_path):
     batch = make_samples(model_dir, n_groups=4, seed=3, nan_sample=1)
     trainer, _ = build_trainer(model_dir, batch, str(tmp_path), max_steps=1, require_rollout_logprobs=True)

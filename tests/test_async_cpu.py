@@ -166,16 +166,15 @@ def corrected_trainer(chat_model_dir, url, output_dir, **overrides):
     return trainer, monitor
 
 
-def _presets_one_per_path():
-    """This package's presets, and two of verl's names for its divergence criteria (verl's other names are the same
-    code paths with other thresholds: tests/test_verl_names.py, and the stub-server tests of every preset)."""
-    from trl_rollout_corr import RolloutCorrectionConfig
-
-    return [*RolloutCorrectionConfig.PRESETS, "decoupled_k3_rs_token_tis", "bypass_pg_geo_rs_seq_tis"]
+# One preset per way the real server reaches the loss: TRL's own (the async default), decoupled with a sequence-level
+# rejection (pi_old forward), PG with a geometric criterion (verl's name), TRL's synchronous default spelled here.
+# Every preset trains on TRL's async trainer in tests/test_async_correction.py (its own injection points, no server);
+# their gradients are checked there against a float64 re-derivation.
+REAL_SERVER_PRESETS = ["ppo_is_bypass", "decoupled_seq_is_rs", "bypass_pg_geo_rs_seq_tis", "trl_default"]
 
 
 @requires_vllm
-@pytest.mark.parametrize("preset", _presets_one_per_path())
+@pytest.mark.parametrize("preset", REAL_SERVER_PRESETS)
 def test_corrected_async_trainer_on_the_real_server(chat_model_dir, async_server, tmp_path, preset):
     """Each correction path, 2 steps against the real server (the gradients: tests/test_async_correction.py)."""
     import json
@@ -218,6 +217,29 @@ def test_a_server_serving_another_model_name_is_a_clear_error(chat_model_dir, as
     shutil.copytree(chat_model_dir, other)
     with pytest.raises(ValueError, match=r"serves .* but the trainer loads .*same_weights_other_path"):
         corrected_trainer(other, async_server["url"], tmp_path / "out")
+
+
+@requires_vllm
+def test_a_resumed_run_continues_the_policy_versions_against_the_same_server(chat_model_dir, async_server, tmp_path):
+    """A trainer resumed from a checkpoint against the server that kept running: TRL's rollout_state.json restores
+    the policy version, so the samples' lags stay within max_staleness and the correction reports them per lag."""
+    import json
+
+    kw = dict(rollout_correction_preset="decoupled_token_is", save_strategy="steps", save_steps=2)
+    part, _ = corrected_trainer(chat_model_dir, async_server["url"], tmp_path / "part", max_steps=2, **kw)
+    part.train()
+    checkpoint = tmp_path / "part" / "checkpoint-2"
+    saved_version = json.loads((checkpoint / "rollout_state.json").read_text())["model_version"]
+    assert saved_version >= 2
+    resumed, _ = corrected_trainer(chat_model_dir, async_server["url"], tmp_path / "resumed", max_steps=4, **kw)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.model_version >= saved_version + 2  # continued, not restarted at 0
+    logs = [log for log in resumed.state.log_history if "loss" in log and log["step"] > 2]  # 1, 2: the checkpoint's
+    assert [log["step"] for log in logs] == [3, 4]
+    lags = {int(k.split("/")[1][4:]) for log in logs for k in log if k.startswith("rollout_corr/lag_") and
+            k.split("/")[1][4:].isdigit()}
+    assert lags and all(0 <= lag <= 2 for lag in lags), lags  # max_staleness=2
+    assert all(0 <= log["rollout_corr/lag_max"] <= 2 for log in logs)
 
 
 @requires_vllm

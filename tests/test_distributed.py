@@ -86,7 +86,9 @@ def test_two_processes_log_the_same_metrics_as_one(tmp_path, case):
             assert logs_two[step][name] == pytest.approx(value, rel=1e-5, abs=1e-8), (step, name)
 
 
-DEEPSPEED_CASES = [(stage, preset) for stage in (2, 3) for preset in ("decoupled_seq_is_rs", "ppo_is_bypass")]
+# each stage once; the decoupled preset (a pi_old forward under sharding) on ZeRO-3, where the forward gathers
+# partitioned parameters (exactness against one process for both stages: tests/test_invariance.py)
+DEEPSPEED_CASES = [(2, "ppo_is_bypass"), (3, "decoupled_seq_is_rs")]
 
 
 @pytest.mark.parametrize("stage,preset", DEEPSPEED_CASES, ids=[f"zero{s}-{p}" for s, p in DEEPSPEED_CASES])

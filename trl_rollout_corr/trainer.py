@@ -36,6 +36,7 @@ from .grpo_config import RolloutCorrGRPOConfig
 from .losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
 from .rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from .rollout.logprobs import check_rollout_logprobs
+from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from .rollout.support import KeptMassProbe
 
 logger = logging.getLogger(__name__)
@@ -361,3 +362,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             self.rollout_correction.save_pretrained(output_dir or self.args.output_dir)
+            save_rollout_state(output_dir or self.args.output_dir, self.rollout_sampler,
+                               getattr(self, "vllm_sync_steps", None))
+
+    # ------------------------------------------------------------------ 5. resuming (trl_rollout_corr.resume)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if checkpoint is not None:
+            restore_rollout_state(self, checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -85,6 +85,19 @@ class EmulatedRolloutEngine:
             self._snapshots.popleft()  # a newer snapshot is still old enough
         return self._snapshots[0][1]
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to sample as an uninterrupted one would: the stale kind's snapshots (the other
+        kinds rebuild everything from the current policy at each sync). Saved with each checkpoint by the trainer."""
+        return {"kind": self.kind, "lag": self.lag, "bits": self.bits, "snapshots": list(self._snapshots)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = {k: state.get(k) for k in ("kind", "lag", "bits")}
+        if saved != {"kind": self.kind, "lag": self.lag, "bits": self.bits}:
+            raise ValueError(f"The checkpoint's rollout engine is EmulatedRolloutEngine({saved}), this run's is {self!r}: "
+                             "resume with the engine the checkpoint was trained with.")
+        self._snapshots = collections.deque(state["snapshots"])
+        self._engine, self._last_step = None, None  # the next sync rebuilds the engine from the restored snapshots
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         if self._engine is None:
             raise RuntimeError("EmulatedRolloutEngine.generate called before sync(policy, step).")

@@ -1,0 +1,111 @@
+"""A run killed (SIGKILL) right after a checkpoint and resumed from it trains as the uninterrupted run: the same
+rollout_corr/* metrics and parameters (CPU runs are deterministic), the emulated stale engine's lag schedule
+continuing from the saved snapshots, the monitor's state carried over, the correction compared; the vLLM sync
+schedule's resume rule by hand. (The asynchronous trainer's policy versions across a resume: tests/test_async_cpu.py,
+against the real server, where TRL restores them.)"""
+
+from __future__ import annotations
+
+import trl_rollout_corr  # noqa: F401  (first: its CPU-torch guard)
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_rollout_corr.resume import STATE_NAME, correction_changes, vllm_schedule_after_resume
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def worker(out_dir: Path, *flags: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    return subprocess.Popen([sys.executable, str(HERE / "resume_worker.py"), str(out_dir), str(out_dir / "result.json"),
+                             *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str]:
+    output, _ = process.communicate(timeout=600)
+    return process.returncode, output
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    full, crashed = worker(root / "full"), worker(root / "crashed", "--kill_after_save", "2")
+    (full_rc, full_out), (crashed_rc, crashed_out) = finish(full), finish(crashed)
+    assert full_rc == 0, full_out[-3000:]
+    assert crashed_rc == -signal.SIGKILL, crashed_out[-3000:]
+    assert not (root / "crashed" / "result.json").exists()  # it died before the end
+    checkpoint = root / "crashed" / "checkpoint-2"
+    resumed_rc, resumed_out = finish(worker(root / "resumed", "--resume", str(checkpoint)))
+    assert resumed_rc == 0, resumed_out[-3000:]
+    read = lambda name: json.loads((root / name / "result.json").read_text())  # noqa: E731
+    return {"full": read("full"), "resumed": read("resumed"), "root": root, "checkpoint": checkpoint,
+            "resumed_output": resumed_out}
+
+
+def test_a_killed_and_resumed_run_equals_the_uninterrupted_one(runs):
+    full, resumed = runs["full"]["steps"], runs["resumed"]["steps"]
+    assert sorted(resumed) == ["3", "4"]
+    assert full["3"]["rollout_corr/k3_kl"] > 1e-3  # the stale engine really lags (a resume at lag 0 would show ~0)
+    for step in ("3", "4"):
+        diffs = {k: (v, resumed[step].get(k)) for k, v in full[step].items()
+                 if resumed[step].get(k) != pytest.approx(v, rel=1e-5, abs=1e-7)}
+        assert not diffs, (step, diffs)
+    params_full = torch.load(runs["root"] / "full" / "params.pt")
+    params_resumed = torch.load(runs["root"] / "resumed" / "params.pt")
+    assert all(torch.allclose(params_full[k], params_resumed[k], rtol=1e-5, atol=1e-7) for k in params_full)
+
+
+def test_the_stale_engine_the_monitor_and_the_correction_continue(runs):
+    full, resumed = runs["full"], runs["resumed"]
+    assert (runs["checkpoint"] / STATE_NAME).exists()
+    assert resumed["snapshot_steps"] == full["snapshot_steps"]
+    assert resumed["monitor"] == full["monitor"]
+    assert resumed["correction"] == full["correction"]
+    assert "other than the checkpoint's" not in runs["resumed_output"]
+    assert "no rollout engine state" not in runs["resumed_output"]
+
+
+def test_a_changed_correction_is_named_at_resume_and_the_same_one_is_quiet(runs, tmp_path, caplog):
+    from trainer_utils import make_trainer
+    from trl_rollout_corr.resume import restore_rollout_state
+
+    for preset, speaks in (("decoupled_token_is", False), ("ppo_is_bypass", True)):
+        trainer, _ = make_trainer(tmp_path / preset, preset=preset)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.resume"):
+            restore_rollout_state(trainer, str(runs["checkpoint"]))
+        assert ("bypass_mode: False -> True" in caplog.text) is speaks, caplog.text
+
+
+def test_an_engine_other_than_the_checkpoint_s_is_refused(runs, tmp_path):
+    from trainer_utils import make_trainer
+    from trl_rollout_corr.resume import restore_rollout_state
+    from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
+
+    trainer, _ = make_trainer(tmp_path, preset="decoupled_token_is", rollout_sampler=EmulatedRolloutEngine("stale", 4))
+    with pytest.raises(ValueError, match="resume with the engine the checkpoint was trained with"):
+        restore_rollout_state(trainer, str(runs["checkpoint"]))
+
+
+@pytest.mark.parametrize("history,step,interval,expected", [
+    ([0, 8], 16, 8, ([0, 8], True)),    # the uninterrupted run syncs at 16 too: exact
+    ([0, 8], 10, 8, ([], False)),       # it would keep step 8's weights, which are not saved: sync now, not exact
+    ([0, 1, 2], 3, 1, ([0, 1, 2], True)),  # every step (TRL's default)
+    ([], 4, 8, ([], True)),             # nothing synced yet
+])
+def test_the_vllm_sync_schedule_after_resume(history, step, interval, expected):
+    assert vllm_schedule_after_resume(history, step, interval) == expected
+
+
+def test_correction_changes_by_hand():
+    assert correction_changes({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": None}) == {"b": (2, 3)}
