@@ -260,7 +260,7 @@ def test_no_server_at_start_is_a_clear_error_before_loading_anything(model_dir, 
     assert cpu is not None
 
 
-@pytest.mark.parametrize("preset", ["decoupled_seq_is_rs", "bypass_pg_geo_rs_token_tis"])
+@pytest.mark.parametrize("preset", ["decoupled_seq_is_rs"])  # bypass/PG across processes: tests/test_distributed.py
 def test_two_processes_give_the_same_update_as_one(model_dir, tmp_path, preset):
     worker = str(ROOT / "tests" / "async_dist_worker.py")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)

@@ -1,7 +1,8 @@
 """The README's demo tables, backed by full 300-step runs judged by the policy's held-out reward.
 
-- the emulated engine's table (`--engine stale`, lag 4): seed 0 of `stale_uncorrected` and `ppo_is_bypass`, run
-  by the demo's own worker in this process;
+- the emulated engine's table (`--engine stale`, lag 4): seed 0 of `ppo_is_bypass`, run by the demo's own worker in
+  this process, against the table's `stale_uncorrected` value (that variant's own runs: the mismatch benchmark's
+  stale4 rows, tests/test_mismatch_benchmark.py);
 - the default command's table (`trl-rollout-corr demo`, vLLM synced every 8 steps): seed 1 of the same two
   variants, through the demo CLI with its defaults in a fresh process (engine auto -> vllm, lag 8).
 
@@ -44,20 +45,20 @@ def stale_seed0(tmp_path_factory):
     from trainer_utils import run_demo_worker as run_worker
 
     rewards = {}
-    for variant in ("stale_uncorrected", "ppo_is_bypass"):
+    for variant in ("ppo_is_bypass",):
         out = tmp_path_factory.mktemp(variant) / "run.json"
         run_worker(variant, seed=0, steps=300, lag=4, engine="stale", eval_every=50, out=str(out))
         rewards[variant] = json.loads(out.read_text())["eval_reward"]
     return rewards
 
 
-@pytest.mark.parametrize("variant", ["stale_uncorrected", "ppo_is_bypass"])
+@pytest.mark.parametrize("variant", ["ppo_is_bypass"])
 def test_emulated_table_seed0_is_reproduced(stale_seed0, variant):
     assert stale_seed0[variant] == pytest.approx(readme_value("stale", variant, 0), abs=0.1)
 
 
 def test_bypass_recovers_the_emulated_stale_engine_on_seed0(stale_seed0):
-    assert stale_seed0["ppo_is_bypass"] > stale_seed0["stale_uncorrected"] + 0.1
+    assert stale_seed0["ppo_is_bypass"] > readme_value("stale", "stale_uncorrected", 0) + 0.1
 
 
 def _vllm_installed() -> bool:
