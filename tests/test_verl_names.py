@@ -111,3 +111,28 @@ def test_verl_loss_type_and_icepop():
         Cfg(rollout_rs="token_k1,token_k2", rollout_rs_threshold="0.5_2,0.1,0.2")
     with pytest.raises(ValueError, match="needs rollout_rs_threshold"):
         Cfg(rollout_rs="seq_mean_k3")
+
+
+@pytest.mark.parametrize("preset", ["decoupled_k3_rs_token_tis", "decoupled_geo_rs"])
+def test_the_tensors_command_applies_every_field_of_the_preset(preset, capsys):
+    """``trl-rollout-corr tensors`` prints what the pipeline computes from the whole config (verl's divergence
+    criteria included; they were once dropped there, printing no rejection)."""
+    import torch
+
+    from trl_rollout_corr import RolloutCorrectionConfig
+    from trl_rollout_corr.cli import main
+    from trl_rollout_corr.core import compute_rollout_correction_and_rejection_mask
+
+    main(["tensors", "--preset", preset])
+    printed = dict(line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("rollout_corr/"))
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 8, generator=g) * 2 - 0.1  # (B, T) the command's sample log-probs
+    rollout = (old + 0.3 * torch.randn(4, 8, generator=g)).clamp(max=-1e-3)  # (B, T)
+    mask = (torch.arange(8)[None] < torch.tensor([[8], [5], [3], [8]])).float()  # (B, T)
+    cfg = RolloutCorrectionConfig.from_preset(preset)
+    assert cfg.rollout_rs_criteria is not None or cfg.rollout_rs is not None
+    _, kept, metrics = compute_rollout_correction_and_rejection_mask(old, rollout, mask, **cfg.pipeline_kwargs())
+    assert 0 < float((mask - kept).sum())  # something is rejected on this data
+    assert printed.keys() == metrics.keys()
+    for name, value in metrics.items():
+        assert float(printed[name]) == pytest.approx(value, rel=1e-5, abs=1e-6), name

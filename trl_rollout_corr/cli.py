@@ -31,12 +31,8 @@ def tensor_demo(preset: str) -> None:
     old = -torch.rand(4, 8, generator=g) * 2 - 0.1  # (B, T) pi_old log-probs
     rollout = (old + 0.3 * torch.randn(4, 8, generator=g)).clamp(max=-1e-3)  # (B, T) pi_rollout
     mask = (torch.arange(8)[None] < torch.tensor([[8], [5], [3], [8]])).float()  # (B, T)
-    w, m, metrics = compute_rollout_correction_and_rejection_mask(
-        old, rollout, mask, rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold,
-        rollout_rs=cfg.rollout_rs, rollout_rs_threshold=cfg.rollout_rs_threshold,
-        rollout_rs_threshold_lower=cfg.rollout_rs_threshold_lower,
-        rollout_token_veto_threshold=cfg.rollout_token_veto_threshold,
-        rollout_is_batch_normalize=cfg.rollout_is_batch_normalize)
+    # every field of the config, as the trainer passes them (verl's divergence criteria, bounds, M2 included)
+    w, m, metrics = compute_rollout_correction_and_rejection_mask(old, rollout, mask, **cfg.pipeline_kwargs())
     print(f"preset {preset}: {cfg.to_dict()}")
     print("IS weights:\n", w)
     print("modified response mask:\n", m)

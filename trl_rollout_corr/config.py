@@ -324,7 +324,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "RolloutCorrectionConfig":
         """Load a ``.json``, ``.yaml`` or ``.yml`` file."""
-        text = open(path, encoding="utf-8").read()
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
         return cls.from_yaml(text) if str(path).endswith((".yaml", ".yml")) else cls.from_json_string(text)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
