@@ -382,3 +382,30 @@ def test_each_assumption_about_trl_fails_loudly_when_broken(model_dir, samples, 
             "input_ids", "attention_mask", "position_ids", "shift_labels", "token_index", "old_log_probs",
             "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",
             "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_max_seqlens")})
+
+
+def test_a_log_while_not_training_keeps_the_statistics_for_the_next_training_log(model_dir, samples, tmp_path):
+    """A log call outside training (an eval-mode log between two training logs) must not drop what the steps since
+    the last training log gathered: the next training log equals a run without it."""
+    from transformers import TrainerCallback
+
+    class LogWhileNotTraining(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                self.trainer.model.eval()
+                self.trainer.log({"probe": 0.0})
+                self.trainer.model.train()
+
+    logs = []
+    for probe in (False, True):
+        trainer, _ = build_trainer(model_dir, samples, str(tmp_path / str(probe)), max_steps=2, logging_steps=2,
+                                   rollout_correction_preset="decoupled_token_is", bypass_mode=False)
+        if probe:
+            trainer.add_callback(LogWhileNotTraining(trainer))
+        trainer.train()
+        logs.append([log for log in trainer.state.log_history if "loss" in log][-1])
+    plain, probed = ({k: v for k, v in log.items() if k.startswith("rollout_corr/")} for log in logs)
+    assert plain and probed == pytest.approx(plain)

@@ -266,8 +266,8 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         from ..core.metrics import finalize_floats
 
-        stats, self._rc_stats = self._rc_stats, RolloutStats()
-        if self.model.training and stats.sums:
+        if self.model.training and self._rc_stats.sums:  # a log while not training keeps them for the next one
+            stats, self._rc_stats = self._rc_stats, RolloutStats()
             all_floats = stats.all_reduce(self._rc_reduce).to_floats()  # the one host sync of this logging step
             metrics = finalize_floats(all_floats)
             empty = all_floats.get("sum:loss.empty_micro_batches", 0.0)
