@@ -153,6 +153,44 @@ def test_parsed_like_trl_grpo(tmp_path):
     assert training.rollout_correction.bypass_mode and data.datasets == [] and not monitor.rollout_corr_monitor
 
 
+@pytest.mark.parametrize("field,preset", [("rollout_token_veto_threshold", "decoupled_geo_rs"),
+                                          ("rollout_rs_threshold_lower", "icepop"),
+                                          ("rollout_rs_criteria", "decoupled_k3_rs_token_tis")])
+def test_none_switches_a_preset_field_off_from_the_cli_and_a_yaml(tmp_path, field, preset):
+    """Any field whose off value is None: 'none' sets it off over the preset's value (None in Python means 'not set
+    here', so a preset's veto could not be switched off from a CLI, a YAML or the config before). Switching the
+    criteria off drops the preset's criteria thresholds too, as switching RS off drops its thresholds."""
+    base = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--use_cpu", "--rollout_correction_preset",
+            preset]
+    kept = parse_train_args(base)[1]
+    off = parse_train_args(base + [f"--{field}", "none"])[1]
+    (tmp_path / "run.yaml").write_text(f"{field}: none\n")
+    from_yaml = parse_train_args(base + ["--config", str(tmp_path / "run.yaml")])[1]
+    assert getattr(kept.rollout_correction, field) is not None
+    for args in (off, from_yaml):
+        assert getattr(args.rollout_correction, field) is None
+        # everything else is the preset's
+        others = {k: v for k, v in args.rollout_correction.to_dict().items() if not k.startswith(field)}
+        assert others == {k: v for k, v in kept.rollout_correction.to_dict().items() if not k.startswith(field)}
+
+
+def test_numbers_as_strings_and_bad_values_from_the_cli(tmp_path):
+    base = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--use_cpu", "--rollout_correction_preset",
+            "decoupled_geo_rs"]
+    args = parse_train_args(base + ["--rollout_token_veto_threshold", "1e-3"])[1]
+    assert args.rollout_correction.rollout_token_veto_threshold == 1e-3 and args.rollout_token_veto_threshold == 1e-3
+    with pytest.raises(ValueError, match="rollout_token_veto_threshold='tiny': use a number or 'none'"):
+        parse_train_args(base + ["--rollout_token_veto_threshold", "tiny"])
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+
+    python = RolloutCorrGRPOConfig(str(tmp_path), use_cpu=True, rollout_correction_preset="decoupled_geo_rs",
+                                   rollout_token_veto_threshold="none")
+    assert python.rollout_correction.rollout_token_veto_threshold is None
+    unset = RolloutCorrGRPOConfig(str(tmp_path), use_cpu=True, rollout_correction_preset="decoupled_geo_rs",
+                                  rollout_token_veto_threshold=None)
+    assert unset.rollout_correction.rollout_token_veto_threshold == 1e-4  # None: the preset's
+
+
 def test_help_lists_every_command(capsys):
     cli_main(["--help"])
     text = capsys.readouterr().out

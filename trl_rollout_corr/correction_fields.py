@@ -16,6 +16,25 @@ from typing import Any, ClassVar
 from .config import RolloutCorrectionConfig, none_if_unset
 
 CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
+# the fields whose off value is None: "none" (a CLI flag, a YAML value, or in Python) sets it off, over a preset's
+# value; None (the flat fields' default) means "not set here"
+SWITCHABLE_OFF = ("rollout_is", *(f.name for f in dataclasses.fields(RolloutCorrectionConfig) if f.default is None))
+NUMBER_FIELDS = ("rollout_is_threshold", "rollout_is_threshold_lower", "rollout_rs_threshold",
+                 "rollout_rs_threshold_lower", "rollout_token_veto_threshold", "rollout_m2_threshold")
+
+
+def _explicit_value(name: str, value: Any) -> Any:
+    """A value set on the flat field, as the correction reads it: "none" -> None (off) where None is the field's
+    off value; a number given as a string (a CLI flag, a YAML ``1e-4``) -> float."""
+    if name in SWITCHABLE_OFF:
+        value = none_if_unset(value)
+    if name in NUMBER_FIELDS and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            off = " or 'none' to switch it off" if name in SWITCHABLE_OFF else ""
+            raise ValueError(f"{name}={value!r}: use a number{off}.") from None
+    return value
 
 
 @dataclass
@@ -27,20 +46,22 @@ class RolloutCorrectionFields:
     rollout_is: str | None = field(default=None, metadata={"help": "IS level: token | sequence | none."})
     rollout_is_threshold: float | None = field(default=None, metadata={"help": "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default)."})
     rollout_is_batch_normalize: bool | None = field(default=None, metadata={"help": "Normalize IS weights to mean 1 over each generation batch."})
-    rollout_is_threshold_lower: float | None = field(default=None, metadata={"help": "IS lower bound C_lower (default none)."})
+    rollout_is_threshold_lower: float | str | None = field(default=None, metadata={"help": "IS lower bound C_lower (default none; 'none' switches a preset's off)."})
     rollout_is_bound: str | None = field(default=None, metadata={
         "help": "IS weight outside [C_lower, C]: truncate (clip to the bound, default) | mask (set to 0; TRL's *_mask modes)."})
     rollout_rs: str | None = field(default=None, metadata={"help": "RS level: token | sequence | geometric | none."})
-    rollout_rs_threshold: float | None = field(default=None, metadata={"help": "RS upper bound."})
-    rollout_rs_threshold_lower: float | None = field(default=None, metadata={"help": "RS lower bound (default 1/upper)."})
-    rollout_token_veto_threshold: float | None = field(default=None, metadata={"help": "Veto a sequence if any rho < this."})
+    rollout_rs_threshold: float | str | None = field(default=None, metadata={"help": "RS upper bound."})
+    rollout_rs_threshold_lower: float | str | None = field(default=None, metadata={
+        "help": "RS lower bound ('none': 1/upper, also where a preset sets one)."})
+    rollout_token_veto_threshold: float | str | None = field(default=None, metadata={
+        "help": "Veto a sequence if any rho < this ('none' switches a preset's veto off)."})
     bypass_mode: bool | None = field(default=None, metadata={"help": "pi_old := pi_rollout (no extra forward pass)."})
     use_policy_gradient: bool | None = field(default=None, metadata={"help": "REINFORCE loss (bypass only)."})
     rollout_rs_criteria: str | None = field(default=None, metadata={
         "help": "Divergence RS criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3."})
     rollout_rs_criteria_threshold: str | None = field(default=None, metadata={
         "help": "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); k2/k3 upper."})
-    rollout_m2_threshold: float | None = field(default=None, metadata={
+    rollout_m2_threshold: float | str | None = field(default=None, metadata={
         "help": "Second-moment mask (M2PO-style): mask the tokens with the largest (log rho)^2 until the batch's mean "
                 "(log rho)^2 is <= this tau (e.g. 0.04); default off."})
     require_rollout_logprobs: bool = field(default=False, metadata={
@@ -105,14 +126,13 @@ class RolloutCorrectionFields:
             base = RolloutCorrectionConfig.from_preset(self.rollout_correction_preset).to_dict()
         else:
             base = self._default_correction()
-        explicit = dict(self.__dict__.get("_rc_explicit", {}))
-        for level in ("rollout_is", "rollout_rs"):
-            if level in explicit:
-                explicit[level] = none_if_unset(explicit[level])
+        explicit = {name: _explicit_value(name, value) for name, value in self.__dict__.get("_rc_explicit", {}).items()}
         if "rollout_rs" in explicit and explicit["rollout_rs"] is None:
             # switching RS off also drops the preset's RS thresholds unless they were set here
             base["rollout_rs_threshold"] = explicit.get("rollout_rs_threshold")
             base["rollout_rs_threshold_lower"] = explicit.get("rollout_rs_threshold_lower")
+        if "rollout_rs_criteria" in explicit and explicit["rollout_rs_criteria"] is None:
+            base["rollout_rs_criteria_threshold"] = explicit.get("rollout_rs_criteria_threshold")
         if "rollout_is" in explicit and explicit["rollout_is"] is None:
             # switching IS off also drops the base's IS bound settings unless they were set here
             base["rollout_is_bound"] = explicit.get("rollout_is_bound", "truncate")
