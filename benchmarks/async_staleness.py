@@ -19,7 +19,9 @@ Each run is a separate process (a trainer that ran before slows later generation
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -136,7 +138,15 @@ def main() -> None:
     p.add_argument("--eval_every", type=int, default=20)
     p.add_argument("--output_dir", default="outputs/async_staleness")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # variant seed staleness url out
+    p.add_argument("--results", default=None,
+                   help="write the rows with all --seeds to this CSV (the README's table: benchmarks/results/"
+                        "async_staleness_results.csv) and print the table; runs nothing")
     a = p.parse_args()
+    if a.results:
+        rows = result_rows(a.output_dir, [int(s) for s in a.seeds.split(",")])
+        write_results(rows, a.results)
+        print(markdown(rows))
+        return
     if a.worker:
         variant, seed, staleness, url, out = a.worker
         if variant == "sync":
@@ -202,6 +212,97 @@ def summarize(output_dir: str) -> str:
                      f"{fmt('lag_mean') if variant not in ('sync', 'trl_as_is') else fmt('staleness_mean')} | "
                      f"{fmt('dropped')} | {fmt('kl')} | {statistics.fmean(r['seconds'] for r in rs):.0f} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ committed results (README table, tests)
+RESULT_FIELDS = ("variant", "max_staleness", "n_seeds", "reward_mean", "reward_ci95", "per_seed", "vs_trl_as_is",
+                 "vs_trl_as_is_ci95", "lag_mean", "dropped", "kl", "seconds_per_run")
+
+
+def _stats():
+    """mean_ci / welch_ci of the mismatch benchmark (one definition of the intervals)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mismatch_bench", os.path.join(os.path.dirname(__file__),
+                                                                                 "mismatch_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
+    """One row per (variant, max_staleness) with all of ``seeds`` (a partial row is left out): reward mean and 95%
+    t-interval, and the difference from TRL's AsyncGRPOTrainer as is at the same staleness (95% Welch interval;
+    the synchronous run against TRL's trainer at its default staleness 4)."""
+    stats = _stats()
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for name in sorted(os.listdir(output_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(output_dir, name)) as f:
+                r = json.load(f)
+            variant = "sync" if r["variant"] == "on_policy" else r["variant"]
+            if r.get("seed") in seeds:
+                runs.setdefault((variant, int(r.get("staleness", 0))), []).append(r)
+    partial = sorted(f"{v}@{s} ({len(rs)} of {len(seeds)} seeds)" for (v, s), rs in runs.items() if len(rs) != len(seeds))
+    if partial:
+        print(f"left out (a row is all of its seeds or none): {', '.join(partial)}", file=sys.stderr)
+    runs = {k: sorted(v, key=lambda r: r["seed"]) for k, v in runs.items() if len(v) == len(seeds)}
+    rows = []
+    for (variant, staleness), rs in sorted(runs.items(), key=lambda kv: (kv[0][1] or 4, kv[0][0] != "sync", kv[0][0])):
+        xs = [r["eval_reward"] for r in rs]
+        mean, half = stats.mean_ci(xs)
+        base = runs.get(("trl_as_is", staleness or 4))
+        diff, diff_half = (stats.welch_ci(xs, [r["eval_reward"] for r in base]) if base and variant != "trl_as_is"
+                           else (math.nan, math.nan))
+        avg = lambda key: (statistics.fmean(r[key] for r in rs if r.get(key) is not None)  # noqa: E731
+                           if any(r.get(key) is not None for r in rs) else math.nan)
+        rows.append(dict(variant=variant, max_staleness=staleness, n_seeds=len(xs), reward_mean=mean,
+                         reward_ci95=half, per_seed=" ".join(f"{x:.6f}" for x in xs), vs_trl_as_is=diff,
+                         vs_trl_as_is_ci95=diff_half,
+                         lag_mean=avg("staleness_mean") if variant == "trl_as_is" else avg("lag_mean"),
+                         dropped=avg("dropped"), kl=avg("kl"), seconds_per_run=avg("seconds")))
+    return rows
+
+
+def write_results(rows: list[dict], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_results(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: (v if k in ("variant", "per_seed") else int(v) if k in ("max_staleness", "n_seeds") else float(v))
+             for k, v in r.items()} for r in rows]
+
+
+VARIANT_TEXT = {
+    "sync": "sync (this package's synchronous trainer, vLLM synced every step)",
+    "trl_as_is": "TRL's AsyncGRPOTrainer as is (= `ppo_is_bypass`)",
+    "decoupled_token_is": "`decoupled_token_is`",
+    "bypass_ppo_token_rs": "`ppo_is_bypass` + token RS [0.5, 2]",
+}
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's table: **bold** where a correction is significantly above TRL's trainer as is (95% Welch interval
+    excludes 0), ↓ where significantly below."""
+    out = ["| variant | max_staleness | n | held-out reward (95% CI) | vs TRL's trainer as is (95% CI) | "
+           "lag at the loss (mean) | samples dropped as stale | kl(pi_rollout‖pi_theta) | wall time (s) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        diff, half = r["vs_trl_as_is"], r["vs_trl_as_is_ci95"]
+        better = math.isfinite(diff) and diff - half > 0
+        worse = math.isfinite(diff) and diff + half < 0
+        name = VARIANT_TEXT.get(r["variant"], r["variant"])
+        vs = (f"{diff:+.3f} ± {half:.3f}" + (" ↓" if worse else "")) if math.isfinite(diff) else "—"
+        fmt = lambda x, spec: format(x, spec) if math.isfinite(x) else "–"  # noqa: E731
+        out.append(f"| {'**' + name + '**' if better else name} | {r['max_staleness'] or '–'} | {r['n_seeds']} | "
+                   f"{r['reward_mean']:.3f} ± {r['reward_ci95']:.3f} | {vs} | {fmt(r['lag_mean'], '.1f')} | "
+                   f"{fmt(r['dropped'], '.0f')} | {fmt(r['kl'], '.3f')} | {fmt(r['seconds_per_run'], '.0f')} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def main() -> None:
                                  callbacks=callbacks, rollout_sampler=engine, learning_rate=2e-2,
                                  save_strategy="steps", save_steps=2)
     trainer.train(resume_from_checkpoint=args.resume)
+    trainer.save_model()  # the final save: the model and its config, not the engine's state (checkpoints only)
     steps = {}
     for entry in logs.logs:
         if "loss" in entry:

@@ -214,8 +214,10 @@ def test_every_preset_trains_on_trl_s_async_trainer(model_dir, samples, tmp_path
     assert len(logs) == 2 and {PREFIX + m for m in (*OFFPOLICY_METRICS, *ALWAYS_METRICS)} <= logs[-1].keys()
     assert all(math.isfinite(v) for log in logs for k, v in log.items() if k.startswith(PREFIX)), logs
     trainer.save_model()
-    saved = json.loads((tmp_path / "rollout_correction_config.json").read_text())
-    assert saved == json.loads(trainer.rollout_correction.to_json_string())
+    from trl_rollout_corr import RolloutCorrectionConfig
+
+    saved = RolloutCorrectionConfig.from_file(tmp_path / "rollout_correction_config.json")
+    assert saved == RolloutCorrectionConfig.from_preset(preset)  # the preset, as named (nothing else set)
 
 
 def test_require_rollout_logprobs_names_the_sample(model_dir, tmp_path):

@@ -168,8 +168,8 @@ def corrected_trainer(chat_model_dir, url, output_dir, **overrides):
 
 # One preset per way the real server reaches the loss: TRL's own (the async default), decoupled with a sequence-level
 # rejection (pi_old forward), PG with a geometric criterion (verl's name).
-# Every preset trains on TRL's async trainer in tests/test_async_correction.py (its own injection points, no server);
-# their gradients are checked there against a float64 re-derivation.
+# Every preset trains on TRL's async trainer in tests/test_async_correction.py (its own injection points, no server),
+# where four modes' gradients are checked against a float64 re-derivation.
 REAL_SERVER_PRESETS = ["ppo_is_bypass", "decoupled_seq_is_rs", "bypass_pg_geo_rs_seq_tis"]
 
 

@@ -1,8 +1,8 @@
 """The README's demo tables, backed by full 300-step runs judged by the policy's held-out reward.
 
 - the emulated engine's table (`--engine stale`, lag 4): seed 0 of `ppo_is_bypass`, run by the demo's own worker in
-  this process, against the table's `stale_uncorrected` value (that variant's own runs: the mismatch benchmark's
-  stale4 rows, tests/test_mismatch_benchmark.py);
+  this process, ahead of the table's `stale_uncorrected` seed-0 value (that value is not re-run here, for the
+  suite's time; the uncorrected stale engine on this machine, 5 seeds: the mismatch benchmark's stale4 rows);
 - the default command's table (`trl-rollout-corr demo`, vLLM synced every 8 steps): seed 1 of the same two
   variants, through the demo CLI with its defaults in a fresh process (engine auto -> vllm, lag 8).
 

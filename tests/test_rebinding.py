@@ -18,12 +18,12 @@ import trl.trainer
 import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOConfig, GRPOTrainer
 
-from trainer_utils import make_trainer
-from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-from trl_rollout_corr._trl import forward_input_names, generate_result_fields, kept_token_normalizer_losses
-
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from trainer_utils import make_trainer  # noqa: E402
+from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
+from trl_rollout_corr._trl import forward_input_names, generate_result_fields, kept_token_normalizer_losses  # noqa: E402
 
 
 class PatchedGRPOTrainer(GRPOTrainer):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_rollout_corr.resume import STATE_NAME, correction_changes, vllm_schedule_after_resume
+from trl_rollout_corr.resume import STATE_NAME, correction_changes, vllm_weights_lost_at_resume
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -69,6 +69,9 @@ def test_the_stale_engine_the_monitor_and_the_correction_continue(runs):
     full, resumed = runs["full"], runs["resumed"]
     assert (runs["checkpoint"] / STATE_NAME).exists()
     assert resumed["snapshot_steps"] == full["snapshot_steps"]
+    # the engine's state is in checkpoints only: the final save_model (what a user pushes) does not carry it
+    assert (runs["root"] / "full" / "checkpoint-4" / STATE_NAME).exists()
+    assert not (runs["root"] / "full" / STATE_NAME).exists()
     assert resumed["monitor"] == full["monitor"]
     assert resumed["correction"] == full["correction"]
     assert "other than the checkpoint's" not in runs["resumed_output"]
@@ -97,14 +100,52 @@ def test_an_engine_other_than_the_checkpoint_s_is_refused(runs, tmp_path):
         restore_rollout_state(trainer, str(runs["checkpoint"]))
 
 
-@pytest.mark.parametrize("history,step,interval,expected", [
-    ([0, 8], 16, 8, ([0, 8], True)),    # the uninterrupted run syncs at 16 too: exact
-    ([0, 8], 10, 8, ([], False)),       # it would keep step 8's weights, which are not saved: sync now, not exact
-    ([0, 1, 2], 3, 1, ([0, 1, 2], True)),  # every step (TRL's default)
-    ([], 4, 8, ([], True)),             # nothing synced yet
+@pytest.mark.parametrize("history,step,interval,lost", [
+    ([0, 8], 16, 8, False),     # the uninterrupted run syncs at 16 too
+    ([0, 8], 10, 8, True),      # it would keep step 8's weights, which are not saved
+    ([0, 1, 2], 3, 1, False),   # every step (TRL's default)
+    ([], 4, 8, False),          # nothing synced yet
 ])
-def test_the_vllm_sync_schedule_after_resume(history, step, interval, expected):
-    assert vllm_schedule_after_resume(history, step, interval) == expected
+def test_which_resumes_lose_the_vllm_engine_s_weights(history, step, interval, lost):
+    assert vllm_weights_lost_at_resume(history, step, interval) is lost
+
+
+def test_a_resumed_vllm_sync_schedule_keeps_its_phase(tmp_path):
+    """The schedule itself (vllm.engine) across a resume at step 10 with interval 8: the uninterrupted run syncs at
+    0, 8, 16, 24; the resumed one loads the checkpoint's weights once at 10 and then syncs at 16, 24 as well."""
+    from types import SimpleNamespace
+
+    from trl_rollout_corr.resume import restore_rollout_state, save_rollout_state
+    from trl_rollout_corr.vllm.engine import _install_sync_schedule
+
+    def fake_trainer():
+        engine_loads = []
+        trainer = SimpleNamespace(state=SimpleNamespace(global_step=0), use_vllm=True, rollout_sampler=None,
+                                  args=SimpleNamespace(vllm_sync_interval=8),
+                                  accelerator=SimpleNamespace(is_main_process=True),
+                                  vllm_generation=SimpleNamespace(sync_weights=None))
+        trainer.vllm_generation.sync_weights = lambda: engine_loads.append(trainer.state.global_step)
+        _install_sync_schedule(trainer, 8)
+        return trainer, engine_loads
+
+    def run(trainer, steps):
+        for step in steps:
+            trainer.state.global_step = step
+            trainer.vllm_generation.sync_weights()  # TRL calls it before each step's generation
+
+    full, full_loads = fake_trainer()
+    run(full, range(0, 26))
+    part, _ = fake_trainer()
+    run(part, range(0, 10))
+    checkpoint = tmp_path / "checkpoint-10"
+    checkpoint.mkdir()
+    save_rollout_state(str(checkpoint), None, part.vllm_sync_steps)
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 10}')
+    resumed, resumed_loads = fake_trainer()
+    restore_rollout_state(resumed, str(checkpoint))
+    run(resumed, range(10, 26))
+    assert full_loads == [0, 8, 16, 24]
+    assert resumed_loads == [10, 16, 24] and resumed.vllm_sync_steps == [0, 8, 16, 24]
 
 
 def test_correction_changes_by_hand():

@@ -169,9 +169,48 @@ def test_none_switches_a_preset_field_off_from_the_cli_and_a_yaml(tmp_path, fiel
     assert getattr(kept.rollout_correction, field) is not None
     for args in (off, from_yaml):
         assert getattr(args.rollout_correction, field) is None
+        if field == "rollout_rs_criteria":  # its thresholds leave with it
+            assert args.rollout_correction.rollout_rs_criteria_threshold is None
         # everything else is the preset's
         others = {k: v for k, v in args.rollout_correction.to_dict().items() if not k.startswith(field)}
         assert others == {k: v for k, v in kept.rollout_correction.to_dict().items() if not k.startswith(field)}
+
+
+def test_a_field_switched_off_survives_a_round_trip_through_the_saved_fields(tmp_path):
+    """args.to_dict()'s correction fields, written to a YAML and read back, rebuild the same correction: a preset's
+    veto switched off is written back as 'none' (None would mean 'not set here' and bring the preset's back)."""
+    import yaml
+
+    from trl_rollout_corr.correction_fields import CORRECTION_FIELDS
+
+    base = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--use_cpu"]
+    args = parse_train_args(base + ["--rollout_correction_preset", "decoupled_geo_rs",
+                                    "--rollout_token_veto_threshold", "none"])[1]
+    saved = {k: v for k, v in args.to_dict().items() if k in CORRECTION_FIELDS or k == "rollout_correction_preset"}
+    assert saved["rollout_token_veto_threshold"] == "none"
+    (tmp_path / "saved.yaml").write_text(yaml.safe_dump(saved))
+    again = parse_train_args(base + ["--config", str(tmp_path / "saved.yaml")])[1]
+    assert again.rollout_correction == args.rollout_correction
+
+
+@pytest.mark.parametrize("rs,threshold", [("token_k1", "0.5_2"), ("seq_mean_k3,token_k1", "0.01,0.5_2")])
+def test_verl_s_threshold_strings_pass_through_the_flat_fields(tmp_path, rs, threshold):
+    """verl's criteria spelling keeps its threshold string ('0.5_2' is the band [0.5, 2], not float('0.5_2') =
+    0.52) from Python and from the CLI, as RolloutCorrectionConfig reads it."""
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+
+    expected = RolloutCorrectionConfig(rollout_rs=rs, rollout_rs_threshold=threshold)
+    python = RolloutCorrGRPOConfig(str(tmp_path), use_cpu=True, rollout_rs=rs, rollout_rs_threshold=threshold,
+                                   rollout_is="token", rollout_is_threshold=2.0)
+    cli = parse_train_args(["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--use_cpu", "--rollout_rs",
+                            rs, "--rollout_rs_threshold", threshold, "--rollout_is", "token",
+                            "--rollout_is_threshold", "2.0"])[1]
+    for args in (python, cli):
+        got = args.rollout_correction
+        assert (got.rollout_rs_criteria, got.rollout_rs_criteria_threshold) == (
+            expected.rollout_rs_criteria, expected.rollout_rs_criteria_threshold)
+    with pytest.raises(ValueError, match="rollout_token_veto_threshold='0.5_2': use a number or 'none'"):
+        RolloutCorrGRPOConfig(str(tmp_path), use_cpu=True, rollout_token_veto_threshold="0.5_2")
 
 
 def test_numbers_as_strings_and_bad_values_from_the_cli(tmp_path):

@@ -97,6 +97,15 @@ def _generate_result_fields(generate: Callable) -> tuple[str, ...]:
     return fields
 
 
+def checkpoint_dir(trainer: Any, trial: Any) -> str:
+    """The directory ``Trainer._save_checkpoint`` writes this step's checkpoint into (as TRL's own override reads it)."""
+    import os
+
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+
+
 def trl_runs_pi_old_forward(trainer: Any) -> bool:
     """TRL's own condition for computing old_per_token_logps in ``_generate_and_score_completions``."""
     generate_every = trainer.args.steps_per_generation * trainer.num_iterations

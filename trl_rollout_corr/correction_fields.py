@@ -10,30 +10,35 @@ and re-checks (restored on error); once a trainer is built on the config, a chan
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .config import RolloutCorrectionConfig, none_if_unset
+from .config import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
+from .verl_names import is_criteria_string
 
 CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
 # the fields whose off value is None: "none" (a CLI flag, a YAML value, or in Python) sets it off, over a preset's
 # value; None (the flat fields' default) means "not set here"
 SWITCHABLE_OFF = ("rollout_is", *(f.name for f in dataclasses.fields(RolloutCorrectionConfig) if f.default is None))
-NUMBER_FIELDS = ("rollout_is_threshold", "rollout_is_threshold_lower", "rollout_rs_threshold",
-                 "rollout_rs_threshold_lower", "rollout_token_veto_threshold", "rollout_m2_threshold")
+NUMBER_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig) if "float" in str(f.type))
+_NUMBER = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity)", re.IGNORECASE)  # no "_", no ","
 
 
-def _explicit_value(name: str, value: Any) -> Any:
+def _explicit_value(name: str, value: Any, rollout_rs: Any = None) -> Any:
     """A value set on the flat field, as the correction reads it: "none" -> None (off) where None is the field's
-    off value; a number given as a string (a CLI flag, a YAML ``1e-4``) -> float."""
+    off value; a number given as a string (a CLI flag, a YAML ``1e-4``) -> float. ``rollout_rs_threshold`` keeps
+    verl's threshold strings (``"0.5_2"``, ``"0.01,0.5_2"``) where ``rollout_rs`` is verl's criteria spelling."""
     if name in SWITCHABLE_OFF:
         value = none_if_unset(value)
     if name in NUMBER_FIELDS and isinstance(value, str):
-        try:
+        if _NUMBER.fullmatch(value.strip()):
             return float(value)
-        except ValueError:
-            off = " or 'none' to switch it off" if name in SWITCHABLE_OFF else ""
-            raise ValueError(f"{name}={value!r}: use a number{off}.") from None
+        if name == "rollout_rs_threshold" and is_criteria_string(rollout_rs):
+            return value
+        off = " or 'none' to switch it off" if name in SWITCHABLE_OFF else ""
+        verl = " (verl's 'lower_upper' bounds go with verl's criteria in rollout_rs)" if "_" in value else ""
+        raise ValueError(f"{name}={value!r}: use a number{off}{verl}.")
     return value
 
 
@@ -114,9 +119,11 @@ class RolloutCorrectionFields:
         resolved = self.resolve_rollout_correction()
         self._check_resolved(resolved)  # raises where it is not exact
         object.__setattr__(self, "rollout_correction", resolved)
+        switched_off = {name for name, value in self.__dict__.get("_rc_explicit", {}).items()
+                        if name in SWITCHABLE_OFF and isinstance(value, str) and value in NONE_STRINGS}
         for name, value in resolved.to_dict().items():
-            if name in ("rollout_is", "rollout_rs") and value is None:
-                value = "none"
+            if value is None and (name in ("rollout_is", "rollout_rs") or name in switched_off):
+                value = "none"  # written back as set: a YAML of these fields rebuilds the same correction
             object.__setattr__(self, name, value)
 
     def resolve_rollout_correction(self) -> RolloutCorrectionConfig:
@@ -126,7 +133,9 @@ class RolloutCorrectionFields:
             base = RolloutCorrectionConfig.from_preset(self.rollout_correction_preset).to_dict()
         else:
             base = self._default_correction()
-        explicit = {name: _explicit_value(name, value) for name, value in self.__dict__.get("_rc_explicit", {}).items()}
+        given = self.__dict__.get("_rc_explicit", {})
+        rollout_rs = none_if_unset(given.get("rollout_rs", base.get("rollout_rs")))
+        explicit = {name: _explicit_value(name, value, rollout_rs) for name, value in given.items()}
         if "rollout_rs" in explicit and explicit["rollout_rs"] is None:
             # switching RS off also drops the preset's RS thresholds unless they were set here
             base["rollout_rs_threshold"] = explicit.get("rollout_rs_threshold")

@@ -17,7 +17,8 @@ from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correc
 _PLAN_INPUTS = ("loss_type", "importance_sampling_level", "pi_old_source", "gradient_accumulation_steps",
                 "steps_per_generation", "num_iterations")
 
-def _kept_token_normalizer_losses() -> tuple[str, ...]:
+
+def _trainer_kept_token_normalizer_losses() -> tuple[str, ...]:
     """Read from the ``_compute_loss`` the trainer inherits (not ``trl.GRPOTrainer``'s, a name others can rebind)."""
     from .trainer import RolloutCorrGRPOTrainer
 
@@ -137,7 +138,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
         plan_correction(resolved, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
                         gradient_accumulation_steps=self.gradient_accumulation_steps,
                         steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
-                        kept_token_normalizer_losses=_kept_token_normalizer_losses())  # raises where it is not exact
+                        kept_token_normalizer_losses=_trainer_kept_token_normalizer_losses())
+        # (plan_correction raises where the correction is not exact)
 
     def _refuse_change(self, name: str, value: Any) -> None:
         if name in TRL_IS_FIELDS and value not in (None, False):
@@ -152,4 +154,4 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
             self.rollout_correction, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
-            kept_token_normalizer_losses=_kept_token_normalizer_losses())
+            kept_token_normalizer_losses=_trainer_kept_token_normalizer_losses())

@@ -39,16 +39,18 @@ def resolve_checkpoint(resume_from_checkpoint: Any, output_dir: str) -> str | No
 
 
 def save_rollout_state(directory: str, sampler: Any, vllm_sync_steps: list[int] | None) -> None:
+    """Write ``rollout_corr_state.pt`` into the checkpoint ``directory`` (the main process only)."""
     state = {"sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
              "vllm_sync_steps": list(vllm_sync_steps) if vllm_sync_steps is not None else None}
     torch.save(state, os.path.join(directory, STATE_NAME))
 
 
 def load_rollout_state(checkpoint: str) -> dict[str, Any] | None:
+    """What :func:`save_rollout_state` wrote (on the CPU; tensors, lists, ints and strings only), or None."""
     path = os.path.join(checkpoint, STATE_NAME)
     if not os.path.isfile(path):
         return None
-    return torch.load(path, weights_only=False)  # written by save_rollout_state: tensors, lists, ints, strings
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def checkpoint_step(checkpoint: str) -> int | None:
@@ -65,15 +67,13 @@ def correction_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[s
     return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
 
 
-def vllm_schedule_after_resume(sync_steps: list[int], step: int, interval: int) -> tuple[list[int], bool]:
-    """The sync history a resumed run continues from, and whether it is exact.
+def vllm_weights_lost_at_resume(sync_steps: list[int], step: int, interval: int) -> bool:
+    """Whether the uninterrupted run's engine would still hold weights a resumed engine cannot have.
 
-    The uninterrupted run's engine, at the first generation after ``step``, holds the weights of step
-    ``sync_steps[-1]``, or syncs there (``step - sync_steps[-1] >= interval``). A resumed engine holds the
-    checkpoint's weights only: exact in the second case; in the first it must sync at once (history cleared)."""
-    if sync_steps and step - sync_steps[-1] >= interval:
-        return list(sync_steps), True
-    return [], not sync_steps
+    At the first generation after ``step`` the uninterrupted engine holds the weights of step ``sync_steps[-1]``
+    unless it syncs there (``step - sync_steps[-1] >= interval``). Those weights are not in the checkpoint: the
+    resumed engine then loads the checkpoint's once, and the schedule (the phase of later syncs) stays the same."""
+    return bool(sync_steps) and step - sync_steps[-1] < interval
 
 
 def restore_rollout_state(trainer: Any, checkpoint: str) -> None:
@@ -90,20 +90,29 @@ def restore_rollout_state(trainer: Any, checkpoint: str) -> None:
                            "changed it; pass rollout_correction_config=%r to continue with the checkpoint's.",
                            checkpoint, listed, config_path)
     state = load_rollout_state(checkpoint) or {}
-    if trainer.rollout_sampler is not None and hasattr(trainer.rollout_sampler, "load_state_dict"):
-        if state.get("sampler") is None:
-            logger.warning("%s has no rollout engine state (%s): the engine restarts from the checkpoint's "
-                           "policy, so its lag differs from an uninterrupted run's for a few steps.", checkpoint,
-                           STATE_NAME)
-        else:
-            trainer.rollout_sampler.load_state_dict(state["sampler"])
+    main = trainer.accelerator.is_main_process
+    takes_state = hasattr(trainer.rollout_sampler, "load_state_dict")
+    if takes_state and state.get("sampler") is not None:
+        trainer.rollout_sampler.load_state_dict(state["sampler"])
+    elif takes_state and main:
+        logger.warning("%s has no rollout engine state (%s): the engine restarts from the checkpoint's policy, so its "
+                       "lag differs from an uninterrupted run's for a few steps.", checkpoint, STATE_NAME)
+    elif state.get("sampler") is not None and main:
+        logger.warning("%s holds the state of a rollout engine (%s) but this trainer has no rollout_sampler: it is "
+                       "not used. Pass the engine the checkpoint was trained with to continue its lag.", checkpoint,
+                       STATE_NAME)
     if trainer.use_vllm and state.get("vllm_sync_steps") is not None:
         step, interval = checkpoint_step(checkpoint), int(trainer.args.vllm_sync_interval or 1)
-        history, exact = vllm_schedule_after_resume(state["vllm_sync_steps"], step, interval)
-        trainer.vllm_sync_steps = history  # read by the sync schedule (vllm.engine) at every generation
-        if not exact and trainer.accelerator.is_main_process:
-            logger.warning("%s (step %d) is not at a vLLM weight sync (last sync at step %d, vllm_sync_interval="
-                           "%d): the engine starts from the checkpoint's weights, so it lags less than in an "
-                           "uninterrupted run until its next sync. Save at multiples of vllm_sync_interval "
-                           "(save_steps=%d) for an exact resume.", checkpoint, step, state["vllm_sync_steps"][-1],
-                           interval, interval)
+        if step is None:  # no trainer_state.json: transformers' own resume error follows
+            return
+        trainer.vllm_sync_steps = list(state["vllm_sync_steps"])  # read by the sync schedule (vllm.engine)
+        if vllm_weights_lost_at_resume(trainer.vllm_sync_steps, step, interval):
+            trainer.vllm_refresh_pending = True
+            if trainer.accelerator.is_main_process:
+                logger.warning(
+                    "%s (step %d) is not at a vLLM weight sync (last sync at step %d, vllm_sync_interval=%d): the "
+                    "engine's weights of step %d are not saved, so it starts from the checkpoint's and lags less than "
+                    "in an uninterrupted run until its next scheduled sync (step %d). Save at multiples of "
+                    "vllm_sync_interval (save_steps=%d) for the same engine weights.", checkpoint, step,
+                    trainer.vllm_sync_steps[-1], interval, trainer.vllm_sync_steps[-1],
+                    trainer.vllm_sync_steps[-1] + interval, interval)

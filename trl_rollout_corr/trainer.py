@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from ._trl import (TrlForwardCalls, TrlInternalsChanged, forward_input_names, kept_token_normalizer_losses,
-                   trl_runs_pi_old_forward, unpack_generate_result)
+from ._trl import (TrlForwardCalls, TrlInternalsChanged, checkpoint_dir, forward_input_names,
+                   kept_token_normalizer_losses, trl_runs_pi_old_forward, unpack_generate_result)
 from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.pipeline import rollout_usable_mask
@@ -34,9 +34,9 @@ from .core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
 from .grpo_config import RolloutCorrGRPOConfig
 from .losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
+from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from .rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from .rollout.logprobs import check_rollout_logprobs
-from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from .rollout.support import KeptMassProbe
 
 logger = logging.getLogger(__name__)
@@ -362,8 +362,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             self.rollout_correction.save_pretrained(output_dir or self.args.output_dir)
-            save_rollout_state(output_dir or self.args.output_dir, self.rollout_sampler,
-                               getattr(self, "vllm_sync_steps", None))
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """TRL's checkpoint, plus the engine's state (in checkpoints only: never pushed with the model)."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            save_rollout_state(checkpoint_dir(self, trial), self.rollout_sampler, getattr(self, "vllm_sync_steps", None))
 
     # ------------------------------------------------------------------ 5. resuming (trl_rollout_corr.resume)
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):

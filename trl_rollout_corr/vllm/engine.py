@@ -152,16 +152,23 @@ def _install_sync_schedule(trainer, interval: int) -> None:
 
     TRL calls ``sync_weights`` before the first generation of every optimizer step; with ``interval=k`` only every
     k-th call reaches the engine, so pi_rollout lags pi_theta by 0..k-1 steps. ``trainer.vllm_sync_steps`` lists
-    the global steps at which the engine was synced.
+    the global steps at which the engine was synced. ``trainer.vllm_refresh_pending`` (set on a resume whose
+    engine weights cannot be restored, :mod:`trl_rollout_corr.resume`) loads the current weights once without
+    moving the schedule.
     """
     gen = trainer.vllm_generation
     sync = gen.sync_weights
     trainer.vllm_sync_steps = []
+    trainer.vllm_refresh_pending = False
 
     def scheduled_sync():
         step = trainer.state.global_step
         if trainer.vllm_sync_steps and step - trainer.vllm_sync_steps[-1] < interval:
+            if trainer.vllm_refresh_pending:
+                trainer.vllm_refresh_pending = False
+                sync()
             return
+        trainer.vllm_refresh_pending = False
         sync()
         trainer.vllm_sync_steps.append(step)
 
