@@ -24,10 +24,10 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--cases", required=True)
     parser.add_argument("--splits", default="4x1,2x2,1x4")
-    parser.add_argument("--engine", default="ddp", choices=["ddp", "deepspeed"])
+    parser.add_argument("--engine", default="ddp", choices=["ddp", "deepspeed", "fsdp"])
     opts = parser.parse_args()
-    # DeepSpeed on CPU: gloo through accelerate (use_cpu=True would start no DeepSpeed engine)
-    device = dict(use_cpu=False, ddp_backend="gloo") if opts.engine == "deepspeed" else {}
+    # DeepSpeed on CPU: gloo through accelerate (use_cpu=True would start no DeepSpeed engine); FSDP: GPUs only
+    device = {"deepspeed": dict(use_cpu=False, ddp_backend="gloo"), "fsdp": dict(use_cpu=False)}.get(opts.engine, {})
     results: dict = {}
     root = tempfile.mkdtemp(prefix=f"invariance_rank{os.environ.get('RANK', '0')}_")
     for case in opts.cases.split(","):
@@ -39,6 +39,7 @@ def main() -> None:
                 "update": update, "world_size": trainer.accelerator.num_processes, "no_grad_forwards": forwards,
                 "grad_norm": log["grad_norm"], "distributed_type": str(trainer.accelerator.distributed_type),
                 "at_generation": trainer.correction_plan.at_generation,
+                "sharded": any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in trainer.model.parameters()),
                 "metrics": {k: v for k, v in log.items() if k.startswith("rollout_corr/")}}
             if trainer.accelerator.is_main_process:
                 torch.save(results, opts.out)
