@@ -7,33 +7,24 @@ the floor and the ceiling, with >= 5 seeds per row; and each remedy the monitor 
 help for that kind of mismatch.
 """
 
-import importlib.util
 import math
 import os
 
 import pytest
+
+from bench_utils import load_benchmark, readme_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "mismatch_results.csv")
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("mismatch_bench", os.path.join(ROOT, "benchmarks", "mismatch_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("mismatch_bench")
 
 
 @pytest.fixture(scope="module")
 def rows():
     return bench().read_rows(RESULTS)
-
-
-def readme_block(marker: str) -> str:
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    start = text.index(f"<!-- {marker} -->") + len(f"<!-- {marker} -->")
-    return text[start:text.index(f"<!-- /{marker} -->")].strip()
 
 
 def test_readme_table_and_advice_are_generated_from_the_results(rows):
