@@ -248,7 +248,9 @@ def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
         print(f"left out (a row is all of its seeds or none): {', '.join(partial)}", file=sys.stderr)
     runs = {k: sorted(v, key=lambda r: r["seed"]) for k, v in runs.items() if len(v) == len(seeds)}
     rows = []
-    for (variant, staleness), rs in sorted(runs.items(), key=lambda kv: (kv[0][1] or 4, kv[0][0] != "sync", kv[0][0])):
+    first = {"sync": 0, "trl_as_is": 1}  # then the corrections, by name
+    for (variant, staleness), rs in sorted(runs.items(), key=lambda kv: (kv[0][1] or 4, first.get(kv[0][0], 2),
+                                                                         kv[0][0])):
         xs = [r["eval_reward"] for r in rs]
         mean, half = stats.mean_ci(xs)
         base = runs.get(("trl_as_is", staleness or 4))
