@@ -34,6 +34,13 @@ def main() -> None:
         params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
         with open(out, "w") as f:
             json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "params": params}, f)
+    # tear the process group down before interpreter exit, as the synchronous workers do: left to shutdown, gloo's
+    # threads aborted rank 1 once here ("terminate called without an active exception", SIGABRT) after training
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
