@@ -15,6 +15,8 @@ import tempfile
 
 import torch
 
+from worker_exit import end_worker  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(__file__))
 from async_stub import build_trainer, make_samples  # noqa: E402
 
@@ -34,18 +36,7 @@ def main() -> None:
         params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
         with open(out, "w") as f:
             json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "params": params}, f)
-    # tear the process group down before interpreter exit, as the synchronous workers do: left to shutdown, gloo's
-    # threads aborted rank 1 once here ("terminate called without an active exception", SIGABRT) after training
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    # skip the interpreter's teardown (results are written): gloo's threads still aborted there now and then
-    # ("terminate called without an active exception") after the group was destroyed; cause open (issue #28)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()
 
 
 if __name__ == "__main__":

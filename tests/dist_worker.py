@@ -18,6 +18,8 @@ import sys
 import zlib
 
 import torch
+
+from worker_exit import end_worker  # noqa: E402
 from datasets import Dataset
 
 from trainer_utils import count_policy_forwards
@@ -114,18 +116,7 @@ def main() -> None:
         with open(f"{opts.out}.rank{trainer.accelerator.process_index}", "w") as fh:
             json.dump({"alerts": [(a["step"], a["alert"]) for a in monitor.alerts],
                        "stopped_at": trainer.state.global_step}, fh)
-    # tear the process group down before interpreter exit: left to shutdown, gloo's threads were seen to abort the
-    # process ("terminate called without an active exception") after training had finished
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    # skip the interpreter's teardown (results are written): gloo's threads still aborted there now and then
-    # ("terminate called without an active exception") after the group was destroyed; cause open (issue #28)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import tempfile
 
 import torch
 
+from worker_exit import end_worker  # noqa: E402
+
 from test_invariance import CASES, one_sgd_step
 
 
@@ -44,16 +46,7 @@ def main() -> None:
                 "metrics": {k: v for k, v in log.items() if k.startswith("rollout_corr/")}}
             if trainer.accelerator.is_main_process:
                 torch.save(results, opts.out)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # tear down before exit (gloo threads were seen to abort)
-        dist.barrier()
-        dist.destroy_process_group()
-    # skip the interpreter's teardown (results are written): gloo's threads still aborted there now and then
-    # ("terminate called without an active exception") after the group was destroyed; cause open (issue #28)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()
 
 
 if __name__ == "__main__":
