@@ -55,8 +55,8 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from trl_rollout_corr.demo.tiny import (build_chat_tokenizer, build_model, held_out_reward, reverse_chat_reward,
-                                            reverse_prompts, supervised_warmup)
+    from trl_rollout_corr.testing.toy_task import (build_chat_tokenizer, build_model, held_out_reward,
+                                                   reverse_chat_reward, reverse_prompts, supervised_warmup)
 
     hf_logging.set_verbosity_error()
     t0 = time.time()
@@ -163,7 +163,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from server_utils import free_port, running_server
 
-    from trl_rollout_corr.demo.tiny import build_chat_tokenizer, build_model
+    from trl_rollout_corr.testing.toy_task import build_chat_tokenizer, build_model
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -97,7 +97,7 @@ def run_variant(opts) -> dict:
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trl_rollout_corr.demo.tiny import build_tokenizer
+    from trl_rollout_corr.testing.toy_task import build_tokenizer
 
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)

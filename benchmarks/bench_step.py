@@ -83,7 +83,7 @@ def run_variant(opts) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
     from profiling import count_host_syncs
-    from trl_rollout_corr.demo.tiny import build_tokenizer, reverse_prompts
+    from trl_rollout_corr.testing.toy_task import build_tokenizer, reverse_prompts
 
     if opts.threads:
         torch.set_num_threads(opts.threads)

@@ -43,8 +43,8 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
-    from trl_rollout_corr.demo.tiny import (build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward,
-                                       supervised_warmup)
+    from trl_rollout_corr.testing.toy_task import (build_model, build_tokenizer, held_out_reward, reverse_prompts,
+                                                   reverse_reward, supervised_warmup)
     from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()

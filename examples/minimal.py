@@ -6,7 +6,7 @@ from datasets import Dataset
 
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
-from trl_rollout_corr.demo.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
+from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts, reverse_reward
 
 args = RolloutCorrGRPOConfig(
     output_dir=sys.argv[1] if len(sys.argv) > 1 else "outputs/minimal",

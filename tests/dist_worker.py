@@ -25,7 +25,7 @@ from datasets import Dataset
 from trainer_utils import count_policy_forwards
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
-from trl_rollout_corr.demo.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
+from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts, reverse_reward
 
 GLOBAL_BATCH = 16
 NUM_GENERATIONS = 4

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trl_rollout_corr.async_grpo.tree_attention import flash_attn_varlen_func
-from trl_rollout_corr.demo.tiny import build_model
+from trl_rollout_corr.testing.toy_task import build_model
 
 
 def test_one_segment_is_causal_attention():

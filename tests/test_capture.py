@@ -16,7 +16,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, Log
 
 from trl_rollout_corr.rollout.capture import capture_sampling_logprobs
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
-from trl_rollout_corr.demo.tiny import build_model
+from trl_rollout_corr.testing.toy_task import build_model
 
 PROMPT_LEN, BATCH = 5, 6
 

@@ -19,7 +19,7 @@ from test_invariance import mismatched_engine
 from test_trl_equivalence import ROWS, one_micro_batch, perturb_, policy_logps
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-from trl_rollout_corr.demo.tiny import build_model, build_tokenizer, reverse_reward
+from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_reward
 
 TOK = build_tokenizer()
 

@@ -15,7 +15,7 @@ from trainer_utils import count_policy_forwards
 from trl_rollout_corr import RolloutCorrGRPOTrainer
 from trl_rollout_corr.core.metrics import finalize_floats
 from trl_rollout_corr.core.stats import RolloutStats
-from trl_rollout_corr.demo.tiny import build_model
+from trl_rollout_corr.testing.toy_task import build_model
 
 CASES = {
     "token_is": dict(preset="decoupled_token_is", rollout_is_threshold=1.5),

@@ -29,7 +29,7 @@ from test_invariance import CASES as INVARIANCE_CASES
 from test_invariance import ROWS, TOK, mismatched_engine
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-from trl_rollout_corr.demo.tiny import build_model, reverse_reward
+from trl_rollout_corr.testing.toy_task import build_model, reverse_reward
 
 LR = 0.05
 SHAPES = {

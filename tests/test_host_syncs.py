@@ -12,7 +12,7 @@ import pytest
 from trl import GRPOConfig, GRPOTrainer
 
 from test_rollout_func import build, make_rollout_func
-from trl_rollout_corr.demo.tiny import reverse_reward
+from trl_rollout_corr.testing.toy_task import reverse_reward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from profiling import count_host_syncs  # noqa: E402  (a measuring tool: it patches torch.Tensor while open)

@@ -20,7 +20,7 @@ from datasets import Dataset
 
 from trainer_utils import LogCollector, count_policy_forwards, tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-from trl_rollout_corr.demo.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
+from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts, reverse_reward
 
 TOK = build_tokenizer()
 SPLITS = [(8, 1), (2, 4), (1, 8)]  # (per_device_train_batch_size, gradient_accumulation_steps)

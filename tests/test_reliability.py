@@ -90,7 +90,7 @@ def test_completions_of_very_different_lengths_pad_to_all_padding_tails(tmp_path
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("preset", ["decoupled_token_is", "ppo_is_bypass"])
 def test_low_precision_training_gives_finite_loss_and_metrics(tmp_path, dtype, preset):
-    from trl_rollout_corr.demo.tiny import build_model
+    from trl_rollout_corr.testing.toy_task import build_model
 
     model = build_model(hidden_size=32).to(dtype)  # low-precision weights: the policy and pi_rollout both in dtype
     trainer, logs = make_trainer(tmp_path, model=model, preset=preset, max_steps=2, bf16=dtype == torch.bfloat16)

@@ -7,7 +7,7 @@ import pytest
 
 from trainer_utils import make_trainer
 from trl_rollout_corr import RolloutCorrGRPOTrainer
-from trl_rollout_corr.demo.tiny import build_tokenizer, reverse_reward
+from trl_rollout_corr.testing.toy_task import build_tokenizer, reverse_reward
 
 TOK = build_tokenizer()
 

@@ -43,7 +43,7 @@ def workspace(tmp_path_factory):
     """A user's directory: a tiny model, a tiny reward model, two data directories and a reward module."""
     from transformers import Qwen2ForSequenceClassification
 
-    from trl_rollout_corr.demo.tiny import build_model, build_tokenizer, reverse_prompts
+    from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts
 
     root = tmp_path_factory.mktemp("user")
     tok = build_tokenizer()

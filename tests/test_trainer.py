@@ -159,7 +159,7 @@ def test_peft_lora_trains(tmp_path):
 
     trainer, col = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=2)
     from trl_rollout_corr import RolloutCorrGRPOTrainer
-    from trl_rollout_corr.demo.tiny import build_model, build_tokenizer, reverse_reward
+    from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_reward
 
     lora = RolloutCorrGRPOTrainer(model=build_model(hidden_size=32), reward_funcs=reverse_reward, args=trainer.args,
                                   train_dataset=trainer.train_dataset, processing_class=build_tokenizer(),

@@ -23,7 +23,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trainer_utils import LogCollector, tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-from trl_rollout_corr.demo.tiny import VOCAB, build_model, build_tokenizer, reverse_prompts
+from trl_rollout_corr.testing.toy_task import VOCAB, build_model, build_tokenizer, reverse_prompts
 
 TOK = build_tokenizer()
 EOS = 1

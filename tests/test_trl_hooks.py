@@ -20,7 +20,7 @@ from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
 from trl_rollout_corr._trl import (TrlInternalsChanged, forward_input_names, generate_result_fields,
                                    kept_token_normalizer_losses)
-from trl_rollout_corr.demo.tiny import build_model
+from trl_rollout_corr.testing.toy_task import build_model
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
 

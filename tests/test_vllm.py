@@ -33,7 +33,7 @@ PRESETS = ["decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "dec
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from trl_rollout_corr.demo.tiny import build_model, build_tokenizer
+    from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer
 
     d = tmp_path_factory.mktemp("vllm_tiny_model")
     build_model(hidden_size=128).save_pretrained(d)

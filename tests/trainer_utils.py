@@ -6,7 +6,7 @@ from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # fi
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from trl_rollout_corr.demo.tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward
+from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts, reverse_reward
 
 _MODEL_CACHE: dict = {}
 

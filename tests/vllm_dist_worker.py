@@ -20,7 +20,7 @@ from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # fi
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from trl_rollout_corr.demo.tiny import reverse_prompts  # noqa: E402
+from trl_rollout_corr.testing.toy_task import reverse_prompts  # noqa: E402
 
 
 def length_reward(completions, **kwargs):

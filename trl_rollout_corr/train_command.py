@@ -54,7 +54,8 @@ def reward_registry() -> dict[str, Callable]:
     from trl.rewards import (accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward,
                              think_format_reward)
 
-    from .rewards import math_answer_reward, reverse_reward
+    from .rewards import math_answer_reward
+    from .testing.toy_task import reverse_reward
 
     return {
         "accuracy_reward": accuracy_reward,

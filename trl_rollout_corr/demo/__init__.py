@@ -1,7 +1,7 @@
-"""The CPU demo and its tiny task (a locally built model, a tokenizer and a verifiable reward; no download).
+"""The CPU demo (``trl-rollout-corr demo``): ``run``, on the toy task of :mod:`trl_rollout_corr.testing.toy_task`.
 
-Apart from the library: nothing in ``trl_rollout_corr`` outside this package and the CLI imports it.
-``run`` the demo (``trl-rollout-corr demo``); ``tiny`` the model, tokenizer, task and reward it trains on.
+Apart from the library: nothing in ``trl_rollout_corr`` outside this package and the CLI's ``demo`` command imports
+it (tests/test_import_graph.py).
 """
 
 

@@ -72,7 +72,8 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
 
     from ..monitor import RolloutCorrectionMonitor
     from ..rollout.emulated import EmulatedRolloutEngine
-    from .tiny import build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward, supervised_warmup
+    from ..testing.toy_task import (build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward,
+                                    supervised_warmup)
     from ..trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
@@ -264,7 +265,7 @@ def int8_diagnostics(steps: int = 20) -> str:
     from transformers.utils import logging as hf_logging
 
     from ..rollout.emulated import EmulatedRolloutEngine
-    from .tiny import build_model, build_tokenizer, reverse_prompts, reverse_reward, supervised_warmup
+    from ..testing.toy_task import build_model, build_tokenizer, reverse_prompts, reverse_reward, supervised_warmup
     from ..trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()

@@ -1,4 +1,5 @@
-"""Tiny, locally built models, tokenizers and a verifiable task (no download): for tests and the CPU demo.
+"""The toy task: tiny, locally built models, tokenizers and a verifiable task (no download), for tests, benchmarks,
+examples and the CPU demo.
 
 Task "reverse": the prompt ``rev 3 1 4 =`` asks for the digits reversed, ``4 1 3 <eos>``; the reward is
 the fraction of positions right, over max(len(output), n_digits).
