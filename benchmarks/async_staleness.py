@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--output_dir", default="outputs/async_staleness")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # variant seed staleness url out
     p.add_argument("--results", default=None,
-                   help="write the rows with all --seeds to this CSV (the README's table: benchmarks/results/"
+                   help="write the rows with all --seeds to this CSV (docs/async.md's table: benchmarks/results/"
                         "async_staleness_results.csv) and print the table; runs nothing")
     a = p.parse_args()
     if a.results:
@@ -214,7 +214,7 @@ def summarize(output_dir: str) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ committed results (README table, tests)
+# ------------------------------------------------------------------ committed results (docs/async.md's table, tests)
 RESULT_FIELDS = ("variant", "max_staleness", "n_seeds", "reward_mean", "reward_ci95", "per_seed", "vs_trl_as_is",
                  "vs_trl_as_is_ci95", "lag_mean", "dropped", "kl", "seconds_per_run")
 
@@ -289,8 +289,8 @@ VARIANT_TEXT = {
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's table: **bold** where a correction is significantly above TRL's trainer as is (95% Welch interval
-    excludes 0), ↓ where significantly below."""
+    """The table in docs/async.md: **bold** where a correction is significantly above TRL's trainer as is (95%
+    Welch interval excludes 0), ↓ where significantly below."""
     out = ["| variant | max_staleness | n | held-out reward (95% CI) | vs TRL's trainer as is (95% CI) | "
            "lag at the loss (mean) | samples dropped as stale | kl(pi_rollout‖pi_theta) | wall time (s) |",
            "|---|---|---|---|---|---|---|---|---|"]

@@ -12,6 +12,7 @@ on the same device (the achievable memory bandwidth) and reports each configurat
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -84,8 +85,9 @@ def main() -> None:
                 want, have = reference.stats.to_floats(), got.stats.to_floats()
                 assert want.keys() == have.keys() and all(
                     abs(want[k] - have[k]) <= 1e-5 * max(1.0, abs(want[k])) for k in want), config_name
-            t = timed(lambda: compute_rollout_correction_stats(old, rollout, mask, **kwargs) if mode == "eager"
-                      else fn(old, rollout, mask, **kwargs), device, opts.repeats)
+            run = functools.partial(compute_rollout_correction_stats if mode == "eager" else fn, old, rollout, mask,
+                                    **kwargs)
+            t = timed(run, device, opts.repeats)
             print(f"| {config_name} | {mode} | {t * 1e3:.2f} | {floor_t / t:.2f} |")
 
 

@@ -36,7 +36,8 @@ import tempfile
 import time
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package, not the venv's
+# this checkout's package, not the venv's
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASELINE = "trl_vllm_is"
 # our variants: preset name -> extra config fields (loss_type is TRL's default, dapo)
 OURS = {
@@ -184,14 +185,14 @@ def main(argv=None) -> None:
         for variant in order:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
                 out = fh.name
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out, *shared],
-                                  env=env, capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out,
+                                   *shared], env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"{variant} failed:\n{proc.stderr[-4000:]}")
             with open(out) as fh:
                 results[variant].append(json.load(fh))
-            print(f"  repeat {repeat + 1}/{opts.repeats} {variant:24s} {results[variant][-1]['step_s'] * 1e3:8.1f} ms/step",
-                  flush=True)
+            step_ms = results[variant][-1]["step_s"] * 1e3
+            print(f"  repeat {repeat + 1}/{opts.repeats} {variant:24s} {step_ms:8.1f} ms/step", flush=True)
 
     def med(variant, key):
         return statistics.median(r[key] for r in results[variant])
@@ -210,8 +211,8 @@ def main(argv=None) -> None:
         syncs = med(variant, "syncs_per_step") if not variant.startswith("trl_") else float("nan")
         sync_text = "—" if variant.startswith("trl_") else f"{syncs:.2f}"
         forward = "yes" if results[variant][0]["extra_forward"] else "no"
-        print(f"| {variant} | {forward} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} | {m:.0f} "
-              f"| {m / base_m:.3f} | {sync_text} "
+        print(f"| {variant} | {forward} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} | "
+              f"{m:.0f} | {m / base_m:.3f} | {sync_text} "
               f"| {med(variant, 'all_syncs_per_step'):.2f} |")
 
 

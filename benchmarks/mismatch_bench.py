@@ -27,7 +27,7 @@ gap = on_policy - uncorrected, and "gap closed" = (method - uncorrected) / gap, 
 
 Methods: TRL's four modes (``trl_<mode>``, spelled with TRL's own fields and run as TRL runs them: no truncated-support
 fix), this package's presets, and ``METHODS``' other rows. Output: ``OUTPUT_DIR/runs/*.json``,
-``OUTPUT_DIR/mismatch_results.csv``, ``OUTPUT_DIR/mismatch_results.md`` (the README's table),
+``OUTPUT_DIR/mismatch_results.csv``, ``OUTPUT_DIR/mismatch_results.md`` (docs/benchmarks.md's table),
 ``OUTPUT_DIR/mismatch_gap_closed.png`` and the table on stdout.
 """
 
@@ -231,7 +231,7 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-        lines.append(f"\nwrote {output_dir}/mismatch_results.csv and {output_dir}/mismatch_results.md (the README's table)")
+        lines.append(f"\nwrote {output_dir}/mismatch_results.csv and {output_dir}/mismatch_results.md (docs/benchmarks.md's table)")
         try:
             plot(rows, os.path.join(output_dir, "mismatch_gap_closed.png"))
             lines.append(f"wrote {output_dir}/mismatch_gap_closed.png")
@@ -274,7 +274,8 @@ def recommended(rows: list[dict], scenario: str) -> str:
 
 
 def recommendations(rows: list[dict]) -> str:
-    """The README's "which preset for which mismatch", generated from the table's rows, each line citing its rows.
+    """docs/benchmarks.md's "which preset for which mismatch", generated from the table's rows, each line citing
+    its rows.
 
     Per scenario: the methods significantly above TRL's default (best first), or "keep TRL's default" when there is
     none; the methods significantly below it (to avoid); and whether any method closed half the gap."""
@@ -328,7 +329,7 @@ def read_rows(csv_path: str) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's table: one block of rows per scenario, best first; **bold** where a method is significantly
+    """docs/benchmarks.md's table: one block of rows per scenario, best first; **bold** where a method is significantly
     above TRL's default (its 95% Welch interval excludes 0), ↓ where significantly below; ``on_policy`` is the
     ceiling (no mismatch), ``uncorrected`` the floor."""
     out = ["| scenario | method | n | held-out reward (95% CI) | vs `trl_default` (95% CI) | gap closed (95% CI) | kl | rejected |",

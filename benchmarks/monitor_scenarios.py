@@ -1,7 +1,7 @@
 """Scenarios for RolloutCorrectionMonitor: record per-step traces once, replay them into the monitor offline.
 
     python benchmarks/monitor_scenarios.py record  --out outputs/monitor_traces --jobs 2     # 6 scenarios x 3 seeds
-    python benchmarks/monitor_scenarios.py replay  --traces outputs/monitor_traces          # the README table
+    python benchmarks/monitor_scenarios.py replay  --traces outputs/monitor_traces          # docs/monitor.md
 
 ``record`` trains the demo's tiny reverse task (64 x 8 completions per step, lr 3e-4, 150 steps) with
 ``logging_steps=1`` and writes every log row (and the policy's own held-out reward every 10 steps) as JSON.

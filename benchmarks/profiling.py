@@ -15,7 +15,7 @@ import contextlib
 import os
 import sys
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

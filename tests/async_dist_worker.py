@@ -24,8 +24,9 @@ from async_stub import build_trainer, make_samples  # noqa: E402
 def main() -> None:
     out, model_dir, preset, per_device = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     samples = make_samples(model_dir, n_groups=6, noise=0.4, seed=11)
-    trainer, _ = build_trainer(model_dir, samples, tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=per_device,
-                               rollout_correction_preset=preset, rollout_is_batch_normalize=True, learning_rate=1e-2,
+    trainer, _ = build_trainer(model_dir, samples, tempfile.mkdtemp(), max_steps=2,
+                               per_device_train_batch_size=per_device, rollout_correction_preset=preset,
+                               rollout_is_batch_normalize=True, learning_rate=1e-2,
                                optim="sgd")  # SGD: the update is lr x the gradient (Adam would amplify float noise)
     trainer.train()
     if trainer.accelerator.is_main_process:

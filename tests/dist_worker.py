@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import zlib
 
 import torch
@@ -72,7 +71,8 @@ def main() -> None:
     args = RolloutCorrGRPOConfig(
         output_dir=os.path.join(os.path.dirname(opts.out), "run"), per_device_train_batch_size=opts.per_device,
         gradient_accumulation_steps=1, num_generations=NUM_GENERATIONS, max_completion_length=COMPLETION_LEN,
-        max_steps=opts.max_steps, learning_rate=opts.learning_rate, num_iterations=opts.num_iterations, logging_steps=1, save_strategy="no", report_to="none",
+        max_steps=opts.max_steps, learning_rate=opts.learning_rate, num_iterations=opts.num_iterations, logging_steps=1,
+        save_strategy="no", report_to="none",
         bf16=False, seed=0, temperature=1.0, dataloader_num_workers=0, rollout_correction_preset=opts.preset,
         **device_kwargs, **json.loads(opts.correction))
     sampler = EmulatedRolloutEngine("stale", lag=1) if opts.rollout == "generate" else None

@@ -17,7 +17,7 @@ import signal
 import torch
 from transformers import TrainerCallback
 
-from trainer_utils import LogCollector, make_trainer
+from trainer_utils import make_trainer
 from trl_rollout_corr import RolloutCorrectionMonitor
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 

@@ -1,6 +1,6 @@
-"""The README's asynchronous-trainer table is the benchmark's: ``benchmarks/results/async_staleness_results.csv`` is
-the output of ``python benchmarks/async_staleness.py ... --results`` (the command is in the README). Checked: the
-README's table is what the benchmark's own ``markdown`` generates from it; >= 5 seeds per row, TRL's trainer as is
+"""The asynchronous-trainer table (docs/async.md) is the benchmark's: ``benchmarks/results/async_staleness_results.csv``
+is the output of ``python benchmarks/async_staleness.py ... --results`` (the command is on that page). Checked: the
+page's table is what the benchmark's own ``markdown`` generates from it; >= 5 seeds per row, TRL's trainer as is
 at both staleness bounds; the statistics follow from the per-seed values (an independent recomputation)."""
 
 import math
@@ -9,7 +9,7 @@ from statistics import fmean, stdev, variance
 
 import pytest
 
-from bench_utils import load_benchmark, readme_block
+from bench_utils import doc_block, load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "async_staleness_results.csv")
@@ -25,8 +25,8 @@ def rows():
     return bench().read_results(RESULTS)
 
 
-def test_readme_table_is_generated_from_the_results(rows):
-    assert readme_block("async-table") == bench().markdown(rows)
+def test_docs_table_is_generated_from_the_results(rows):
+    assert doc_block("async-table", "docs/async.md") == bench().markdown(rows)
 
 
 def test_trl_s_trainer_at_both_bounds_and_five_seeds_per_row(rows):

@@ -204,8 +204,6 @@ def _every_preset():
 def test_every_preset_trains_on_trl_s_async_trainer(model_dir, samples, tmp_path, preset):
     """Each preset (and two of verl's divergence-criteria names) trains 2 steps with every metric finite and the
     resolved config saved (against the real server: four of them, tests/test_async_cpu.py)."""
-    import json
-
     from trl_rollout_corr.core.metrics import ALWAYS_METRICS, OFFPOLICY_METRICS, PREFIX
 
     trainer, _ = build_trainer(model_dir, samples, str(tmp_path), max_steps=2, rollout_correction_preset=preset)

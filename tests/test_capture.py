@@ -137,7 +137,7 @@ def test_capture_keeps_at_most_one_score_buffer(model, prompt):
     assert max(captured) <= max(plain) + 1, (plain, captured)
 
 
-# ---------------------------------------------------------------------------------------------- plain tensors, instance generate, beam search
+# ---------------------------------------------------------------- plain tensors, instance generate, beam search
 class PlainTensorGenerate(Qwen2ForCausalLM):
     """A custom generate that always returns a plain tensor (remote-code / wrapped generate style)."""
 
@@ -209,7 +209,7 @@ def test_user_instance_generate_is_called_and_restored(model, prompt):
         assert calls and captured["logprobs"].shape[0] == BATCH
         assert vars(model)["generate"] is user_generate
         with pytest.raises(ZeroDivisionError), capture_sampling_logprobs(model):
-            1 / 0
+            raise ZeroDivisionError
         assert vars(model)["generate"] is user_generate
     finally:
         del model.generate

@@ -88,7 +88,8 @@ def test_dict_json_yaml_round_trip(name, tmp_path):
 
 def test_yaml_with_preset_key_and_null():
     cfg = Cfg.from_yaml("preset: decoupled_seq_is_rs\nrollout_rs_threshold: 3.0\nrollout_rs_threshold_lower: null\n")
-    assert cfg.rollout_rs == "sequence" and cfg.rollout_rs_threshold == 3.0 and cfg.rs_threshold_lower == pytest.approx(1 / 3)
+    assert cfg.rollout_rs == "sequence" and cfg.rollout_rs_threshold == 3.0
+    assert cfg.rs_threshold_lower == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="rollout_rs_threshold"):
         Cfg.from_yaml("rollout_rs: token\n")
 

@@ -75,11 +75,13 @@ def test_batch_normalization_token_and_sequence_by_hand():
     rollout = torch.log(torch.tensor([[0.25, 0.25], [0.25, 0.25]]))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     # token: weights [2, 2, 1] -> mean 5/3
-    w, _, met = correct(old, rollout, mask, rollout_is="token", rollout_is_threshold=3.0, rollout_is_batch_normalize=True)
+    w, _, met = correct(old, rollout, mask, rollout_is="token", rollout_is_threshold=3.0,
+                        rollout_is_batch_normalize=True)
     torch.testing.assert_close(w, torch.tensor([[1.2, 1.2], [0.6, 0.0]]))
     assert met[P + "rollout_is_batch_norm_factor"] == pytest.approx(5 / 3)
     # sequence: weights row0 = 4 -> C=3 -> 3, row1 = 1 -> mean over sequences = 2
-    w, _, met = correct(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=3.0, rollout_is_batch_normalize=True)
+    w, _, met = correct(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=3.0,
+                        rollout_is_batch_normalize=True)
     torch.testing.assert_close(w, torch.tensor([[1.5, 1.5], [0.5, 0.0]]))
     assert met[P + "rollout_is_batch_norm_factor"] == pytest.approx(2.0)
 
@@ -91,7 +93,8 @@ def test_extreme_log_ratios_stay_finite():
     for level in ("token", "sequence"):
         for rs in ("token", "sequence", "geometric"):
             w, m, met = correct(old, rollout, torch.ones(2, 3), rollout_is=level, rollout_rs=rs,
-                                rollout_rs_threshold=2.0, rollout_token_veto_threshold=1e-4, rollout_is_batch_normalize=True)
+                                rollout_rs_threshold=2.0, rollout_token_veto_threshold=1e-4,
+                                rollout_is_batch_normalize=True)
             assert torch.isfinite(w).all()
             assert all(math.isfinite(v) for v in met.values()), {k: v for k, v in met.items() if not math.isfinite(v)}
     _, _, met = correct(rollout, rollout * 0 - 1, torch.ones(2, 3), rollout_is="sequence")  # sums of -1e4 too
@@ -101,8 +104,8 @@ def test_extreme_log_ratios_stay_finite():
 
 def test_empty_batch_and_all_padding_rows():
     old, rollout = torch.zeros(3, 4), torch.zeros(3, 4)
-    w, m, met = correct(old, rollout, torch.zeros(3, 4), rollout_is="token", rollout_rs="token", rollout_rs_threshold=2.0,
-                        rollout_token_veto_threshold=1e-4, rollout_is_batch_normalize=True)
+    w, m, met = correct(old, rollout, torch.zeros(3, 4), rollout_is="token", rollout_rs="token",
+                        rollout_rs_threshold=2.0, rollout_token_veto_threshold=1e-4, rollout_is_batch_normalize=True)
     assert w.sum() == 0 and m.sum() == 0
     assert all(v == 0.0 for v in met.values())
     empty = torch.zeros(0, 0)
@@ -139,12 +142,12 @@ def test_metric_names_are_exact():
     old, rollout, mask = torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2, 2)
     _, _, met = correct(old, rollout, mask, rollout_is="token", rollout_rs="sequence", rollout_rs_threshold=2.0,
                         rollout_is_batch_normalize=True)
-    expected = {P + f"rollout_is_{k}" for k in WEIGHT_FAMILY_METRICS} | {P + f"rollout_rs_{k}" for k in WEIGHT_FAMILY_METRICS}
+    expected = {P + f"rollout_{family}_{k}" for family in ("is", "rs") for k in WEIGHT_FAMILY_METRICS}
     expected |= {P + k for k in OFFPOLICY_METRICS}
     expected |= {P + k for k in ("rollout_is_batch_norm_factor", "rollout_is_veto_fraction",
                                  "rollout_is_catastrophic_token_fraction", "rollout_rs_masked_fraction",
-                                 "rollout_rs_seq_masked_fraction", "invalid_logprob_fraction", "rejected_token_fraction",
-                                 "missing_rollout_logprobs_fraction")}
+                                 "rollout_rs_seq_masked_fraction", "invalid_logprob_fraction",
+                                 "rejected_token_fraction", "missing_rollout_logprobs_fraction")}
     assert set(met) == expected
     _, _, met = correct(old, rollout, mask, rollout_is="sequence", rollout_is_bound="mask", rollout_m2_threshold=0.04)
     assert {P + "rollout_is_masked_fraction", P + "rollout_is_seq_masked_fraction", P + "rollout_m2",

@@ -35,7 +35,8 @@ def log_ratios(*values):
 # ---------------------------------------------------------------------------------------------- bounds hit exactly
 def test_rejection_keeps_a_statistic_equal_to_either_bound():
     upper = 2.0
-    train, rollout, mask = log_ratios(math.log(upper), -math.log(upper), math.log(upper) + 1e-3, -math.log(upper) - 1e-3)
+    log_c = math.log(upper)
+    train, rollout, mask = log_ratios(log_c, -log_c, log_c + 1e-3, -log_c - 1e-3)
     _, m, _ = correct(train, rollout, mask, rollout_rs="token", rollout_rs_threshold=upper)
     assert m.tolist() == [[1, 1, 0, 0]]  # keep iff 1/C <= rho <= C, bounds included
 
@@ -51,8 +52,8 @@ def test_default_lower_bound_is_one_over_upper():
 
 def test_veto_is_strict_at_its_threshold():
     threshold = 0.25
-    keep, catastrophic = compute_veto_mask(torch.tensor([[math.log(threshold), 0.0], [math.log(threshold) - 1e-3, 0.0]]),
-                                           torch.ones(2, 2, dtype=torch.bool), threshold)
+    log_rho = torch.tensor([[math.log(threshold), 0.0], [math.log(threshold) - 1e-3, 0.0]])  # (2, 2)
+    keep, catastrophic = compute_veto_mask(log_rho, torch.ones(2, 2, dtype=torch.bool), threshold)
     assert catastrophic.tolist() == [[False, False], [True, False]] and keep.tolist() == [[True, True], [False, False]]
 
 
@@ -168,20 +169,23 @@ def test_truncation_ties_follow_transformers_warpers():
     two_levels = torch.tensor([[math.log(4.0), 0.0, 0.0, 0.0]])  # p = 4/7, 1/7 x 3
     assert torch.isfinite(truncated_logits(two_levels, SamplingTruncation(top_k=1))).tolist() == [[True] + [False] * 3]
     assert torch.isfinite(truncated_logits(two_levels, SamplingTruncation(min_p=0.25))).tolist() == [[True] * 4]
-    assert torch.isfinite(truncated_logits(two_levels, SamplingTruncation(min_p=0.26))).tolist() == [[True] + [False] * 3]
+    kept = torch.isfinite(truncated_logits(two_levels, SamplingTruncation(min_p=0.26)))
+    assert kept.tolist() == [[True] + [False] * 3]
 
 
 def test_truncation_statistics_by_hand_and_when_empty():
     log_mass = torch.log(torch.tensor([[0.5, 0.25, 1.0]]))
     in_support = torch.tensor([[True, False, True]])
     stats = truncation_stats(log_mass, in_support, torch.tensor([[1, 1, 0]]))
-    floats = {f"sum:{k}": v.item() for k, v in stats.sums.items()} | {f"min:{k}": v.item() for k, v in stats.mins.items()}
+    floats = stats.to_floats()
     assert finalize_truncation(floats) == pytest.approx({P + "kept_mass_mean": 0.375, P + "kept_mass_min": 0.25,
                                                          P + "outside_support_fraction": 0.5})
-    one = {"sum:trunc.n": 1.0, "sum:trunc.kept_mass_sum": 0.5, "sum:trunc.outside_n": 1.0, "min:trunc.kept_mass_min": 0.5}
+    one = {"sum:trunc.n": 1.0, "sum:trunc.kept_mass_sum": 0.5, "sum:trunc.outside_n": 1.0,
+           "min:trunc.kept_mass_min": 0.5}
     assert finalize_truncation(one) == {P + "kept_mass_mean": 0.5, P + "kept_mass_min": 0.5,
                                         P + "outside_support_fraction": 1.0}
-    empty = {"sum:trunc.n": 0.0, "sum:trunc.kept_mass_sum": 0.0, "sum:trunc.outside_n": 0.0, "min:trunc.kept_mass_min": 9.0}
+    empty = {"sum:trunc.n": 0.0, "sum:trunc.kept_mass_sum": 0.0, "sum:trunc.outside_n": 0.0,
+             "min:trunc.kept_mass_min": 9.0}
     assert finalize_truncation(empty) == {P + "kept_mass_mean": 0.0, P + "kept_mass_min": 0.0,
                                           P + "outside_support_fraction": 0.0}
     assert finalize_truncation({}) == {}

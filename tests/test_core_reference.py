@@ -72,7 +72,8 @@ def test_random_larger_shapes_match_reference():
             assert_metrics_close(metrics, rmetrics)
 
 
-@pytest.mark.parametrize("rollout_is,rs,veto,bn", [("token", RS_CASES[1], 0.3, True), ("sequence", RS_CASES[2], None, True),
+@pytest.mark.parametrize("rollout_is,rs,veto,bn", [("token", RS_CASES[1], 0.3, True),
+                                                  ("sequence", RS_CASES[2], None, True),
                                                   (None, RS_CASES[3], 0.3, False)])
 def test_samples_without_rollout_logprobs_stay_uncorrected(rollout_is, rs, veto, bn):
     """Rows whose pi_rollout is unknown: weight 1, nothing rejected, out of every statistic, counted as missing."""

@@ -1,4 +1,5 @@
-"""The README's demo tables, backed by full 300-step runs judged by the policy's held-out reward.
+"""The demo tables (the README's vLLM table, the emulated one in docs/benchmarks.md), backed by full 300-step runs
+judged by the policy's held-out reward.
 
 - the emulated engine's table (`--engine stale`, lag 4): seed 0 of `ppo_is_bypass`, run by the demo's own worker in
   this process, ahead of the table's `stale_uncorrected` seed-0 value (that value is not re-run here, for the
@@ -6,7 +7,7 @@
 - the default command's table (`trl-rollout-corr demo`, vLLM synced every 8 steps): seed 1 of the same two
   variants, through the demo CLI with its defaults in a fresh process (engine auto -> vllm, lag 8).
 
-The values are read from the README's tables, so the two cannot drift apart silently. Tolerance 0.1: a different
+The values are read from those tables, so the two cannot drift apart silently. Tolerance 0.1: a different
 CPU rounds differently and 300 steps of sampling amplify that into seed-like noise (the tables' sd is ~0.06-0.08);
 the claim the tables make (bypass recovers most of what the stale engine costs) needs a margin well above that.
 Seed 1 for vLLM: the seed whose gap (0.15) is the table's claim at full size (seed 0's is 0.099).
@@ -20,17 +21,16 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+from bench_utils import doc_containing
 
 
 def readme_value(table: str, variant: str, seed: int) -> float:
-    """Per-seed held-out reward of `variant` in the README table marked `<!-- demo-table: TABLE -->`."""
-    lines = README.split(f"<!-- demo-table: {table} -->\n", 1)[1].splitlines()
+    """Per-seed held-out reward of `variant` in the table marked `<!-- demo-table: TABLE -->` (README or docs)."""
+    marker = f"<!-- demo-table: {table} -->\n"
+    lines = doc_containing(marker)[1].split(marker, 1)[1].splitlines()
     rows = lines[: next(i for i, line in enumerate(lines) if not line.startswith("|"))]
     row = next(line for line in rows if re.match(rf"^\| (\*\*)?{variant}", line))
     return float(row.split("|")[3].split()[seed])

@@ -51,7 +51,8 @@ def _run(cmd: list[str], out: Path, extra_env: dict | None = None) -> dict:
            **(extra_env or {})}
     proc = subprocess.run(cmd, cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 

@@ -174,8 +174,10 @@ def test_criteria_from_the_trainer_config_reach_the_logs(tmp_path, preset):
     from trainer_utils import make_trainer
     from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 
-    trainer, logs = make_trainer(tmp_path, preset=preset, max_steps=3, rollout_sampler=EmulatedRolloutEngine("stale", lag=1),
-                                 rollout_rs_criteria="token_k1,seq_max_k3", rollout_rs_criteria_threshold="0.999_1.001,1e-6")
+    trainer, logs = make_trainer(tmp_path, preset=preset, max_steps=3,
+                                 rollout_sampler=EmulatedRolloutEngine("stale", lag=1),
+                                 rollout_rs_criteria="token_k1,seq_max_k3",
+                                 rollout_rs_criteria_threshold="0.999_1.001,1e-6")
     trainer.train()
     assert trainer.rollout_correction.rollout_rs_criteria == "token_k1,seq_max_k3"
     log = [entry for entry in logs.logs if "loss" in entry][-1]  # the sampler lags: the criteria bite

@@ -193,7 +193,8 @@ def corrected_quantities(cfg, train_logps, rollout, mask, cut=None):
     keep = valid.clone()
     seq = log_rho.sum(1, keepdim=True)  # (B, 1)
     if cfg.rollout_rs is not None:
-        lower = cfg.rollout_rs_threshold_lower if cfg.rollout_rs_threshold_lower is not None else 1 / cfg.rollout_rs_threshold
+        lower = cfg.rollout_rs_threshold_lower
+        lower = 1 / cfg.rollout_rs_threshold if lower is None else lower
         stat = {"token": log_rho, "sequence": seq.expand_as(log_rho),
                 "geometric": (seq / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(log_rho)}[cfg.rollout_rs]
         stat = stat.clamp(-20, 20)

@@ -174,7 +174,6 @@ TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", 
 def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent

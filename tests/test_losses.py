@@ -53,7 +53,8 @@ def test_safe_anchor_replaces_non_finite_and_masked_entries_only():
     fallback = torch.tensor([[-5.0, -6.0, -7.0, -8.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 0]])
     out = safe_anchor(anchor, fallback, mask)
-    assert out.tolist() == [[-1.0, -6.0, -7.0, -8.0]]  # kept finite: itself; NaN/-inf on kept: fallback; masked: fallback
+    # kept finite: itself; NaN/-inf on kept: fallback; masked: fallback
+    assert out.tolist() == [[-1.0, -6.0, -7.0, -8.0]]
     assert not out.requires_grad
 
 

@@ -1,7 +1,8 @@
-"""The README's mismatch table and its advice are the benchmark's, and the monitor advises only what it measured.
+"""The mismatch table and its advice (docs/benchmarks.md) are the benchmark's, and the monitor advises only what it
+measured.
 
 ``benchmarks/results/mismatch_results.csv`` is the output of ``python benchmarks/mismatch_bench.py`` (the command
-and run time are in the README). These tests read it and check: the README's table and its "which preset for which
+and run time are on that page). These tests read it and check: the page's table and its "which preset for which
 mismatch" lines are exactly what the benchmark's own functions generate from it; every scenario has TRL's default,
 the floor and the ceiling, with >= 5 seeds per row; and each remedy the monitor names is one the benchmark measured to
 help for that kind of mismatch.
@@ -12,7 +13,7 @@ import os
 
 import pytest
 
-from bench_utils import load_benchmark, readme_block
+from bench_utils import doc_block, load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "mismatch_results.csv")
@@ -27,10 +28,10 @@ def rows():
     return bench().read_rows(RESULTS)
 
 
-def test_readme_table_and_advice_are_generated_from_the_results(rows):
+def test_docs_table_and_advice_are_generated_from_the_results(rows):
     mb = bench()
-    assert readme_block("mismatch-table") == mb.markdown(rows)
-    assert readme_block("mismatch-advice") == mb.recommendations(rows)
+    assert doc_block("mismatch-table", "docs/benchmarks.md") == mb.markdown(rows)
+    assert doc_block("mismatch-advice", "docs/benchmarks.md") == mb.recommendations(rows)
 
 
 def test_every_scenario_has_trls_default_the_floor_and_the_ceiling_with_five_seeds(rows):

@@ -53,7 +53,8 @@ def test_forward_and_free_sources():
     with pytest.raises(ValueError, match="pi_old_source='free' with gradient_accumulation_steps=1, "
                                          "steps_per_generation=1, num_iterations=2.*pi_theta moves"):
         plan(Cfg.decoupled_token_is(), pi_old_source="free", num_iterations=2)
-    with pytest.raises(ValueError, match="pi_old_source='free' with rollout_is_batch_normalize.*steps_per_generation=4"):
+    with pytest.raises(ValueError,
+                       match="pi_old_source='free' with rollout_is_batch_normalize.*steps_per_generation=4"):
         plan(Cfg.decoupled_token_is(**BN), pi_old_source="free", gradient_accumulation_steps=4, steps_per_generation=4)
     with pytest.raises(ValueError, match="pi_old_source='forward' with bypass_mode=True.*Leave pi_old_source='auto'"):
         plan(Cfg.ppo_is_bypass(), pi_old_source="forward")
@@ -88,5 +89,5 @@ def test_the_trainer_config_fails_at_construction_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match="pi_old_source='never'"):
         RolloutCorrGRPOConfig(**base, pi_old_source="never")
     with pytest.raises(ValueError, match="GSPO"):
-        RolloutCorrGRPOConfig(**base, rollout_correction_preset="decoupled_token_is", importance_sampling_level="sequence",
-                              loss_type="grpo")
+        RolloutCorrGRPOConfig(**base, rollout_correction_preset="decoupled_token_is",
+                              importance_sampling_level="sequence", loss_type="grpo")

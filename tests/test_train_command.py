@@ -269,5 +269,6 @@ def test_no_reward_is_an_error(tmp_path):
 
 
 def test_an_unknown_argument_is_named(tmp_path):
-    with pytest.raises(ValueError, match=r"not used by trl-rollout-corr train nor accelerate launch: \['--lora_rank'\]"):
+    with pytest.raises(ValueError,
+                       match=r"not used by trl-rollout-corr train nor accelerate launch: \['--lora_rank'\]"):
         train_main(["--model_name_or_path", "m", "--lora_rank", "4", "--output_dir", str(tmp_path), "--use_cpu"])

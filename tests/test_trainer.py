@@ -146,9 +146,10 @@ def test_decoupled_token_is_equals_trl_token_truncate(tmp_path):
 def test_loss_types_ga_iterations_and_beta(loss_type, tmp_path_factory):
     model_dir = tiny_model_dir(tmp_path_factory.mktemp("model"))
     for preset in ("decoupled_seq_is_rs", "pg_is"):
-        trainer, col = make_trainer(tmp_path_factory.mktemp(preset), model=model_dir, preset=preset, loss_type=loss_type,
-                                    max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                                    num_iterations=2, beta=0.04, rollout_sampler=EmulatedRolloutEngine("stale", lag=1))
+        trainer, col = make_trainer(tmp_path_factory.mktemp(preset), model=model_dir, preset=preset,
+                                    loss_type=loss_type, max_steps=2, gradient_accumulation_steps=2,
+                                    per_device_train_batch_size=4, num_iterations=2, beta=0.04,
+                                    rollout_sampler=EmulatedRolloutEngine("stale", lag=1))
         trainer.train()
         logs = train_logs(col)
         assert all(math.isfinite(log["loss"]) and "kl" in log for log in logs)
@@ -173,7 +174,8 @@ def test_peft_lora_trains(tmp_path):
 def test_all_rejected_batch_gives_zero_loss_and_warning(tmp_path, caplog):
     # a token rejection band that nothing satisfies under a strongly quantized sampler
     trainer, col = make_trainer(tmp_path, rollout_is="none", rollout_rs="token", rollout_rs_threshold=1.0 + 1e-9,
-                                rollout_rs_threshold_lower=1.0, max_steps=1, rollout_sampler=EmulatedRolloutEngine("wq2"))
+                                rollout_rs_threshold_lower=1.0, max_steps=1,
+                                rollout_sampler=EmulatedRolloutEngine("wq2"))
     with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
         trainer.train()
     log = train_logs(col)[0]

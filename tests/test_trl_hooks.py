@@ -93,8 +93,8 @@ def test_a_changed_generate_result_is_an_error(tmp_path, monkeypatch):
 
 
 def test_the_generate_result_fields_are_read_from_trl(monkeypatch):
-    assert generate_result_fields(RolloutCorrGRPOTrainer) == ("prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs",
-                                        "extra_fields", "images", "tool_images")
+    assert generate_result_fields(RolloutCorrGRPOTrainer) == (
+        "prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images", "tool_images")
 
     def generate_returning_other_names(self, prompts):
         ids, lps = [], []
@@ -144,5 +144,6 @@ def test_correction_lost_in_buffering_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "split_tensor_dict", lambda d, n: [
         {k: v for k, v in part.items() if not k.startswith("rc_")} for part in original(d, n)])
     batch = one_micro_batch(t, ROWS[:8])
-    with pytest.raises(TrlInternalsChanged, match=f"rc_rollout_seen, rc_keep_mask.*did not reach compute_loss.*{VERSION}"):
+    with pytest.raises(TrlInternalsChanged,
+                       match=f"rc_rollout_seen, rc_keep_mask.*did not reach compute_loss.*{VERSION}"):
         t.compute_loss(t.model, batch)

@@ -41,7 +41,8 @@ def hf_reference(logits, targets, truncation):
     return mass.log(), kept.gather(1, targets[:, None]).squeeze(1)
 
 
-@pytest.mark.parametrize("truncation", CASES, ids=lambda t: f"T{t.temperature}-k{t.top_k}-p{t.top_p}-m{t.min_p}{'-first' if t.min_p_first else ''}")
+@pytest.mark.parametrize("truncation", CASES, ids=lambda t: (f"T{t.temperature}-k{t.top_k}-p{t.top_p}-m{t.min_p}"
+                                                             f"{'-first' if t.min_p_first else ''}"))
 @pytest.mark.parametrize("chunk_elements", [64 * 50, 10 ** 9])
 def test_kept_mass_matches_transformers_warpers(truncation, chunk_elements):
     g = torch.Generator().manual_seed(0)

@@ -29,14 +29,14 @@ def verl_keep(log_ratio, mask, rollout_rs, threshold):
         if name.endswith("k1"):
             lo, hi = (float(x) for x in spec.split("_")) if "_" in spec else (1 / float(spec), float(spec))
         else:
-            hi = float(spec)
+            lo, hi = None, float(spec)  # k2/k3: an upper bound only
         for i in range(rows):
             toks = [t for t in range(cols) if mask[i][t]]
             lr = [max(-20.0, min(20.0, log_ratio[i][t])) for t in toks]
             k = {"k1": [-x for x in lr], "k2": [0.5 * x * x for x in lr], "k3": [math.exp(x) - 1 - x for x in lr]}
             values = k[name[-2:]]
 
-            def ok(stat):
+            def ok(stat, lo=lo, hi=hi, name=name):
                 return math.log(lo) <= stat <= math.log(hi) if name.endswith("k1") else stat <= hi
 
             if name.startswith("token"):
@@ -87,7 +87,8 @@ def test_every_verl_preset_is_accepted_with_verl_meaning():
         if "rollout_rs" in fields:  # the verl criterion, translated
             assert cfg.rollout_rs_criteria == fields["rollout_rs"] and cfg.rollout_rs is None
         assert Cfg.from_dict(cfg.to_dict()) == cfg  # saved in this package's spelling, loaded back identically
-    assert Cfg.from_preset("bypass_pg_geo_rs_token_tis", is_threshold=3.0, rs_threshold="0.9_1.1").rollout_is_threshold == 3.0
+    cfg = Cfg.from_preset("bypass_pg_geo_rs_token_tis", is_threshold=3.0, rs_threshold="0.9_1.1")
+    assert cfg.rollout_is_threshold == 3.0
     assert Cfg.from_preset("decoupled_k3_rs", rs_threshold=0.05).rollout_rs_criteria_threshold == "0.05"
     # the shared names keep this package's meaning; decoupled_geo_rs also vetoes (verl's has no veto)
     assert Cfg.decoupled_geo_rs().rollout_token_veto_threshold == 1e-4
@@ -101,7 +102,8 @@ def test_verl_loss_type_and_icepop():
     icepop = Cfg.from_preset("icepop")
     assert (icepop.rollout_is, icepop.rollout_rs, icepop.rs_threshold_lower, icepop.rollout_rs_threshold) == (
         None, "token", 0.5, 2.0)
-    train, rollout, mask = torch.tensor([[0.0, 0.0, 0.0]]), torch.log(torch.tensor([[1.0, 2.1, 0.45]])), torch.ones(1, 3)
+    train, rollout = torch.tensor([[0.0, 0.0, 0.0]]), torch.log(torch.tensor([[1.0, 2.1, 0.45]]))  # (1, 3)
+    mask = torch.ones(1, 3)
     _, m, _ = correct(train, rollout, mask, **icepop.pipeline_kwargs())
     assert m.tolist() == [[1, 0, 0]]  # rho = 1 kept; 1/2.1 and 1/0.45 outside [0.5, 2] masked
     with pytest.raises(ValueError, match="one spelling"):
@@ -124,7 +126,8 @@ def test_the_tensors_command_applies_every_field_of_the_preset(preset, capsys):
     from trl_rollout_corr.core import compute_rollout_correction_and_rejection_mask
 
     main(["tensors", "--preset", preset])
-    printed = dict(line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("rollout_corr/"))
+    printed = dict(line.split()[:2] for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("rollout_corr/"))
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(4, 8, generator=g) * 2 - 0.1  # (B, T) the command's sample log-probs
     rollout = (old + 0.3 * torch.randn(4, 8, generator=g)).clamp(max=-1e-3)  # (B, T)

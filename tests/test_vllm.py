@@ -111,7 +111,7 @@ def test_bfloat16_engine_mismatch_is_measured(model_dir, tmp_path, caplog):
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "computes in bfloat16, the trainer in "
               "float32" in r.getMessage()]
     assert len(warned) == 1
-    for log in logs:  # measured: k3 0.6-1.6e-6, mean |dp| 0.6-1.3e-4, ratios 0.996-1.005 (README)
+    for log in logs:  # measured: k3 0.6-1.6e-6, mean |dp| 0.6-1.3e-4, ratios 0.996-1.005 (docs/engines.md)
         # lower bounds: a real precision gap; upper bounds: nothing more (a missed weight sync would move the
         # policy by a whole step and these by orders of magnitude)
         assert 1e-7 < log["rollout_corr/k3_kl"] < 1e-5
@@ -133,7 +133,7 @@ def test_truncated_sampling_on_vllm(model_dir, tmp_path, sampling):
     """vLLM renormalizes its log-probs over the kept tokens; the trainer's fix reproduces vLLM's truncation order."""
     _, fixed = train(model_dir, tmp_path / "fixed", max_steps=2, **sampling)
     _, raw = train(model_dir, tmp_path / "raw", max_steps=2, truncated_support_correction=False, **sampling)
-    for log in fixed:  # float32 engine: the fixed ratio is 1 to float precision (README: 1.0000000 +- 5e-8)
+    for log in fixed:  # float32 engine: the fixed ratio is 1 to float precision (docs/engines.md: 1.0000000 +- 5e-8)
         assert abs(log["rollout_corr/rollout_is_mean"] - 1) < 1e-7, log["rollout_corr/rollout_is_mean"]
         assert abs(log["rollout_corr/rollout_is_max"] - 1) < 1e-5 and abs(log["rollout_corr/rollout_is_min"] - 1) < 1e-5
         assert log["rollout_corr/outside_support_fraction"] == 0.0

@@ -28,8 +28,9 @@ import contextlib
 import functools
 import inspect
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -98,7 +99,8 @@ def _generate_result_fields(generate: Callable) -> tuple[str, ...]:
 
 
 def checkpoint_dir(trainer: Any, trial: Any) -> str:
-    """The directory ``Trainer._save_checkpoint`` writes this step's checkpoint into (as TRL's own override reads it)."""
+    """The directory ``Trainer._save_checkpoint`` writes this step's checkpoint into (as TRL's own override reads
+    it)."""
     import os
 
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -197,8 +199,8 @@ class TrlForwardCalls:
         missing = [e.name for e in scope.expected[len(scope.answered):]]
         if missing:
             raise TrlInternalsChanged(
-                f"GRPOTrainer._generate_and_score_completions did not request the {' and '.join(missing)} forward(s) it "
-                f"requests under this configuration (requested: {scope.answered or 'none'})")
+                f"GRPOTrainer._generate_and_score_completions did not request the {' and '.join(missing)} forward(s) "
+                f"it requests under this configuration (requested: {scope.answered or 'none'})")
 
     def _placeholder(self, run: Callable[[], Any], input_ids: torch.Tensor, width: int) -> tuple:
         tensor = input_ids.new_full((input_ids.size(0), width), float("nan"), dtype=torch.float32)  # (B, T) unread

@@ -110,17 +110,19 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             if self.rollout_rs_threshold is None:
                 raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_threshold (the upper bound): "
                                  "set it, e.g. 2.0 for token/sequence or 1.001 for geometric.")
-            _positive("rollout_rs_threshold", self.rollout_rs_threshold, "e.g. 2.0 (token/sequence) or 1.001 (geometric)")
+            _positive("rollout_rs_threshold", self.rollout_rs_threshold,
+                      "e.g. 2.0 (token/sequence) or 1.001 (geometric)")
             if self.rollout_rs_threshold_lower is not None:
                 _positive("rollout_rs_threshold_lower", self.rollout_rs_threshold_lower,
                           "or leave it None for 1/rollout_rs_threshold")
                 if self.rollout_rs_threshold_lower > self.rollout_rs_threshold:
                     raise ValueError(
-                        f"rollout_rs_threshold_lower ({self.rollout_rs_threshold_lower}) must be <= rollout_rs_threshold "
-                        f"({self.rollout_rs_threshold}): swap them or leave the lower bound None.")
+                        f"rollout_rs_threshold_lower ({self.rollout_rs_threshold_lower}) must be <= "
+                        f"rollout_rs_threshold ({self.rollout_rs_threshold}): swap them or leave the lower bound None.")
         elif self.rollout_rs_threshold is not None or self.rollout_rs_threshold_lower is not None:
-            raise ValueError("rollout_rs_threshold / rollout_rs_threshold_lower are set but rollout_rs is None, so they "
-                             "would be ignored: set rollout_rs ('token', 'sequence' or 'geometric') or unset the thresholds.")
+            raise ValueError("rollout_rs_threshold / rollout_rs_threshold_lower are set but rollout_rs is None, so "
+                             "they would be ignored: set rollout_rs ('token', 'sequence' or 'geometric') or unset the "
+                             "thresholds.")
         for name in ("rollout_rs_criteria", "rollout_rs_criteria_threshold"):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):  # YAML lists are stored in the comma-separated form
@@ -132,7 +134,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         if self.rollout_m2_threshold is not None:
             _positive("rollout_m2_threshold", self.rollout_m2_threshold, "the bound on the mean (log rho)^2, e.g. 0.04")
         if self.rollout_token_veto_threshold is not None:
-            _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold, "typically 1e-4 .. 1e-6, or None")
+            _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold,
+                      "typically 1e-4 .. 1e-6, or None")
         if self.use_policy_gradient and not self.bypass_mode:
             raise ValueError("use_policy_gradient=True requires bypass_mode=True (the policy-gradient loss uses "
                              "pi_old := pi_rollout); set bypass_mode=True or use_policy_gradient=False.")
@@ -145,16 +148,18 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     def _validate_is_bound(self) -> None:
         self.rollout_is_bound = none_if_unset(self.rollout_is_bound) or "truncate"
         if self.rollout_is_bound not in IS_BOUNDS:
-            raise ValueError(f"rollout_is_bound must be 'truncate' (clip the weight to its bounds) or 'mask' (set it to "
-                             f"0 outside them), got {self.rollout_is_bound!r}.")
+            raise ValueError(f"rollout_is_bound must be 'truncate' (clip the weight to its bounds) or 'mask' (set it "
+                             f"to 0 outside them), got {self.rollout_is_bound!r}.")
         if self.rollout_is_threshold_lower is not None:
             _positive("rollout_is_threshold_lower", self.rollout_is_threshold_lower, "or None for no lower bound")
             if self.rollout_is_threshold_lower >= self.rollout_is_threshold:
                 raise ValueError(f"rollout_is_threshold_lower ({self.rollout_is_threshold_lower}) must be < "
                                  f"rollout_is_threshold ({self.rollout_is_threshold}): lower it or leave it None.")
-        if self.rollout_is is None and (self.rollout_is_bound != "truncate" or self.rollout_is_threshold_lower is not None):
-            raise ValueError("rollout_is_bound / rollout_is_threshold_lower are set but rollout_is is None, so they would "
-                             "be ignored: set rollout_is ('token' or 'sequence') or leave them at their defaults.")
+        is_bound_set = self.rollout_is_bound != "truncate" or self.rollout_is_threshold_lower is not None
+        if self.rollout_is is None and is_bound_set:
+            raise ValueError("rollout_is_bound / rollout_is_threshold_lower are set but rollout_is is None, so they "
+                             "would be ignored: set rollout_is ('token' or 'sequence') or leave them at their "
+                             "defaults.")
         if self.bypass_mode and not self.use_policy_gradient and self.rollout_is is not None and (
                 self.rollout_is_bound != "truncate" or self.rollout_is_threshold_lower is not None):
             raise ValueError("rollout_is_bound='mask' / rollout_is_threshold_lower with bypass_mode=True and "
@@ -203,18 +208,18 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def decoupled_token_is(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+    def decoupled_token_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
         """Decoupled PPO (3 policies) with token-level TIS, w_t = min(pi_old/pi_rollout, C)."""
         return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold), **overrides})
 
     @classmethod
-    def decoupled_seq_is(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+    def decoupled_seq_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
         """Decoupled PPO with sequence-level TIS, w = min(prod_t rho_t, C)."""
         return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold), **overrides})
 
     @classmethod
     def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: float = 2.0,
-                            **overrides: Any) -> "RolloutCorrectionConfig":
+                            **overrides: Any) -> RolloutCorrectionConfig:
         """Decoupled PPO with sequence TIS plus sequence rejection in [1/rs_threshold, rs_threshold]."""
         return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="sequence",
                              rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=1.0 / rs_threshold),
@@ -222,26 +227,26 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @classmethod
     def decoupled_geo_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
-                         **overrides: Any) -> "RolloutCorrectionConfig":
+                         **overrides: Any) -> RolloutCorrectionConfig:
         """Decoupled PPO, no IS weights, geometric-mean rejection in [2 - rs_threshold, rs_threshold] + veto."""
         return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
                              rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
                              rollout_token_veto_threshold=veto_threshold), **overrides})
 
     @classmethod
-    def ppo_is_bypass(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+    def ppo_is_bypass(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
         """Bypass PPO: pi_old := pi_rollout, PPO-clip on pi_theta/pi_rollout; token IS feeds metrics only."""
         return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True), **overrides})
 
     @classmethod
-    def pg_is(cls, threshold: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+    def pg_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
         """Bypass REINFORCE with sequence TIS: -stopgrad(min(prod pi_theta/pi_rollout, C)) log pi_theta A."""
         return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
                              use_policy_gradient=True), **overrides})
 
     @classmethod
     def pg_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
-              **overrides: Any) -> "RolloutCorrectionConfig":
+              **overrides: Any) -> RolloutCorrectionConfig:
         """Bypass REINFORCE, no IS weights, geometric rejection + veto."""
         return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
                              rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
@@ -249,20 +254,20 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                              use_policy_gradient=True), **overrides})
 
     @classmethod
-    def icepop(cls, lower: float = 0.5, upper: float = 2.0, **overrides: Any) -> "RolloutCorrectionConfig":
+    def icepop(cls, lower: float = 0.5, upper: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
         """Two-sided token masking ("IcePop"): decoupled PPO, no IS weight, tokens with rho outside [lower, upper]
         leave the loss."""
         return cls(**{**ICEPOP, "rollout_rs_threshold": upper, "rollout_rs_threshold_lower": lower, **overrides})
 
     @classmethod
-    def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> "RolloutCorrectionConfig":
+    def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> RolloutCorrectionConfig:
         """TRL 1.16's own default correction (``vllm_importance_sampling_mode="sequence_mask"``, ``clip_max=3``):
         decoupled PPO, w = prod_t rho_t * 1[prod_t rho_t <= C]; a sequence above C keeps its tokens in the loss's
         token count with weight 0."""
         return cls(**{**TRL_DEFAULT, "rollout_is_threshold": threshold, **overrides})
 
     @classmethod
-    def disabled(cls, **overrides: Any) -> "RolloutCorrectionConfig":
+    def disabled(cls, **overrides: Any) -> RolloutCorrectionConfig:
         """No correction at all; the off-policy diagnostics are still logged."""
         return cls(**{**dict(rollout_is=None), **overrides})
 
@@ -272,7 +277,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return cls.PRESETS + tuple(n for n in VERL_PRESETS if n not in cls.PRESETS)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "RolloutCorrectionConfig":
+    def from_preset(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
         """Build a preset by name, e.g. ``from_preset("decoupled_token_is", rollout_is_threshold=3.0)``; verl's names
         take verl's factory arguments too (``threshold``, ``is_threshold``, ``rs_threshold``)."""
         if name in cls.PRESETS:
@@ -287,7 +292,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RolloutCorrectionConfig":
+    def from_dict(cls, data: dict[str, Any]) -> RolloutCorrectionConfig:
         """Build from a dict; a ``preset`` key selects a preset that the other keys override."""
         data = dict(data)
         names = {f.name for f in dataclasses.fields(cls)}
@@ -307,7 +312,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json_string(cls, text: str) -> "RolloutCorrectionConfig":
+    def from_json_string(cls, text: str) -> RolloutCorrectionConfig:
         return cls.from_dict(json.loads(text))
 
     def to_yaml(self) -> str:
@@ -316,20 +321,21 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return yaml.safe_dump(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_yaml(cls, text: str) -> "RolloutCorrectionConfig":
+    def from_yaml(cls, text: str) -> RolloutCorrectionConfig:
         import yaml
 
         return cls.from_dict(yaml.safe_load(text) or {})
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "RolloutCorrectionConfig":
+    def from_file(cls, path: str | os.PathLike) -> RolloutCorrectionConfig:
         """Load a ``.json``, ``.yaml`` or ``.yml`` file."""
         with open(path, encoding="utf-8") as f:
             text = f.read()
         return cls.from_yaml(text) if str(path).endswith((".yaml", ".yml")) else cls.from_json_string(text)
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
-                        push_to_hub_kwargs: dict[str, Any] | None = None, **mixin_kwargs: Any) -> str:
+    def save_pretrained(self, save_directory: str | os.PathLike, *, push_to_hub: bool = False,
+                        repo_id: str | None = None, push_to_hub_kwargs: dict[str, Any] | None = None,
+                        **mixin_kwargs: Any) -> str:
         """Write ``rollout_correction_config.json`` into ``save_directory`` (created if needed), and nothing else;
         with ``push_to_hub=True`` also upload it to ``repo_id`` (default: the directory's name). Returns the file."""
         unknown = set(mixin_kwargs) - {"config", "model_card_kwargs"}  # what ModelHubMixin.push_to_hub passes
@@ -353,7 +359,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return path
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, **hub_kwargs: Any) -> "RolloutCorrectionConfig":
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, **hub_kwargs: Any) -> RolloutCorrectionConfig:
         """Load from a directory, a config file, or a Hub repo id (downloaded with ``huggingface_hub``;
         ``hub_kwargs`` such as ``revision`` or ``token`` go to ``hf_hub_download``)."""
         path = str(path_or_repo_id)

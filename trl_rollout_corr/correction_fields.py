@@ -46,14 +46,20 @@ def _explicit_value(name: str, value: Any, rollout_rs: Any = None) -> Any:
 class RolloutCorrectionFields:
     """The correction fields (flat, CLI/YAML-parsable). Mix in before TRL's config class."""
 
-    rollout_correction_preset: str | None = field(default=None, metadata={"help": "Preset name, e.g. decoupled_token_is."})
-    rollout_correction_config: str | None = field(default=None, metadata={"help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
+    rollout_correction_preset: str | None = field(default=None, metadata={
+        "help": "Preset name, e.g. decoupled_token_is."})
+    rollout_correction_config: str | None = field(default=None, metadata={
+        "help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
     rollout_is: str | None = field(default=None, metadata={"help": "IS level: token | sequence | none."})
-    rollout_is_threshold: float | None = field(default=None, metadata={"help": "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default)."})
-    rollout_is_batch_normalize: bool | None = field(default=None, metadata={"help": "Normalize IS weights to mean 1 over each generation batch."})
-    rollout_is_threshold_lower: float | str | None = field(default=None, metadata={"help": "IS lower bound C_lower (default none; 'none' switches a preset's off)."})
+    rollout_is_threshold: float | None = field(default=None, metadata={
+        "help": "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default)."})
+    rollout_is_batch_normalize: bool | None = field(default=None, metadata={
+        "help": "Normalize IS weights to mean 1 over each generation batch."})
+    rollout_is_threshold_lower: float | str | None = field(default=None, metadata={
+        "help": "IS lower bound C_lower (default none; 'none' switches a preset's off)."})
     rollout_is_bound: str | None = field(default=None, metadata={
-        "help": "IS weight outside [C_lower, C]: truncate (clip to the bound, default) | mask (set to 0; TRL's *_mask modes)."})
+        "help": "IS weight outside [C_lower, C]: truncate (clip to the bound, default) | mask (set to 0; TRL's "
+                "*_mask modes)."})
     rollout_rs: str | None = field(default=None, metadata={"help": "RS level: token | sequence | geometric | none."})
     rollout_rs_threshold: float | str | None = field(default=None, metadata={"help": "RS upper bound."})
     rollout_rs_threshold_lower: float | str | None = field(default=None, metadata={

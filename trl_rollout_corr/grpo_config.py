@@ -109,8 +109,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
         (GSPO, ``importance_sampling_level="sequence"``, optimizes one ratio per sequence: a token weight has no
         place in it; VESPO, whose phi takes per-token ratios, stays token-level).
 
-        Why not TRL's default everywhere: in the mismatch benchmark (README, "Which preset for which mismatch
-        (measured)") ``token_truncate`` trained significantly better than ``sequence_mask`` on a stale engine and on
+        Why not TRL's default everywhere: in the mismatch benchmark (docs/benchmarks.md,
+        measured) ``token_truncate`` trained significantly better than ``sequence_mask`` on a stale engine and on
         a 3-bit engine, and was never significantly worse; the sequence-level default there is TRL's (not measured).
         """
         if self.__dict__.get("_rc_trl_base") is not None:

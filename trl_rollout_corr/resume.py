@@ -64,7 +64,8 @@ def checkpoint_step(checkpoint: str) -> int | None:
 
 def correction_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """{field: (checkpoint's value, this run's value)} for every correction field that differs."""
-    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
+    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)}
 
 
 def vllm_weights_lost_at_resume(sync_steps: list[int], step: int, interval: int) -> bool:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from trl.scripts.grpo import GRPOScriptArguments
 
@@ -101,7 +102,8 @@ def resolve_reward_funcs(script_args: TrainScriptArguments) -> list[Any]:
 
 
 def load_train_dataset(script_args: TrainScriptArguments, dataset_args) -> Any:
-    """A ``DatasetDict`` as ``trl grpo`` loads it (a mixture, else ``dataset_name``), or a ``save_to_disk`` directory."""
+    """A ``DatasetDict`` as ``trl grpo`` loads it (a mixture, else ``dataset_name``), or a ``save_to_disk``
+    directory."""
     from datasets import DatasetDict, load_dataset, load_from_disk
     from trl import get_dataset
 

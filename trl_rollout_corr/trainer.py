@@ -86,8 +86,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = RolloutCorrGRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
         if not isinstance(args, RolloutCorrGRPOConfig):
-            raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
-                            f"rollout-correction fields), got {type(args).__name__}. Replace GRPOConfig by "
+            raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with "
+                            f"the rollout-correction fields), got {type(args).__name__}. Replace GRPOConfig by "
                             "RolloutCorrGRPOConfig with the same arguments.")
         if args.use_vllm:
             check_version("vllm")
@@ -103,7 +103,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._trl_forwards = TrlForwardCalls(forward_input_names(__class__, type(self)))
         self._rc_stats = {"train": RolloutStats(), "eval": RolloutStats()}
         self._rc_truncation = self._resolve_sampling_truncation()
-        self._rc_apply_truncation = self._rc_truncation is not None and self.args.truncated_support_correction is not False
+        self._rc_apply_truncation = (self._rc_truncation is not None
+                                     and self.args.truncated_support_correction is not False)
         self._rc_warned_missing = False
         if self.accelerator.is_main_process:
             logger.info("Rollout correction: %s", self.correction_plan.describe())
@@ -120,7 +121,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             min_p = getattr(getattr(self.model, "generation_config", None), "min_p", None)
         truncation = SamplingTruncation(
             temperature=float(gen_kwargs.get("temperature", self.temperature)),
-            top_k=int(gen_kwargs.get("top_k", self.top_k) or 0), top_p=float(gen_kwargs.get("top_p", self.top_p) or 1.0),
+            top_k=int(gen_kwargs.get("top_k", self.top_k) or 0),
+            top_p=float(gen_kwargs.get("top_p", self.top_p) or 1.0),
             min_p=min_p, min_p_first=self.use_vllm)  # vLLM applies min-p before top-k/top-p
         if (self.repetition_penalty or 1.0) != 1.0 and self.accelerator.is_main_process:
             logger.warning("repetition_penalty=%s changes pi_rollout in a way the trainer does not reproduce: the "
@@ -148,7 +150,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ 1. capturing and checking pi_rollout
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm:  # TRL asks vLLM for processed log-probs already
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
         policy = self.accelerator.unwrap_model(self.model_wrapped)
         sampler = None
         if self.rollout_sampler is not None:
@@ -165,7 +168,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts: list):
         fields = unpack_generate_result(super()._generate(prompts), __class__, type(self))
-        source = "rollout_func" if self.rollout_func is not None else ("vLLM" if self.use_vllm else "transformers generate")
+        source = ("rollout_func" if self.rollout_func is not None
+                  else "vLLM" if self.use_vllm else "transformers generate")
         logprobs, seen = check_rollout_logprobs(fields["completion_ids"], fields["logprobs"], source,
                                                 require=self.args.require_rollout_logprobs,
                                                 nan_marks_missing=source == "transformers generate")
@@ -202,7 +206,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                                       "through _generate into sampling_per_token_logps")
         device = output["completion_ids"].device
         output["rc_rollout_seen"] = torch.tensor(scope.rollout_seen, dtype=torch.bool, device=device)  # (B,)
-        loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        loss_mask = output["completion_mask"]  # (B, T)
+        if "tool_mask" in output:
+            loss_mask = loss_mask * output["tool_mask"]  # (B, T)
         if mode == "train" and self.correction_plan.at_generation:
             correction = self._correct_generation_batch(output, loss_mask)
             output["rc_keep_mask"] = correction.keep  # (B, T)
@@ -279,8 +285,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         carried = mode == "train" and self.correction_plan.at_generation
         lost = [k for k in ("rc_rollout_seen", "rc_keep_mask" if carried else None) if k and k not in inputs]
         if lost:
-            raise TrlInternalsChanged(f"{', '.join(lost)}, added to the generation batch by this trainer, did not reach "
-                                      "compute_loss through TRL's buffering of the generation batch")
+            raise TrlInternalsChanged(f"{', '.join(lost)}, added to the generation batch by this trainer, did not "
+                                      "reach compute_loss through TRL's buffering of the generation batch")
         completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # (B, P+T)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, P+T)
@@ -367,7 +373,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """TRL's checkpoint, plus the engine's state (in checkpoints only: never pushed with the model)."""
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            save_rollout_state(checkpoint_dir(self, trial), self.rollout_sampler, getattr(self, "vllm_sync_steps", None))
+            save_rollout_state(checkpoint_dir(self, trial), self.rollout_sampler,
+                               getattr(self, "vllm_sync_steps", None))
 
     # ------------------------------------------------------------------ 5. resuming (trl_rollout_corr.resume)
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):

@@ -6,7 +6,8 @@ pi_old := pi_rollout (bypass by construction), with no importance weighting, rej
 
 1. carries every sample's policy version to the loss (:mod:`.versions`); lag = trainer's version - sample's version;
 2. in ``compute_loss``, runs the policy forward as TRL does, maps TRL's flat loss terms to (B, T) rows (one per sample,
-   :mod:`trl_rollout_corr.core.flat`), computes the correction with :func:`~trl_rollout_corr.core.compute_rollout_correction_stats`
+   :mod:`trl_rollout_corr.core.flat`), computes the correction with
+   :func:`~trl_rollout_corr.core.compute_rollout_correction_stats`
    and runs TRL's own ``compute_loss`` on a corrected copy of the micro-batch (answering its forward with the one
    already run):
 
@@ -79,9 +80,9 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
         if args is None:  # the default config, named as TRL names its own
             args = RolloutCorrAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         if not isinstance(args, RolloutCorrAsyncGRPOConfig):
-            raise TypeError("RolloutCorrAsyncGRPOTrainer needs args=RolloutCorrAsyncGRPOConfig(...) (an AsyncGRPOConfig "
-                            f"subclass with the rollout-correction fields), got {type(args).__name__}. Replace "
-                            "AsyncGRPOConfig by RolloutCorrAsyncGRPOConfig with the same arguments.")
+            raise TypeError("RolloutCorrAsyncGRPOTrainer needs args=RolloutCorrAsyncGRPOConfig(...) (an "
+                            f"AsyncGRPOConfig subclass with the rollout-correction fields), got {type(args).__name__}. "
+                            "Replace AsyncGRPOConfig by RolloutCorrAsyncGRPOConfig with the same arguments.")
         from ..supported_versions import check_version
         from .cpu import install_cpu_support
 
@@ -149,21 +150,21 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
         except (requests.RequestException, ValueError, KeyError, TypeError):
             served = None  # not up yet (TRL waits for it) or not a vLLM server: TRL's own errors apply
         if served is not None and model not in served:
-            raise ValueError(f"The vLLM server at {url} serves {served}, but the trainer loads {model!r}: TRL's rollout "
-                             "worker requests the model by that string and would get 404 on every request. Start the "
-                             f"server with the same string (trl-rollout-corr vllm-serve-async {model} ...) or pass the "
-                             "model path the server was started with.")
+            raise ValueError(f"The vLLM server at {url} serves {served}, but the trainer loads {model!r}: TRL's "
+                             "rollout worker requests the model by that string and would get 404 on every request. "
+                             f"Start the server with the same string (trl-rollout-corr vllm-serve-async {model} ...) "
+                             "or pass the model path the server was started with.")
 
     def _warn_truncated_sampler(self) -> None:
         a = self.args
         if (a.top_k or 0) > 0 or (a.top_p or 1.0) < 1.0 or a.min_p or (a.repetition_penalty or 1.0) != 1.0:
             if self.accelerator.is_main_process:
                 logger.warning(
-                    "top_k=%s, top_p=%s, min_p=%s, repetition_penalty=%s: the server's log-probs are over the truncated "
-                    "or penalized distribution, and TRL's fused head computes pi_theta over the full vocabulary (at "
-                    "the temperature), so rho = pi_theta / pi_rollout is biased on every token. The asynchronous "
-                    "trainer cannot renormalize pi_theta (its head returns the sampled tokens' log-probs only): prefer "
-                    "top_k=0, top_p=1, min_p=None, repetition_penalty=1.", a.top_k, a.top_p, a.min_p,
+                    "top_k=%s, top_p=%s, min_p=%s, repetition_penalty=%s: the server's log-probs are over the "
+                    "truncated or penalized distribution, and TRL's fused head computes pi_theta over the full "
+                    "vocabulary (at the temperature), so rho = pi_theta / pi_rollout is biased on every token. The "
+                    "asynchronous trainer cannot renormalize pi_theta (its head returns the sampled tokens' log-probs "
+                    "only): prefer top_k=0, top_p=1, min_p=None, repetition_penalty=1.", a.top_k, a.top_p, a.min_p,
                     a.repetition_penalty)
 
     def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:

@@ -63,9 +63,9 @@ class ServerProbe:
             self._last_ok = now
         elif now - self._last_ok >= self.timeout_s:
             raise RuntimeError(
-                f"The vLLM server at {self.base_url} has not answered for {now - self._last_ok:.0f} s while the trainer "
-                "waited for samples: it stopped or is unreachable. Restart it (trl-rollout-corr vllm-serve-async MODEL "
-                "...) and resume from the last checkpoint.")
+                f"The vLLM server at {self.base_url} has not answered for {now - self._last_ok:.0f} s while the "
+                "trainer waited for samples: it stopped or is unreachable. Restart it (trl-rollout-corr "
+                "vllm-serve-async MODEL ...) and resume from the last checkpoint.")
 
 
 def _dataset_class(base: type, probe: ServerProbe | None) -> type:

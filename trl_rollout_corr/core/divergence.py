@@ -22,8 +22,9 @@ Pure tensor functions; no TRL import.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -78,12 +79,14 @@ def parse_divergence_criteria(criteria: str | Sequence[str] | None,
     names = _split(criteria)
     unknown = [n for n in names if n not in DIVERGENCE_CRITERIA]
     if unknown:
-        raise ValueError(f"rollout_rs_criteria has unknown criteria {unknown}; choose from {', '.join(DIVERGENCE_CRITERIA)}.")
+        raise ValueError(f"rollout_rs_criteria has unknown criteria {unknown}; choose from "
+                         f"{', '.join(DIVERGENCE_CRITERIA)}.")
     if len(set(names)) != len(names):
         raise ValueError(f"rollout_rs_criteria lists a criterion twice: {names}.")
     if thresholds is None or thresholds == "":
         raise ValueError(f"rollout_rs_criteria={','.join(names)} needs rollout_rs_criteria_threshold, one value per "
-                         "criterion, e.g. '0.5_2.0,0.02' (k1: ratio bounds 'lower_upper' or an upper; k2/k3: an upper).")
+                         "criterion, e.g. '0.5_2.0,0.02' (k1: ratio bounds 'lower_upper' or an upper; k2/k3: an "
+                         "upper).")
     values = _split(thresholds)
     if len(values) != len(names):
         raise ValueError(f"rollout_rs_criteria_threshold has {len(values)} value(s) for {len(names)} criteria "
@@ -97,7 +100,8 @@ def parse_divergence_criteria(criteria: str | Sequence[str] | None,
             raise ValueError(f"rollout_rs_criteria_threshold {text!r} for {name} is not a number "
                              "(k1: 'lower_upper' or 'upper'; k2/k3: 'upper').") from None
         if len(numbers) > 2 or any(not math.isfinite(x) or x <= 0 for x in numbers):
-            raise ValueError(f"rollout_rs_criteria_threshold {text!r} for {name} must be one or two finite numbers > 0.")
+            raise ValueError(f"rollout_rs_criteria_threshold {text!r} for {name} must be one or two finite numbers "
+                             "> 0.")
         if name.endswith("k1"):
             lower, upper = (numbers[0], numbers[1]) if len(numbers) == 2 else (1.0 / numbers[0], numbers[0])
             if lower > upper:

@@ -31,7 +31,8 @@ def lag_stats(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, inpu
               is_weights: torch.Tensor | None = None) -> RolloutStats:
     """Reducible per-lag statistics. ``input_mask`` (B, T): trained tokens; ``valid_mask`` (B, T): those with finite
     log-probs (what the diagnostics average over); ``kept_mask`` (B, T): what the correction kept; ``lag`` (B,)."""
-    train = torch.where(valid_mask, train_log_prob.detach().float(), torch.zeros_like(train_log_prob, dtype=torch.float32))  # (B, T)
+    zeros = torch.zeros_like(train_log_prob, dtype=torch.float32)  # (B, T)
+    train = torch.where(valid_mask, train_log_prob.detach().float(), zeros)  # (B, T)
     rollout = torch.where(valid_mask, rollout_log_prob.detach().float(), torch.zeros_like(train))  # (B, T)
     log_ratio = (train - rollout).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
     bucket = lag.long().clamp(0, max_lag)  # (B,)
@@ -65,7 +66,7 @@ def finalize_lag(f: dict[str, float]) -> dict[str, float]:
         metrics[PREFIX + "lag_max"] = f["max:lag.max"]
     k = 0
     while f"sum:lag.{k}.seq_n" in f:
-        g = lambda name: f[f"sum:lag.{k}.{name}"]  # noqa: E731
+        g = lambda name, k=k: f[f"sum:lag.{k}.{name}"]  # noqa: E731
         if g("seq_n") > 0:
             tok_n = g("tok_n")
             name = f"{PREFIX}lag_{k}/"

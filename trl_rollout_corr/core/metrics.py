@@ -115,7 +115,8 @@ def offpolicy_stats(
     log_ppl_diff = mean_rollout - mean_train  # (B,)
     seq_log = sequence_log_ratio(log_ratio, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B,)
     prob_diff = (torch.exp(rollout.clamp(max=0.0)) - torch.exp(train.clamp(max=0.0))).abs()  # (B, T) p <= 1
-    seq_max_prob_diff = torch.where(mask, prob_diff, torch.zeros_like(prob_diff)).amax(-1) if mask.shape[-1] else mean_train * 0
+    seq_max_prob_diff = (torch.where(mask, prob_diff, torch.zeros_like(prob_diff)).amax(-1) if mask.shape[-1]
+                         else mean_train * 0)  # (B,)
     # exp(-mean log p) can overflow for garbage inputs: bound it like every other exp.
     sums = {
         "tok_n": mask.sum(dtype=STAT_DTYPE),
@@ -240,7 +241,8 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
         metrics[PREFIX + "rollout_is_veto_fraction"] = _div(s("mask.vetoed_seq_n"), seq_n)
         metrics[PREFIX + "rollout_is_catastrophic_token_fraction"] = _div(s("mask.catastrophic_tok_n"), tok_n)
         metrics[PREFIX + "invalid_logprob_fraction"] = _div(s("mask.invalid_tok_n"), s("mask.input_tok_n"))
-        metrics[PREFIX + "rejected_token_fraction"] = _div(s("mask.input_tok_n") - s("mask.kept_tok_n"), s("mask.input_tok_n"))
+        metrics[PREFIX + "rejected_token_fraction"] = _div(s("mask.input_tok_n") - s("mask.kept_tok_n"),
+                                                           s("mask.input_tok_n"))
         metrics[PREFIX + "missing_rollout_logprobs_fraction"] = _div(s("mask.missing_seq_n"), s("mask.all_seq_n"))
         if "sum:mask.is_masked_tok_n" in f:  # rollout_is_bound="mask": weights set to 0 (tokens stay in the mask)
             metrics[PREFIX + "rollout_is_masked_fraction"] = _div(s("mask.is_masked_tok_n"), tok_n)

@@ -15,7 +15,7 @@ everything every rank saw since the last log -- never a mean of per-rank means.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +32,7 @@ class RolloutStats:
     maxes: dict[str, torch.Tensor] = field(default_factory=dict)
     mins: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def update(self, other: "RolloutStats") -> "RolloutStats":
+    def update(self, other: RolloutStats) -> RolloutStats:
         """Fold ``other`` into ``self`` in place (sum / max / min per key) and return ``self``."""
         for name, value in other.sums.items():
             self.sums[name] = self.sums[name] + value if name in self.sums else value
@@ -42,7 +42,7 @@ class RolloutStats:
             self.mins[name] = torch.minimum(self.mins[name], value) if name in self.mins else value
         return self
 
-    def all_reduce(self, reduce_fn: ReduceFn | None) -> "RolloutStats":
+    def all_reduce(self, reduce_fn: ReduceFn | None) -> RolloutStats:
         """Reduce across processes with three collectives (keys sorted, so every rank agrees)."""
         if reduce_fn is None:
             return self

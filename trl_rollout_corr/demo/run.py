@@ -186,7 +186,8 @@ def summarize(results: list[dict], variants: list[str], output_dir: str, engine:
     def mean_sd(xs):
         return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
-    base = mean_sd([r["eval_reward"] for r in by_variant.get("on_policy", [])])[0] if by_variant.get("on_policy") else None
+    base = (mean_sd([r["eval_reward"] for r in by_variant.get("on_policy", [])])[0] if by_variant.get("on_policy")
+            else None)
     naive = mean_sd([r["eval_reward"] for r in by_variant.get("stale_uncorrected", [])])[0] \
         if by_variant.get("stale_uncorrected") else None
     head = (f"{'variant':22s} {'held-out reward':>17s} {'vs on-policy':>12s} {'gap closed':>10s} {'kl':>9s} "

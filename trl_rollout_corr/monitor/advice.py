@@ -1,7 +1,7 @@
 """What the monitor advises after a policy collapse: only the remedies the mismatch benchmark measured to help.
 
 The benchmark (``benchmarks/mismatch_bench.py``; its results in ``benchmarks/results/mismatch_results.csv`` and the
-README's "Which preset for which mismatch (measured)") trains every method on each kind of sampler/trainer mismatch.
+table in docs/benchmarks.md) trains every method on each kind of sampler/trainer mismatch.
 Each remedy below names the scenario whose rows back it; ``tests/test_mismatch_benchmark.py`` checks every one against
 that file (significantly above TRL's default and above every collapsing method there). The monitor tells the kinds
 apart by what it is told about the engine (``rollout_lag``): a lag > 0 is a stale engine, 0 a synchronous engine whose

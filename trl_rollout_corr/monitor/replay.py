@@ -9,8 +9,9 @@ approximates for equal-sized batches), the minimum of ``*_min`` and the maximum 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any
 
 
 def aggregate(rows: list[dict[str, float]], every: int) -> list[dict[str, float]]:
@@ -59,8 +60,8 @@ def replay(rows: Iterable[dict[str, float]], monitor: Any = None, bypass: bool =
 
     if monitor is None:
         monitor = RolloutCorrectionMonitor(**{"write_csv": False, "write_plot": False, **monitor_kwargs})
-    args = SimpleNamespace(output_dir=output_dir,
-                           rollout_correction=correction if correction is not None else SimpleNamespace(bypass_mode=bypass))
+    correction = correction if correction is not None else SimpleNamespace(bypass_mode=bypass)
+    args = SimpleNamespace(output_dir=output_dir, rollout_correction=correction)
     state, control = TrainerState(), TrainerControl()
     monitor.on_train_begin(args, state, control)
     for r in rows:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from transformers import GenerationMixin, LogitsProcessor, StoppingCriteria

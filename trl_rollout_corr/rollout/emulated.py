@@ -93,8 +93,8 @@ class EmulatedRolloutEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = {k: state.get(k) for k in ("kind", "lag", "bits")}
         if saved != {"kind": self.kind, "lag": self.lag, "bits": self.bits}:
-            raise ValueError(f"The checkpoint's rollout engine is EmulatedRolloutEngine({saved}), this run's is {self!r}: "
-                             "resume with the engine the checkpoint was trained with.")
+            raise ValueError(f"The checkpoint's rollout engine is EmulatedRolloutEngine({saved}), this run's is "
+                             f"{self!r}: resume with the engine the checkpoint was trained with.")
         self._snapshots = collections.deque(state["snapshots"])
         self._engine, self._last_step = None, None  # the next sync rebuilds the engine from the restored snapshots
 

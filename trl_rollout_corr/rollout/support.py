@@ -41,7 +41,7 @@ class KeptMassProbe:
         self._in_support: list[torch.Tensor] = []
         self._handle = None
 
-    def __enter__(self) -> "KeptMassProbe":
+    def __enter__(self) -> KeptMassProbe:
         self._handle = self.lm.base_model.register_forward_hook(self._hook, with_kwargs=True)
         return self
 

@@ -1,4 +1,5 @@
-"""vLLM's model-inspection subprocess, behind the CPU-torch guard (see ``_cpu_guard`` and ``cpu.guard_subprocesses``)."""
+"""vLLM's model-inspection subprocess, behind the CPU-torch guard (see ``_cpu_guard`` and
+``cpu.guard_subprocesses``)."""
 
 from trl_rollout_corr._cpu_guard import hide_cuda_only_extensions
 
