@@ -102,8 +102,8 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
             from trl_rollout_corr.vllm.security import find_token
 
             install_cpu_support()
-            trainer = AsyncGRPOTrainer(args=AsyncGRPOConfig(output_dir=out_dir, **common),
-                                       weight_transfer=CPUFileWeightTransfer(url, find_token(int(url.rsplit(":", 1)[1]))),
+            transfer = CPUFileWeightTransfer(url, find_token(int(url.rsplit(":", 1)[1])))
+            trainer = AsyncGRPOTrainer(args=AsyncGRPOConfig(output_dir=out_dir, **common), weight_transfer=transfer,
                                        **kwargs)
         else:
             from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
@@ -185,7 +185,8 @@ def main() -> None:
                           "--worker", variant, str(seed), str(staleness), url, out]
                 proc = subprocess.run(worker, env=env, capture_output=True, text=True)
                 if proc.returncode != 0:
-                    print(f"{variant} seed {seed} staleness {staleness} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                    print(f"{variant} seed {seed} staleness {staleness} failed:\n{proc.stderr[-3000:]}",
+                          file=sys.stderr)
                     continue
                 r = json.load(open(out))
                 print(f"{variant:20s} s={staleness:<3d} seed={seed} reward={r['eval_reward']:.3f} "
@@ -201,11 +202,11 @@ def summarize(output_dir: str) -> str:
         variant = "sync" if r["variant"] == "on_policy" else r["variant"]  # the demo's worker names it on_policy
         rows.setdefault((variant, r.get("staleness", 0)), []).append(r)
     sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
-    lines = ["| variant | max_staleness | held-out reward (mean ± sd) | seeds | lag at the loss (mean) | dropped samples | "
-             "kl(pi_rollout‖pi_theta) | wall time (s) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | max_staleness | held-out reward (mean ± sd) | seeds | lag at the loss (mean) | dropped "
+             "samples | kl(pi_rollout‖pi_theta) | wall time (s) |", "|---|---|---|---|---|---|---|---|"]
     for (variant, staleness), rs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rewards = [r["eval_reward"] for r in rs]
-        fmt = lambda k: f"{statistics.fmean(r[k] for r in rs if r.get(k) is not None):.3f}" if any(  # noqa: E731
+        fmt = lambda k, rs=rs: f"{statistics.fmean(r[k] for r in rs if r.get(k) is not None):.3f}" if any(  # noqa: E731
             r.get(k) is not None for r in rs) else "–"
         lines.append(f"| {variant} | {staleness if variant != 'sync' else '– (synced every step)'} | "
                      f"{statistics.fmean(rewards):.3f} ± {sd(rewards):.3f} | {len(rs)} | "
@@ -243,7 +244,8 @@ def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
             variant = "sync" if r["variant"] == "on_policy" else r["variant"]
             if r.get("seed") in seeds:
                 runs.setdefault((variant, int(r.get("staleness", 0))), []).append(r)
-    partial = sorted(f"{v}@{s} ({len(rs)} of {len(seeds)} seeds)" for (v, s), rs in runs.items() if len(rs) != len(seeds))
+    partial = sorted(f"{v}@{s} ({len(rs)} of {len(seeds)} seeds)" for (v, s), rs in runs.items()
+                     if len(rs) != len(seeds))
     if partial:
         print(f"left out (a row is all of its seeds or none): {', '.join(partial)}", file=sys.stderr)
     runs = {k: sorted(v, key=lambda r: r["seed"]) for k, v in runs.items() if len(v) == len(seeds)}
@@ -256,8 +258,8 @@ def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
         base = runs.get(("trl_as_is", staleness or 4))
         diff, diff_half = (stats.welch_ci(xs, [r["eval_reward"] for r in base]) if base and variant != "trl_as_is"
                            else (math.nan, math.nan))
-        avg = lambda key: (statistics.fmean(r[key] for r in rs if r.get(key) is not None)  # noqa: E731
-                           if any(r.get(key) is not None for r in rs) else math.nan)
+        avg = lambda key, rs=rs: (statistics.fmean(r[key] for r in rs if r.get(key) is not None)  # noqa: E731
+                                  if any(r.get(key) is not None for r in rs) else math.nan)
         rows.append(dict(variant=variant, max_staleness=staleness, n_seeds=len(xs), reward_mean=mean,
                          reward_ci95=half, per_seed=" ".join(f"{x:.6f}" for x in xs), vs_trl_as_is=diff,
                          vs_trl_as_is_ci95=diff_half,

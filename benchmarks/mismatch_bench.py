@@ -127,8 +127,8 @@ def run_all(cells: list[tuple[str, str, int]], steps: int, eval_every: int, outp
             no_vllm = {"TRL_ROLLOUT_CORR_NO_VLLM": "1"} if _engine(scenario, method) != "vllm" else {}
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", scenario, "--method", method,
                    "--seed", str(seed), "--steps", str(steps), "--eval_every", str(eval_every), "--out", out]
-            running.append((subprocess.Popen(cmd, env={**env, **no_vllm}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
-                            out, time.time()))
+            worker = subprocess.Popen(cmd, env={**env, **no_vllm}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            running.append((worker, out, time.time()))
         time.sleep(0.5)
         for proc, out, t0 in list(running):
             if proc.poll() is None:
@@ -231,7 +231,8 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-        lines.append(f"\nwrote {output_dir}/mismatch_results.csv and {output_dir}/mismatch_results.md (docs/benchmarks.md's table)")
+        lines.append(f"\nwrote {output_dir}/mismatch_results.csv and {output_dir}/mismatch_results.md "
+                     "(docs/benchmarks.md's table)")
         try:
             plot(rows, os.path.join(output_dir, "mismatch_gap_closed.png"))
             lines.append(f"wrote {output_dir}/mismatch_gap_closed.png")
@@ -308,7 +309,8 @@ def recommendations(rows: list[dict]) -> str:
             gap, gap_half = welch_ci([float(x) for x in ref["per_seed"].split()],
                                      [float(x) for x in floor["per_seed"].split()])
             if not gap - gap_half > 0:
-                line += f" The mismatch costs nothing measurable here (on-policy − uncorrected {gap:+.3f} ± {gap_half:.3f})."
+                line += (" The mismatch costs nothing measurable here "
+                         f"(on-policy − uncorrected {gap:+.3f} ± {gap_half:.3f}).")
             elif closing:
                 top = max(closing, key=lambda r: r["gap_closed"])
                 share = (f"`{top['method']}`, {top['gap_closed'] * 100:.0f}% [{top['gap_closed_lo'] * 100:.0f}, "
@@ -332,7 +334,8 @@ def markdown(rows: list[dict]) -> str:
     """docs/benchmarks.md's table: one block of rows per scenario, best first; **bold** where a method is significantly
     above TRL's default (its 95% Welch interval excludes 0), ↓ where significantly below; ``on_policy`` is the
     ceiling (no mismatch), ``uncorrected`` the floor."""
-    out = ["| scenario | method | n | held-out reward (95% CI) | vs `trl_default` (95% CI) | gap closed (95% CI) | kl | rejected |",
+    out = ["| scenario | method | n | held-out reward (95% CI) | vs `trl_default` (95% CI) | gap closed (95% CI) "
+           "| kl | rejected |",
            "|---|---|---|---|---|---|---|---|"]
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
         block = sorted((r for r in rows if r["scenario"] == scenario), key=lambda r: -r["reward_mean"])
@@ -385,8 +388,8 @@ def export_trace(output_dir: str, scenario: str, method: str, seed: int, path: s
         run = json.load(f)
     engine, lag, fields, _ = SCENARIOS[scenario]
     preset, extra = METHODS[method]
-    args = RolloutCorrGRPOConfig(output_dir=output_dir, use_cpu=True, rollout_correction_preset=preset,
-                                 **{k: v for k, v in {**fields, **extra}.items() if k.startswith(("rollout_", "vllm_imp"))})
+    correction = {k: v for k, v in {**fields, **extra}.items() if k.startswith(("rollout_", "vllm_imp"))}
+    args = RolloutCorrGRPOConfig(output_dir=output_dir, use_cpu=True, rollout_correction_preset=preset, **correction)
     rows = [[log["step"], *(log.get(c) for c in TRACE_COLUMNS)] for log in run["logs"]]
     trace = dict(scenario=scenario, method=method, seed=seed, lag=lag if engine in ("stale", "vllm") else 0,
                  correction=args.rollout_correction.to_dict(), eval_curve=run["curve"], alerts=run["alerts"],

@@ -355,9 +355,9 @@ def test_every_rank_decides_alike_and_stops_together(tmp_path):
     correction = json.dumps(dict(rollout_is="none", rollout_rs="token", rollout_rs_threshold=1.0 + 1e-9,
                                  rollout_rs_threshold_lower=1.0))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), WORKER, str(out), "--per_device", "8", "--max_steps", "4", "--stopping_monitor",
-                           "--correction", correction], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                          timeout=600)
+                           str(_free_port()), WORKER, str(out), "--per_device", "8", "--max_steps", "4",
+                           "--stopping_monitor", "--correction", correction], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"out.json.rank{r}").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] == {"alerts": [[1, "all_rejected"]], "stopped_at": 1}

@@ -307,7 +307,8 @@ def test_server_mode_trains_with_a_real_weight_sync(model_dir, tmp_path, server)
 # ---------------------------------------------------------------- several training processes
 ROOT = Path(__file__).resolve().parents[1]
 DIST_WORKER = str(ROOT / "tests" / "vllm_dist_worker.py")
-PRESET_FIELDS = {"ppo_is_bypass": dict(rollout_is="token", C=2.0), "decoupled_token_is": dict(rollout_is="token", C=2.0)}
+PRESET_FIELDS = {"ppo_is_bypass": dict(rollout_is="token", C=2.0),
+                 "decoupled_token_is": dict(rollout_is="token", C=2.0)}
 
 
 def _launch(cmd: list[str], prefix: Path) -> list[list[dict]]:
@@ -415,7 +416,8 @@ def test_server_that_hangs_mid_run_fails_clearly(model_dir, tmp_path, server):
                               callbacks=[freezer], **server_args(server, vllm_server_timeout=10))
     try:
         with pytest.raises(RuntimeError, match=r"vLLM server at http://127\.0\.0\.1:\d+ stopped answering during "
-                                               r"(the weight sync|generation) at step 1 \((ReadTimeout|ConnectionError)"):
+                                               r"(the weight sync|generation) at step 1 "
+                                               r"\((ReadTimeout|ConnectionError)"):
             trainer.train()
         assert time.time() - freezer.frozen_at < 10 + 30  # the read timeout, plus the step's own work
     finally:

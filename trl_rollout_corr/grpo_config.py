@@ -127,9 +127,9 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
             raise ValueError(f"vllm_sync_interval={self.vllm_sync_interval!r} must be an integer >= 1 (1 = sync the "
                              "vLLM engine every optimizer step).")
         if self.vllm_sync_interval > 1 and self.vllm_enable_sleep_mode:
-            raise ValueError("vllm_sync_interval > 1 with vllm_enable_sleep_mode=True: sleep mode discards the engine's "
-                             "weights and TRL re-pushes the current ones on wake-up, so the engine cannot stay stale. "
-                             "Use one of the two.")
+            raise ValueError("vllm_sync_interval > 1 with vllm_enable_sleep_mode=True: sleep mode discards the "
+                             "engine's weights and TRL re-pushes the current ones on wake-up, so the engine cannot "
+                             "stay stale. Use one of the two.")
         if self.pi_old_source not in PI_OLD_SOURCES:
             raise ValueError(f"pi_old_source={self.pi_old_source!r}: use one of {', '.join(PI_OLD_SOURCES)}.")
 

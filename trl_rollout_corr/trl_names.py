@@ -50,8 +50,8 @@ def translate_trl_correction(correction: bool | None = None, mode: str | None = 
         warnings.warn("vllm_importance_sampling_cap is deprecated in TRL (removed in v2.0.0): use "
                       "vllm_importance_sampling_clip_max.", FutureWarning, stacklevel=3)
         if clip_max is not None and clip_max != cap:
-            raise ValueError(f"vllm_importance_sampling_cap={cap!r} and vllm_importance_sampling_clip_max={clip_max!r}: "
-                             "cap is the deprecated name of clip_max; set clip_max only.")
+            raise ValueError(f"vllm_importance_sampling_cap={cap!r} and vllm_importance_sampling_clip_max="
+                             f"{clip_max!r}: cap is the deprecated name of clip_max; set clip_max only.")
         clip_max = cap
     if correction is False:
         return dict(rollout_is=None)
