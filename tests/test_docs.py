@@ -191,7 +191,8 @@ def _generic(name: str) -> str:
 def _emitted_metric_names() -> set[str]:
     """Every ``rollout_corr/*`` name the package logs: the core run with every statistic switched on (two runs: the
     masked IS bound and the batch normalization are separate levels), the truncated-support and lag statistics, and
-    the names the trainers write themselves (string literals in the package's source)."""
+    the names the trainers write themselves (``"rollout_corr/<name>"`` or ``METRIC_PREFIX + "<name>"`` in the
+    package's source)."""
     import torch
 
     from trl_rollout_corr.core import compute_rollout_correction_stats, finalize_stats
@@ -212,7 +213,9 @@ def _emitted_metric_names() -> set[str]:
     lag = lag_stats(old, rollout, mask, mask.bool(), mask.bool(), torch.tensor([0, 1, 1, 0]), 1, torch.ones(4, 6))
     names |= set(finalize_lag(lag.to_floats()))
     for path in (ROOT / "trl_rollout_corr").rglob("*.py"):
-        names |= set(re.findall(r"[\"'](rollout_corr/[a-z0-9_]+)[\"']", path.read_text(encoding="utf-8")))
+        source = path.read_text(encoding="utf-8")
+        names |= set(re.findall(r"[\"'](rollout_corr/[a-z0-9_]+)[\"']", source))
+        names |= {"rollout_corr/" + n for n in re.findall(r"\b(?:METRIC_)?PREFIX \+ [\"']([a-z0-9_]+)[\"']", source)}
     return {_generic(name) for name in names}
 
 
