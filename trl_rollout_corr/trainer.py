@@ -30,7 +30,7 @@ from ._trl import (TrlForwardCalls, TrlInternalsChanged, checkpoint_dir, forward
 from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.pipeline import rollout_usable_mask
-from .core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
+from .core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
 from .grpo_config import RolloutCorrGRPOConfig
 from .losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
@@ -349,16 +349,16 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             reduced = stats.all_reduce(self._rc_reduce)
             all_floats = reduced.to_floats()  # the one host sync of this logging step
             metrics = finalize_floats(all_floats)
-            floats = {k[4:]: v for k, v in all_floats.items() if k.startswith("sum:loss.")}
+            floats = summed(all_floats, "loss.")
             if "loss.micro_batches" in floats:  # entropy, clip_ratio/*, kl, aux_loss, ...: TRL's own (_metrics)
                 empty = floats["loss.empty_micro_batches"]
-                metrics["rollout_corr/all_rejected_micro_batches"] = empty
+                metrics[METRIC_PREFIX + "all_rejected_micro_batches"] = empty
                 if empty > 0 and self.accelerator.is_main_process:
                     logger.warning(
                         "Rollout correction rejected every token of %d of %d micro-batches since the last log "
                         "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
                         "rollout_token_veto_threshold or check the sampler.", int(empty),
-                        int(floats["loss.micro_batches"]), metrics.get("rollout_corr/rejected_token_fraction", 1.0))
+                        int(floats["loss.micro_batches"]), metrics.get(METRIC_PREFIX + "rejected_token_fraction", 1.0))
             if mode == "eval":
                 metrics = {f"eval_{k}": v for k, v in metrics.items()}
             logs.update(metrics)  # in place, as TRL does: evaluate() returns this dict

@@ -42,7 +42,7 @@ from ..config import RolloutCorrectionConfig
 from ..core import compute_rollout_correction_stats
 from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
 from ..core.lag import lag_stats
-from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
+from ..core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
 from .config import RolloutCorrAsyncGRPOConfig
 from .versions import ServerProbe, carrying_sample_versions
 
@@ -271,15 +271,16 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             stats, self._rc_stats = self._rc_stats, RolloutStats()
             all_floats = stats.all_reduce(self._rc_reduce).to_floats()  # the one host sync of this logging step
             metrics = finalize_floats(all_floats)
-            empty = all_floats.get("sum:loss.empty_micro_batches", 0.0)
-            metrics["rollout_corr/all_rejected_micro_batches"] = empty
+            floats = summed(all_floats, "loss.")
+            empty = floats.get("loss.empty_micro_batches", 0.0)
+            metrics[METRIC_PREFIX + "all_rejected_micro_batches"] = empty
             if empty > 0 and self.accelerator.is_main_process:
                 logger.warning(
                     "Rollout correction rejected every token of %d of %d micro-batches since the last log "
                     "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
                     "rollout_token_veto_threshold, lower max_staleness or check the server.", int(empty),
-                    int(all_floats.get("sum:loss.micro_batches", 0.0)),
-                    metrics.get("rollout_corr/rejected_token_fraction", 1.0))
+                    int(floats.get("loss.micro_batches", 0.0)),
+                    metrics.get(METRIC_PREFIX + "rejected_token_fraction", 1.0))
             logs.update(metrics)
         super().log(logs, start_time)
 

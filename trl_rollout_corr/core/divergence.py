@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .stats import STAT_DTYPE, RolloutStats, masked_max
+from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, masked_max
 from .weights import SAFETY_BOUND
 
 DIVERGENCE_CRITERIA = (
@@ -193,8 +193,9 @@ def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) ->
             continue
         n = floats[f"sum:{key}.n"]
         stat_max = floats[f"max:{key}.stat_max"]
-        metrics[f"rollout_corr/rollout_rs_{name}_mean"] = div(floats[f"sum:{key}.stat_sum"], n)
-        metrics[f"rollout_corr/rollout_rs_{name}_max"] = stat_max if math.isfinite(stat_max) else 0.0
-        metrics[f"rollout_corr/rollout_rs_{name}_masked_fraction"] = div(floats[f"sum:{key}.rejected_tok_n"], tok_n)
-        metrics[f"rollout_corr/rollout_rs_{name}_seq_masked_fraction"] = div(floats[f"sum:{key}.rejected_seq_n"], seq_n)
+        metric = f"{METRIC_PREFIX}rollout_rs_{name}"
+        metrics[f"{metric}_mean"] = div(floats[f"sum:{key}.stat_sum"], n)
+        metrics[f"{metric}_max"] = stat_max if math.isfinite(stat_max) else 0.0
+        metrics[f"{metric}_masked_fraction"] = div(floats[f"sum:{key}.rejected_tok_n"], tok_n)
+        metrics[f"{metric}_seq_masked_fraction"] = div(floats[f"sum:{key}.rejected_seq_n"], seq_n)
     return metrics

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from .stats import METRIC_PREFIX as PREFIX
 from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_sum
 from .weights import SAFETY_BOUND
 
-PREFIX = "rollout_corr/"
 LAG_METRICS = ("kl", "k3_kl", "is_weight_mean", "rejected_token_fraction", "sample_fraction")
 
 

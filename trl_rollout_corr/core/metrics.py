@@ -15,13 +15,12 @@ import math
 
 import torch
 
+from .stats import METRIC_PREFIX as PREFIX
 from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
 from .divergence import finalize_divergence
 from .lag import finalize_lag
 from .truncation import finalize_truncation
 from .weights import SAFETY_BOUND, sequence_log_ratio
-
-PREFIX = "rollout_corr/"
 
 WEIGHT_FAMILY_METRICS = (
     "mean", "std", "min", "max", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low",

@@ -20,6 +20,10 @@ from collections.abc import Callable
 import torch
 
 STAT_DTYPE = torch.float64
+METRIC_PREFIX = "rollout_corr/"
+"""The namespace of every metric this package logs: ``rollout_corr/<name>``."""
+SUM, MAX, MIN = "sum:", "max:", "min:"
+"""The tags of :meth:`RolloutStats.to_floats`'s keys: ``"sum:<name>"``, ``"max:<name>"``, ``"min:<name>"``."""
 ReduceFn = Callable[[torch.Tensor, str], torch.Tensor]
 """``reduce_fn(tensor, op)`` with ``op`` in ``{"sum", "max", "min"}``; returns the reduced tensor."""
 
@@ -59,14 +63,20 @@ class RolloutStats:
     def to_floats(self) -> dict[str, float]:
         """One host transfer for everything: ``{"sum:name": v, "max:name": v, "min:name": v}``."""
         keys, values = [], []
-        for tag, group in (("sum", self.sums), ("max", self.maxes), ("min", self.mins)):
+        for tag, group in ((SUM, self.sums), (MAX, self.maxes), (MIN, self.mins)):
             for name in sorted(group):
-                keys.append(f"{tag}:{name}")
+                keys.append(tag + name)
                 values.append(group[name].to(STAT_DTYPE).reshape(()))
         if not values:
             return {}
         host = torch.stack(values).cpu().tolist()  # the single sync
         return dict(zip(keys, host))
+
+
+def summed(floats: dict[str, float], family: str) -> dict[str, float]:
+    """The summed statistics of ``family`` (e.g. ``"loss."``) in :meth:`RolloutStats.to_floats`'s output, by name:
+    ``{"loss.micro_batches": v, ...}`` (the ``"sum:"`` tag removed by name, not by position)."""
+    return {key.removeprefix(SUM): value for key, value in floats.items() if key.startswith(SUM + family)}
 
 
 def process_all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .stats import RolloutStats, count, masked_min, masked_sum
+from .stats import METRIC_PREFIX, RolloutStats, count, masked_min, masked_sum
 
 # working set of one chunk in logits elements: TRL's fused LM head tile (4096 tokens x 32768 vocab entries)
 DEFAULT_CHUNK_ELEMENTS = 4096 * 32768 // 4  # the sort keeps ~4 (n, V) buffers alive
@@ -131,8 +131,8 @@ def finalize_truncation(floats: dict[str, float]) -> dict[str, float]:
     if n is None:
         return {}
     if n <= 0:
-        return {"rollout_corr/kept_mass_mean": 0.0, "rollout_corr/kept_mass_min": 0.0,
-                "rollout_corr/outside_support_fraction": 0.0}
-    return {"rollout_corr/kept_mass_mean": floats["sum:trunc.kept_mass_sum"] / n,
-            "rollout_corr/kept_mass_min": floats["min:trunc.kept_mass_min"],
-            "rollout_corr/outside_support_fraction": floats["sum:trunc.outside_n"] / n}
+        return {METRIC_PREFIX + "kept_mass_mean": 0.0, METRIC_PREFIX + "kept_mass_min": 0.0,
+                METRIC_PREFIX + "outside_support_fraction": 0.0}
+    return {METRIC_PREFIX + "kept_mass_mean": floats["sum:trunc.kept_mass_sum"] / n,
+            METRIC_PREFIX + "kept_mass_min": floats["min:trunc.kept_mass_min"],
+            METRIC_PREFIX + "outside_support_fraction": floats["sum:trunc.outside_n"] / n}

@@ -34,6 +34,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..core.stats import METRIC_PREFIX
 from .rules import ALERTS, DEFAULTS, AlertRules, validate, validate_stop_on_alert
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
             return control
         row = {"step": float(state.global_step)}
         row.update({k: float(v) for k, v in logs.items()
-                    if (k.startswith("rollout_corr/") or k in ("entropy", "reward", "reward_std", "loss"))
+                    if (k.startswith(METRIC_PREFIX) or k in ("entropy", "reward", "reward_std", "loss"))
                     and _is_number(v)})
         self.rows.append(row)
         # every rank sees the same globally reduced metrics, so every rank takes the same decision; one rank speaks
@@ -185,7 +186,7 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         for ax, key in zip(axes[:, 0], keys):
             points = [(r["step"], r[key]) for r in self.rows if key in r]
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
-            ax.set_ylabel(key.replace("rollout_corr/", ""), fontsize=8)
+            ax.set_ylabel(key.removeprefix(METRIC_PREFIX), fontsize=8)
             for alert in self.alerts:
                 ax.axvline(alert["step"], color="red", alpha=0.3)
         axes[-1, 0].set_xlabel("step")
