@@ -71,6 +71,15 @@ class _AnsweredForward:
         return self.outputs
 
 
+def served_model_ids(body: Any) -> list[str] | None:
+    """The model ids in a vLLM server's ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``); None for an answer
+    of any other shape."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        return None
+    return [m["id"] for m in data]
+
+
 class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
     """``AsyncGRPOTrainer`` with rollout correction (see the module docstring). Takes ``AsyncGRPOTrainer``'s arguments;
     ``args`` must be a :class:`RolloutCorrAsyncGRPOConfig`."""
@@ -146,9 +155,10 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
         token = find_token(urlparse(url).port, args.vllm_server_control_token_file)
         try:
             answer = requests.get(f"{url}/v1/models", timeout=10, headers={TOKEN_HEADER: token} if token else {})
-            served = [m["id"] for m in answer.json()["data"]] if answer.status_code == 200 else None
-        except (requests.RequestException, ValueError, KeyError, TypeError):
-            served = None  # not up yet (TRL waits for it) or not a vLLM server: TRL's own errors apply
+            body = answer.json() if answer.status_code == 200 else None
+        except (requests.RequestException, ValueError):  # not up yet (TRL waits for it), or an answer that is not JSON
+            body = None
+        served = served_model_ids(body)  # None where it is not a vLLM server: TRL's own errors apply
         if served is not None and model not in served:
             raise ValueError(f"The vLLM server at {url} serves {served}, but the trainer loads {model!r}: TRL's "
                              "rollout worker requests the model by that string and would get 404 on every request. "
