@@ -115,6 +115,31 @@ def test_a_change_after_the_trainer_is_built_is_refused(tmp_path):
     args.logging_steps = 5  # TRL's fields stay TRL's business
 
 
+def test_the_trainer_holds_a_frozen_copy_and_a_plan_input_is_not_changed_behind_it(tmp_path):
+    """The freeze cannot be bypassed: the trainer's correction is its own frozen copy (a change to it, or to the
+    args' nested config, does not reach the loss unchecked), and a TRL field the plan was made from raises."""
+    trainer, _ = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1)
+    args, held = trainer.args, trainer.rollout_correction
+    assert held == args.rollout_correction and held is not args.rollout_correction
+    with pytest.raises(AttributeError, match=r"rollout_is_threshold: this RolloutCorrectionConfig belongs to "
+                                             r"RolloutCorrGRPOTrainer and is frozen"):
+        held.rollout_is_threshold = 5.0
+    with pytest.raises(AttributeError, match=r"belongs to RolloutCorrGRPOConfig and is frozen.*args\.rollout_is_"):
+        args.rollout_correction.rollout_is_threshold = 5.0  # around the flat fields' checks: refused too
+    assert held.rollout_is_threshold == 2.0 and trainer.rollout_correction is held
+    plan = trainer.correction_plan
+    for name, value in [("num_iterations", 2), ("gradient_accumulation_steps", 4), ("steps_per_generation", 2),
+                        ("loss_type", "grpo"), ("pi_old_source", "forward")]:
+        with pytest.raises(AttributeError, match=f"{name} changed after RolloutCorrGRPOTrainer was built.*planned"):
+            setattr(args, name, value)
+    assert trainer.correction_plan == plan and args.num_iterations == 1
+    args.num_iterations = 1  # the same value: no change, no error
+    copy = pickle.loads(pickle.dumps(held))  # a frozen copy stays frozen, and equal, through pickling
+    assert copy == held
+    with pytest.raises(AttributeError, match="frozen"):
+        copy.bypass_mode = True
+
+
 # ------------------------------------------------------------------ TRL's own vLLM IS fields
 @pytest.mark.parametrize("name, value, field, expected", [
     ("vllm_importance_sampling_mode", "token_truncate", "rollout_is", "token"),

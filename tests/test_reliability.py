@@ -57,7 +57,7 @@ def test_tool_tokens_masked_by_env_mask_leave_the_correction(tmp_path):
                 "env_mask": [[1, 1, 0, 1] for _ in completion_ids]}
 
     trainer, logs = build(tmp_path, rollout_func, "decoupled_geo_rs")
-    trainer.rollout_correction.rollout_token_veto_threshold = 1e-4
+    assert trainer.rollout_correction.rollout_token_veto_threshold == 1e-4  # the preset's veto
     trainer.train()
     log = first_log(logs)
     assert_finite(log)

@@ -81,6 +81,23 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     def __post_init__(self) -> None:
         self.validate()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        frozen_by = self.__dict__.get("_frozen_by")
+        if frozen_by is not None and name in self.__dataclass_fields__:
+            raise AttributeError(
+                f"{name}: this RolloutCorrectionConfig belongs to {frozen_by} and is frozen (the correction was "
+                "checked and planned from its values; a change here would bypass that). Change the args' fields "
+                f"instead, before building the trainer (args.{name} = ... or args.update_rollout_correction(...)), "
+                "or build a new trainer.")
+        super().__setattr__(name, value)
+
+    def frozen(self, owner: str) -> RolloutCorrectionConfig:
+        """A validated copy whose fields can no longer change (raises AttributeError naming ``owner``): what a
+        trainer holds, so that the correction it runs is the one it planned."""
+        copy = dataclasses.replace(self)
+        object.__setattr__(copy, "_frozen_by", owner)
+        return copy
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the fix for every invalid combination."""

@@ -124,7 +124,8 @@ class RolloutCorrectionFields:
         level switched off)."""
         resolved = self.resolve_rollout_correction()
         self._check_resolved(resolved)  # raises where it is not exact
-        object.__setattr__(self, "rollout_correction", resolved)
+        # frozen: a change goes through the flat fields (re-resolved, re-checked), never around them
+        object.__setattr__(self, "rollout_correction", resolved.frozen(type(self).__name__))
         switched_off = {name for name, value in self.__dict__.get("_rc_explicit", {}).items()
                         if name in SWITCHABLE_OFF and isinstance(value, str) and value in NONE_STRINGS}
         for name, value in resolved.to_dict().items():
@@ -158,7 +159,8 @@ class RolloutCorrectionFields:
     def __setattr__(self, name: str, value: Any) -> None:
         """After construction, a correction field, the preset, the saved-config path or a TRL field the checks depend
         on re-resolves the correction (an invalid change raises and leaves the config as it was); once a trainer
-        was built on this config, a change to this package's fields raises (the trainer would not see it)."""
+        was built on this config, a change to this package's fields or to those TRL fields raises (the trainer would
+        not see it: it holds a frozen copy of the correction and the plan made from it)."""
         if not self.__dict__.get("_rc_constructed", False):
             object.__setattr__(self, name, value)
             return
@@ -180,12 +182,13 @@ class RolloutCorrectionFields:
             also = f" and {', '.join(self._RC_PLAN_INPUTS)}" if self._RC_PLAN_INPUTS else ""
             raise ValueError(f"update_rollout_correction() takes this package's fields{also}; got {unknown}.")
         for name, value in changes.items():
-            if (name in own and name != "require_rollout_logprobs"  # read live by the trainer
-                    and self._rc_frozen_by is not None and getattr(self, name) != value):
-                raise AttributeError(
-                    f"{name} changed after {self._rc_frozen_by} was built on these args: the trainer resolved the "
-                    "correction at construction and would not see the change. Set it before building the trainer (or "
-                    "build a new trainer with the changed args).")
+            if self._rc_frozen_by is None or getattr(self, name) == value or name == "require_rollout_logprobs":
+                continue  # require_rollout_logprobs is read live by the trainer
+            what = "planned the correction from it" if name in self._RC_PLAN_INPUTS else "resolved the correction"
+            raise AttributeError(
+                f"{name} changed after {self._rc_frozen_by} was built on these args: the trainer {what} at "
+                "construction and would not see the change. Set it before building the trainer (or build a new "
+                "trainer with the changed args).")
         saved = dict(self.__dict__)
         explicit = dict(self.__dict__.get("_rc_explicit", {}))
         for name, value in changes.items():

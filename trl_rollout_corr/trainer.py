@@ -93,7 +93,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             check_version("vllm")
         with vllm_engine_setup(args) as vllm_setup:  # CPU fixes, engine dtype, control token: while TRL builds vLLM
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
+        # a frozen copy: the correction this trainer planned (a change to args raises from now on, see below)
+        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction.frozen(type(self).__name__)
         self.correction_plan = self.args.correction_plan()
         self.args._rc_frozen_by = type(self).__name__  # a later change to the correction fields raises
         self.rollout_sampler = rollout_sampler

@@ -105,7 +105,8 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             self._rc_probe = ServerProbe(args.vllm_server_base_url, args.server_unreachable_timeout_s)
             self._check_served_model(args, model)
         super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer, **kwargs)
-        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction
+        # a frozen copy: the correction this trainer checked (a change to args raises from now on, see below)
+        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction.frozen(type(self).__name__)
         self.args._rc_frozen_by = type(self).__name__  # a later change to the correction fields raises
         self._rc_stats = RolloutStats()
         self._rc_policy_version = 0  # the trainer's policy version, on every rank (TRL keeps it on rank 0)
