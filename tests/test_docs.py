@@ -276,3 +276,10 @@ def test_no_page_points_to_readme_sections_that_moved():
         assert "README.md#" not in path.read_text(encoding="utf-8"), path.name
     for path in (ROOT / "trl_rollout_corr").rglob("*.py"):
         assert not re.search(r"README[,:]? \"|README's \"", path.read_text(encoding="utf-8")), path
+
+
+def test_the_documented_level_of_the_plan_s_log_line_is_the_code_s():
+    """docs/exactness.md says at which level the trainer logs its correction plan; that is what trainer.py does."""
+    source = (ROOT / "trl_rollout_corr" / "trainer.py").read_text(encoding="utf-8")
+    level = re.search(r"logger\.(\w+)\(\s*\"Rollout correction: %s\"", source).group(1)
+    assert f"at {level.upper()} level" in " ".join(PAGE["exactness.md"].split()), level
