@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from huggingface_hub import ModelHubMixin
 
 from .core.divergence import parse_divergence_criteria
+from .core.params import CorrectionParams
 from .trl_names import TRL_DEFAULT
 from .verl_names import ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_criteria_string, translate_rollout_rs
 from .core.rejection import RS_LEVELS
@@ -209,9 +210,10 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return (self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
                 or self.rollout_rs_criteria is not None or self.rollout_m2_threshold is not None)
 
-    def pipeline_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`~trl_rollout_corr.core.compute_rollout_correction_stats` for this config."""
-        return dict(
+    def params(self) -> CorrectionParams:
+        """The frozen view the core reads (:func:`~trl_rollout_corr.core.compute_rollout_correction_stats`), the RS
+        lower bound resolved (``1 / rollout_rs_threshold`` where unset)."""
+        return CorrectionParams(
             rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
             rollout_rs=self.rollout_rs, rollout_rs_threshold=self.rollout_rs_threshold,
             rollout_rs_threshold_lower=self.rs_threshold_lower,
@@ -222,6 +224,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             rollout_is_threshold_lower=self.rollout_is_threshold_lower, rollout_is_bound=self.rollout_is_bound,
             rollout_m2_threshold=self.rollout_m2_threshold,
         )
+
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """:meth:`params` as keyword arguments, e.g. of verl's signature,
+        :func:`~trl_rollout_corr.core.compute_rollout_correction_and_rejection_mask`."""
+        return dataclasses.asdict(self.params())
 
     # ------------------------------------------------------------------ presets
     @classmethod

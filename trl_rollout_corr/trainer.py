@@ -265,9 +265,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._rc_stats[mode].update(truncation_stats(log_mass, in_support, loss_mask))
             if self._rc_apply_truncation:
                 ratio_logps = truncated_support_logprobs(train_logps, log_mass, in_support)  # (B, T)
-        result = compute_rollout_correction_stats(
-            ratio_logps, rollout, loss_mask, **cfg.pipeline_kwargs(), reduce_fn=self._rc_reduce,
-            rollout_seen=batch.get("rc_rollout_seen"))
+        result = compute_rollout_correction_stats(ratio_logps, rollout, loss_mask, cfg.params(),
+                                                  reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"))
         self._rc_stats[mode].update(result.stats)
         keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
         if cfg.bypass_mode:

@@ -237,7 +237,7 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
         rollout_rows = to_rows(rollout, layout, 0.0)  # (B, T)
         if self.args.require_rollout_logprobs:
             self._require_finite(rollout_rows, mask)
-        result = compute_rollout_correction_stats(train_rows, rollout_rows, mask, **cfg.pipeline_kwargs(),
+        result = compute_rollout_correction_stats(train_rows, rollout_rows, mask, cfg.params(),
                                                   reduce_fn=self._rc_reduce)
         keep_rows = result.modified_response_mask.bool()  # (B, T)
         lag = self._rc_policy_version - per_row(versions, layout)  # (B,)

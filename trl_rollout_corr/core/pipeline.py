@@ -8,6 +8,7 @@ import torch
 
 from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, parse_divergence_criteria
 from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
+from .params import CorrectionParams
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
 from .second_moment import second_moment_mask
 from .stats import ReduceFn, RolloutStats, count, count_rows, masked_sum, stat_constant
@@ -37,22 +38,16 @@ def compute_rollout_correction_stats(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    rollout_is: str | None = None,
-    rollout_is_threshold: float = 2.0,
-    rollout_rs: str | None = None,
-    rollout_rs_threshold: float | None = None,
-    rollout_rs_threshold_lower: float | None = None,
-    rollout_token_veto_threshold: float | None = None,
-    rollout_is_batch_normalize: bool = False,
+    params: CorrectionParams | None = None,
+    *,
     reduce_fn: ReduceFn | None = None,
-    rollout_rs_criteria: Any = None,
-    rollout_rs_criteria_threshold: Any = None,
     rollout_seen: torch.Tensor | None = None,
-    rollout_is_threshold_lower: float | None = None,
-    rollout_is_bound: str = "truncate",
-    rollout_m2_threshold: float | None = None,
+    **fields: Any,
 ) -> RolloutCorrection:
     """Host-sync-free form of :func:`compute_rollout_correction_and_rejection_mask`.
+
+    The correction is ``params`` (``config.params()`` of a :class:`~trl_rollout_corr.RolloutCorrectionConfig`), or
+    its fields given as keywords (``rollout_is="token", rollout_is_threshold=2.0, ...``), not both.
 
     log rho_t = log pi_train(a_t) - log pi_rollout(a_t), pi_train = ``old_log_prob`` (pi_old in decoupled
     mode, pi_theta detached in bypass mode). Tokens whose log-probs are NaN/+-inf on a valid position make
@@ -67,6 +62,7 @@ def compute_rollout_correction_stats(
     ``rollout_m2_threshold`` (tau) masks the tokens with the largest (log rho)^2 until the batch's mean of the rest
     is <= tau (:mod:`.second_moment`; global across processes with ``reduce_fn``).
     """
+    p = _params(params, fields)
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
             "old_log_prob, rollout_log_prob and response_mask must have the same (B, T) shape, got "
@@ -88,17 +84,18 @@ def compute_rollout_correction_stats(
 
         stats = offpolicy_stats(train, rollout, valid)
         is_weights = None
-        if rollout_is is not None:
+        if p.rollout_is is not None:
             is_weights, safe, norm_mean = compute_rollout_correction_weights(
-                log_ratio, valid, rollout_is, rollout_is_threshold, rollout_is_batch_normalize, reduce_fn,
-                rollout_is_threshold_lower, rollout_is_bound,
+                log_ratio, valid, p.rollout_is, p.rollout_is_threshold, p.rollout_is_batch_normalize, reduce_fn,
+                p.rollout_is_threshold_lower, p.rollout_is_bound,
             )
             seq_log = sequence_log_ratio(log_ratio, valid).unsqueeze(1).expand_as(log_ratio)  # (B, T)
-            is_lower = 1.0 / rollout_is_threshold if rollout_is_threshold_lower is None else rollout_is_threshold_lower
+            is_lower = p.rollout_is_threshold_lower
+            is_lower = 1.0 / p.rollout_is_threshold if is_lower is None else is_lower
             stats.update(weight_family_stats(
-                "rollout_is", safe, seq_log, valid, rollout_is, is_lower, rollout_is_threshold
+                "rollout_is", safe, seq_log, valid, p.rollout_is, is_lower, p.rollout_is_threshold
             ))
-            if rollout_is_bound == "mask":
+            if p.rollout_is_bound == "mask":
                 zeroed = valid & (is_weights == 0)  # (B, T) masked (a valid rho is > 0; normalizing keeps 0 at 0)
                 stats.sums["mask.is_masked_tok_n"] = count(zeroed)  # (B, T) -> 0-dim
                 stats.sums["mask.is_masked_seq_n"] = count_rows(zeroed)
@@ -115,27 +112,28 @@ def compute_rollout_correction_stats(
             "all_seq_n": count_rows(input_mask),
             "missing_seq_n": count_rows(uncorrected),
         }
-        if rollout_rs is not None:
-            lower, upper = rejection_bounds(rollout_rs_threshold, rollout_rs_threshold_lower)
-            rs_keep, safe_stat, log_stat = compute_rollout_rejection_mask(log_ratio, valid, rollout_rs, upper, lower)
-            stats.update(weight_family_stats("rollout_rs", safe_stat, log_stat, valid, rollout_rs, lower, upper))
+        if p.rollout_rs is not None:
+            lower, upper = rejection_bounds(p.rollout_rs_threshold, p.rollout_rs_threshold_lower)
+            rs_keep, safe_stat, log_stat = compute_rollout_rejection_mask(log_ratio, valid, p.rollout_rs, upper,
+                                                                          lower)
+            stats.update(weight_family_stats("rollout_rs", safe_stat, log_stat, valid, p.rollout_rs, lower, upper))
             rs_rejected = valid & ~rs_keep  # (B, T)
             mask_sums["rs_rejected_tok_n"] = count(rs_rejected)
             mask_sums["rs_rejected_seq_n"] = count_rows(rs_rejected)
             keep = keep & rs_keep
-        criteria = _as_criteria(rollout_rs_criteria, rollout_rs_criteria_threshold)
+        criteria = _as_criteria(p.rollout_rs_criteria, p.rollout_rs_criteria_threshold)
         if criteria:
             div_keep, div_stats = compute_divergence_rejection_mask(log_ratio, valid, criteria)
             stats.update(div_stats)
             keep = keep & div_keep
-        if rollout_m2_threshold is not None:
-            m2_keep, v = second_moment_mask(log_ratio, valid, rollout_m2_threshold, reduce_fn)  # (B, T) each
+        if p.rollout_m2_threshold is not None:
+            m2_keep, v = second_moment_mask(log_ratio, valid, p.rollout_m2_threshold, reduce_fn)  # (B, T) each
             mask_sums["m2_masked_tok_n"] = count(valid & ~m2_keep)
             stats.sums["m2.v_sum"] = masked_sum(v, valid)
             stats.sums["m2.v_kept_sum"] = masked_sum(v, m2_keep)
             keep = keep & m2_keep
-        if rollout_token_veto_threshold is not None:
-            veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, rollout_token_veto_threshold)
+        if p.rollout_token_veto_threshold is not None:
+            veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, p.rollout_token_veto_threshold)
             mask_sums["catastrophic_tok_n"] = count(catastrophic)
             mask_sums["vetoed_seq_n"] = count_rows(catastrophic)
             keep = keep & veto_keep  # (without the veto its metrics are finalized as 0.0)
@@ -146,6 +144,20 @@ def compute_rollout_correction_stats(
             is_weights = torch.where(uncorrected, torch.ones_like(is_weights), is_weights * valid)  # (B, T)
         modified = keep.to(response_mask.dtype)  # (B, T)
     return RolloutCorrection(is_weights, modified, stats)
+
+
+def _params(params: CorrectionParams | None, fields: dict[str, Any]) -> CorrectionParams:
+    """``params``, or the correction spelled as keyword fields (one of the two)."""
+    if params is None:
+        return CorrectionParams(**fields)
+    if not isinstance(params, CorrectionParams):
+        raise TypeError(f"params must be a CorrectionParams (RolloutCorrectionConfig.params()), got "
+                        f"{type(params).__name__}; or give the correction's fields as keywords (rollout_is='token', "
+                        "...).")
+    if fields:
+        raise TypeError(f"compute_rollout_correction_stats got params and the fields {sorted(fields)}: pass one of "
+                        "the two (dataclasses.replace(params, ...) changes a field).")
+    return params
 
 
 def _as_criteria(criteria: Any, thresholds: Any) -> list[DivergenceCriterion]:
@@ -189,11 +201,13 @@ def compute_rollout_correction_and_rejection_mask(
     if rollout_rs is not None and rollout_rs_threshold is None:
         raise ValueError("rollout_rs_threshold is required when rollout_rs is set (e.g. 2.0 for token/sequence, "
                          "1.001 for geometric).")
-    result = compute_rollout_correction_stats(
-        old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold, rollout_rs,
-        rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold, rollout_is_batch_normalize,
-        rollout_rs_criteria=rollout_rs_criteria, rollout_rs_criteria_threshold=rollout_rs_criteria_threshold,
-        rollout_seen=rollout_seen, rollout_is_threshold_lower=rollout_is_threshold_lower,
-        rollout_is_bound=rollout_is_bound, rollout_m2_threshold=rollout_m2_threshold,
-    )
+    params = CorrectionParams(
+        rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+        rollout_is_threshold_lower=rollout_is_threshold_lower, rollout_is_bound=rollout_is_bound,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold, rollout_rs_threshold_lower=rollout_rs_threshold_lower,
+        rollout_token_veto_threshold=rollout_token_veto_threshold, rollout_rs_criteria=rollout_rs_criteria,
+        rollout_rs_criteria_threshold=rollout_rs_criteria_threshold, rollout_m2_threshold=rollout_m2_threshold)
+    result = compute_rollout_correction_stats(old_log_prob, rollout_log_prob, response_mask, params,
+                                              rollout_seen=rollout_seen)
     return result.is_weights, result.modified_response_mask, finalize_stats(result.stats)
