@@ -4,6 +4,10 @@ from ._cpu_guard import hide_cuda_only_extensions as _hide_cuda_only_extensions
 
 _hide_cuda_only_extensions()  # before transformers/vLLM look for torchvision & co. (see _cpu_guard)
 
+from .distributed_exit import drain_gloo_workers_at_exit as _drain_gloo_workers_at_exit
+
+_drain_gloo_workers_at_exit()  # a finished multi-process CPU run exits 0, not SIGABRT (see distributed_exit)
+
 from .config import RolloutCorrectionConfig
 from .core import (
     compute_offpolicy_metrics,
