@@ -50,3 +50,42 @@ def test_minimal_example_runs(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "rollout_corr/kl" in res.stdout
+
+
+def test_recipes_written_out_work_from_any_directory(tmp_path, monkeypatch, capsys):
+    import fnmatch
+    import json
+    import tomllib
+
+    import yaml
+
+    from trl_rollout_corr.cli import main
+
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "my_recipes"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not a checkout: nothing named recipes/ here
+    main(["recipes", str(out)])
+    in_repo = sorted(os.path.relpath(p, os.path.join(ROOT, "recipes"))
+                     for p in glob.glob(os.path.join(ROOT, "recipes", "**", "*.*"), recursive=True))
+    written = sorted(os.path.relpath(p, out) for p in glob.glob(os.path.join(out, "**", "*.*"), recursive=True))
+    assert written == in_repo and len(written) >= 16
+    assert f"wrote {len(written)} recipes to {out}" in capsys.readouterr().out
+    for name in written:  # no path left relative to a checkout's root
+        text = (out / name).read_text()
+        assert " recipes/" not in text and ": recipes/" not in text, name
+    for stage in (2, 3):  # accelerate's DeepSpeed YAML points at the written JSON, by absolute path
+        launch = yaml.safe_load((out / "accelerate" / f"deepspeed_zero{stage}.yaml").read_text())
+        ds_path = launch["deepspeed_config"]["deepspeed_config_file"]
+        assert os.path.isabs(ds_path) and os.path.exists(ds_path), ds_path
+        with open(os.path.join(ROOT, "recipes", "accelerate", f"ds_zero{stage}.json")) as fh:
+            assert json.loads(open(ds_path).read()) == json.load(fh)
+    _, training_args, _ = parse_train_args(["--config", str(out / "ppo_is_bypass.yaml"), *CPU])[:3]
+    assert training_args.rollout_correction.bypass_mode  # the preset, read from outside the checkout
+    with pytest.raises(FileExistsError, match="--force"):
+        main(["recipes", str(out)])
+    main(["recipes", str(out), "--force"])
+    # a built wheel carries them: the package-data globs cover every recipe (trl_rollout_corr/recipes -> ../recipes)
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        globs = tomllib.load(fh)["tool"]["setuptools"]["package-data"]["trl_rollout_corr"]
+    assert all(any(fnmatch.fnmatch(f"recipes/{name}", g) for g in globs) for name in in_repo)
+    assert os.path.realpath(os.path.join(ROOT, "trl_rollout_corr", "recipes")) == os.path.join(ROOT, "recipes")

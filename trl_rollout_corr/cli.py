@@ -9,6 +9,8 @@
                                              options), the correction fields, --rollout_corr_monitor true
                                              (see ``train --help``)
     trl-rollout-corr tensors [--preset NAME] the correction on sample tensors
+    trl-rollout-corr recipes DIR             write the shipped recipes (presets, accelerate/DeepSpeed/FSDP configs)
+                                             to DIR, their paths made absolute: usable from any directory
     trl-rollout-corr vllm-serve --model DIR [trl vllm-serve options]
                                              a vLLM server for vllm_mode="server" (CPU engines included)
     trl-rollout-corr vllm-serve-async MODEL [vllm serve options]
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         from .vllm.serve_async import main as serve_async
 
         serve_async(rest)
+    elif command == "recipes":
+        from .recipes_command import main as recipes
+
+        recipes(rest)
     elif command == "tensors":
         import argparse
 
