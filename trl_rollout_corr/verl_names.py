@@ -8,7 +8,8 @@ Checked against volcengine/verl at commit ``b178a3c`` (2026-01-29): the preset f
   string in ``rollout_rs`` with its ``rollout_rs_threshold``, and ``loss_type`` as ``use_policy_gradient``).
   Names shared with this package (``decoupled_token_is``, ``decoupled_seq_is``, ``decoupled_seq_is_rs``,
   ``decoupled_geo_rs``, ``disabled``) keep this package's meaning; they agree with verl's except
-  ``decoupled_geo_rs``, which here also vetoes (``rollout_token_veto_threshold=1e-4``; pass ``None`` for verl's).
+  ``decoupled_geo_rs``, which here also vetoes (``rollout_token_veto_threshold=1e-4``; for verl's, switch it off:
+  ``None`` in :class:`RolloutCorrectionConfig`, ``"none"`` from the trainer config, a YAML recipe or the CLI).
 * **``rollout_rs`` criteria strings** (``"token_k1"``, ``"seq_mean_k3,seq_max_k2"``, ...): translated into this
   package's ``rollout_rs_criteria`` / ``rollout_rs_criteria_threshold`` by :func:`translate_rollout_rs`. verl
   compares k1 = -log r with ``log(lower)`` and ``log(upper)`` (rollout_corr_helper.py, lines 271-308), i.e. its
