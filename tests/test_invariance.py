@@ -258,6 +258,36 @@ def test_the_fsdp2_recipe_is_trl_s():
     assert ours == theirs
 
 
+FSDP_PROBE = """
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=True)
+print(f"TYPE {accelerator.distributed_type.name} {accelerator.num_processes}", flush=True)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU limit; with CUDA the FSDP test below runs")
+def test_accelerate_leaves_fsdp_off_on_a_cpu(tmp_path):
+    """The documented limit, tested: two CPU processes launched with accelerate's FSDP2 settings (the environment
+    `accelerate launch --config_file recipes/accelerate/fsdp2.yaml` sets) run as MULTI_CPU without FSDP. (Without
+    `use_cpu` they run as two separate DistributedType.NO processes, measured.) When this fails, accelerate runs FSDP
+    on a CPU: the exactness test below can then run here."""
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import _free_port
+
+    script = tmp_path / "probe.py"
+    script.write_text(FSDP_PROBE)
+    env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "OMP_NUM_THREADS": "1",
+           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # as torchrun sets
+    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in ranks]
+    types = sorted(line for out in outputs for line in out.splitlines() if line.startswith("TYPE"))
+    assert types == ["TYPE MULTI_CPU 2"] * 2, [out[-2000:] for out in outputs]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=(
     "accelerate runs FSDP only on GPU-type devices: without CUDA it sets DistributedType.NO (use_cpu=False) or "
     "MULTI_CPU without FSDP (use_cpu=True), measured with accelerate 1.15 (accelerate/state.py)"))
