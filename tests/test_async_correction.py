@@ -249,7 +249,7 @@ def test_no_server_at_start_is_a_clear_error_before_loading_anything(model_dir, 
 
     from async_stub import async_args
     from trl_rollout_corr import RolloutCorrAsyncGRPOTrainer
-    from trl_rollout_corr.async_grpo import cpu
+    from trl_rollout_corr.trl_hooks import async_grpo_cpu as cpu
 
     if not torch.cuda.is_available():
         start = time.monotonic()
@@ -311,7 +311,7 @@ def test_flat_terms_to_rows_by_hand():
 def test_server_probe_raises_only_after_the_timeout():
     import time
 
-    from trl_rollout_corr.async_grpo.versions import ServerProbe
+    from trl_rollout_corr.async_grpo.server_probe import ServerProbe
 
     probe = ServerProbe("http://127.0.0.1:9", timeout_s=0.5)  # nothing listens on port 9
     probe.probe()  # not answering, but not for long yet
@@ -356,9 +356,9 @@ def test_ppo_is_bypass_trains_exactly_as_trl_async_grpo(model_dir, tmp_path):
 def test_each_assumption_about_trl_fails_loudly_when_broken(model_dir, samples, tmp_path, monkeypatch):
     import importlib
 
-    from trl_rollout_corr._trl import TrlInternalsChanged
-    from trl_rollout_corr.async_grpo.trainer import _AnsweredForward
-    from trl_rollout_corr.async_grpo.versions import carrying_sample_versions
+    from trl_rollout_corr.trl_hooks import TrlInternalsChanged
+    from trl_rollout_corr.trl_hooks.async_grpo import AnsweredForward
+    from trl_rollout_corr.trl_hooks.async_grpo_data import carrying_sample_versions
 
     module = importlib.import_module("trl.experimental.async_grpo.async_grpo_trainer")
     original = module.DataCollatorForRollout
@@ -371,10 +371,10 @@ def test_each_assumption_about_trl_fails_loudly_when_broken(model_dir, samples, 
         assert module.DataCollatorForRollout is not original
     assert module.DataCollatorForRollout is original
 
-    answered = _AnsweredForward("outputs", torch.tensor([[1, 2, 3]]))
+    answered = AnsweredForward("outputs", torch.tensor([[1, 2, 3]]))
     with pytest.raises(TrlInternalsChanged, match="one forward on the packed row"):
         answered(input_ids=torch.tensor([[1, 2, 4]]))
-    assert _AnsweredForward("outputs", torch.tensor([[1]]))(input_ids=torch.tensor([[1]])) == "outputs"
+    assert AnsweredForward("outputs", torch.tensor([[1]]))(input_ids=torch.tensor([[1]])) == "outputs"
 
     trainer, _ = build_trainer(model_dir, samples, str(tmp_path), max_steps=1)
     with pytest.raises(TrlInternalsChanged, match="no rc_sample_version at compute_loss"):

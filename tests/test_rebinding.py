@@ -23,7 +23,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from trainer_utils import make_trainer  # noqa: E402
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
-from trl_rollout_corr._trl import forward_input_names, generate_result_fields, kept_token_normalizer_losses  # noqa: E402
+from trl_rollout_corr.trl_hooks.grpo import forward_input_names, generate_result_fields, kept_token_normalizer_losses  # noqa: E402
 
 
 class PatchedGRPOTrainer(GRPOTrainer):

@@ -1,7 +1,9 @@
 """Hooks that cannot drift: every assumption about TRL's internals fails loudly, naming TRL's version, when broken.
 
 Each test breaks one assumption the way a TRL release could (call order, an extra or a missing forward, the result
-of ``_generate``, the loss not asking for the forward, keys lost in buffering) and expects TrlInternalsChanged.
+of ``_generate``, the loss not asking for the forward, keys lost in buffering, the signature of
+``_generate_single_turn``, the async trainer's forward timer, the vLLM weight iterator) and expects
+TrlInternalsChanged.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import trl_rollout_corr.trainer as trainer_module
 from test_trl_equivalence import ROWS, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
-from trl_rollout_corr._trl import (TrlInternalsChanged, forward_input_names, generate_result_fields,
-                                   kept_token_normalizer_losses)
 from trl_rollout_corr.testing.toy_task import build_model
+from trl_rollout_corr.trl_hooks import TrlInternalsChanged
+from trl_rollout_corr.trl_hooks.grpo import forward_input_names, generate_result_fields, kept_token_normalizer_losses
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
 
@@ -147,3 +149,42 @@ def test_correction_lost_in_buffering_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(TrlInternalsChanged,
                        match=f"rc_rollout_seen, rc_keep_mask.*did not reach compute_loss.*{VERSION}"):
         t.compute_loss(t.model, batch)
+
+
+def test_a_changed_generate_single_turn_signature_is_an_error_not_a_type_error(monkeypatch):
+    """TRL calling ``_generate_single_turn`` with other arguments reaches the override's check, not a TypeError."""
+    def single_turn_with_other_arguments(self, prompts, num_generations):
+        return [[1]], None
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", single_turn_with_other_arguments)
+    bare = object.__new__(RolloutCorrGRPOTrainer)
+    bare.__dict__["use_vllm"] = True
+    with pytest.raises(TrlInternalsChanged, match=f"GRPOTrainer._generate_single_turn takes \\['self', 'prompts', "
+                                                  f"'num_generations'\\].*written for.*{VERSION}"):
+        bare._generate_single_turn(["p"], 2)
+
+
+def test_the_async_forward_timer_and_the_vllm_weight_iterator_are_checked():
+    from types import SimpleNamespace
+
+    from trl_rollout_corr.trl_hooks.async_grpo import add_forward_time
+    from trl_rollout_corr.trl_hooks.vllm import named_parameters
+
+    timed = SimpleNamespace(_step_forward_s=0.5)
+    add_forward_time(timed, 1.0)
+    assert timed._step_forward_s == 1.5
+    with pytest.raises(TrlInternalsChanged, match=f"no float _step_forward_s.*{VERSION}"):
+        add_forward_time(SimpleNamespace(), 1.0)
+    assert list(named_parameters(SimpleNamespace(_iter_named_params=lambda: iter([("w", 1)])))) == [("w", 1)]
+    with pytest.raises(TrlInternalsChanged, match=f"_iter_named_params is gone.*{VERSION}"):
+        named_parameters(SimpleNamespace())
+
+
+def test_a_hook_trl_no_longer_defines_is_an_error_at_construction(tmp_path, monkeypatch):
+    """A private method the trainer overrides, renamed in TRL, would never be called: construction fails instead."""
+    from trl_rollout_corr.trl_hooks.grpo import check_hooks
+
+    check_hooks(RolloutCorrGRPOTrainer, RolloutCorrGRPOTrainer)
+    monkeypatch.delattr(GRPOTrainer, "_generate_and_score_completions")
+    with pytest.raises(TrlInternalsChanged, match=f"defines _generate_and_score_completions.*{VERSION}"):
+        trainer(tmp_path, preset="decoupled_token_is")

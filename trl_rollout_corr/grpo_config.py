@@ -7,11 +7,11 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from ._trl import kept_token_normalizer_losses
 from .config import RolloutCorrectionConfig
 from .correction_fields import RolloutCorrectionFields
 from .trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
 from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
+from .trl_hooks.grpo import kept_token_normalizer_losses
 
 # TRL fields the correction plan depends on: a change re-checks the composition and the plan
 _PLAN_INPUTS = ("loss_type", "importance_sampling_level", "pi_old_source", "gradient_accumulation_steps",

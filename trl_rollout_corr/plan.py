@@ -60,6 +60,13 @@ class CorrectionPlan:
         return f"pi_old = {self.pi_old}; correction computed {where}{scope}"
 
 
+def one_optimizer_step_per_generation_batch(gradient_accumulation_steps: int, steps_per_generation: int,
+                                            num_iterations: int) -> bool:
+    """Whether every micro-batch of a generation batch lands in one optimizer step, so pi_theta does not move while
+    the batch is consumed (TRL's own test for skipping its pi_old forward)."""
+    return gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0
+
+
 def batch_scope_statistics(cfg: RolloutCorrectionConfig, loss_type: str,
                            kept_token_normalizer_losses: tuple[str, ...]) -> tuple[str, ...]:
     """The statistics of this configuration whose scope is the generation batch."""
@@ -92,8 +99,8 @@ def plan_correction(
         raise ValueError(f"pi_old_source={pi_old_source!r}: use one of {', '.join(PI_OLD_SOURCES)}.")
     shape = (f"gradient_accumulation_steps={gradient_accumulation_steps}, steps_per_generation="
              f"{steps_per_generation}, num_iterations={num_iterations}")
-    # pi_theta does not move while a generation batch is consumed: its micro-batches all land in one optimizer step
-    one_step = gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0
+    one_step = one_optimizer_step_per_generation_batch(gradient_accumulation_steps, steps_per_generation,
+                                                       num_iterations)
     whole_batch = steps_per_generation == 1  # each micro-batch is the whole (local) generation batch
     scope = batch_scope_statistics(cfg, loss_type, kept_token_normalizer_losses)
     loss_time_exact = not scope or whole_batch

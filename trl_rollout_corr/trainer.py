@@ -13,8 +13,8 @@ Data flow, one generation batch at a time:
    (:mod:`trl_rollout_corr.losses`); TRL's request for the policy forward gets the one already run.
 4. ``log`` reduces the ``rollout_corr/*`` statistics across processes once per logging step.
 
-Every assumption about TRL's call order and data layout lives in :mod:`trl_rollout_corr._trl` and is checked when
-used.
+Every assumption about TRL's call order and data layout lives in :mod:`trl_rollout_corr.trl_hooks` and is checked
+when used.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from typing import Any, NamedTuple
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from ._trl import (TrlForwardCalls, TrlInternalsChanged, checkpoint_dir, forward_input_names,
-                   kept_token_normalizer_losses, trl_runs_pi_old_forward, unpack_generate_result)
 from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.pipeline import rollout_usable_mask
@@ -38,6 +36,10 @@ from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_stat
 from .rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from .rollout.logprobs import check_rollout_logprobs
 from .rollout.support import KeptMassProbe
+from .trl_hooks import TrlInternalsChanged
+from .trl_hooks import grpo as trl_grpo
+from .trl_hooks.grpo import checkpoint_dir, forward_input_names, kept_token_normalizer_losses, trl_runs_pi_old_forward
+from .trl_hooks.grpo_forwards import TrlForwardCalls
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +82,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         from .vllm.engine import vllm_engine_setup
 
         check_version("trl")
+        trl_grpo.check_hooks(__class__, type(self))
         if args is None:  # the default config, named as TRL names its own
-            from trl.trainer.utils import get_config_model_id
-
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            model_name = model if isinstance(model, str) else trl_grpo.config_model_id(model.config)
             args = RolloutCorrGRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
         if not isinstance(args, RolloutCorrGRPOConfig):
             raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with "
@@ -149,18 +150,17 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         return "train" if self.model.training else "eval"
 
     # ------------------------------------------------------------------ 1. capturing and checking pi_rollout
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's call, passed on unchanged (checked by :func:`trl_rollout_corr.trl_hooks.grpo.generate_single_turn`)."""
         if self.use_vllm:  # TRL asks vLLM for processed log-probs already
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return trl_grpo.generate_single_turn(self, __class__, args, kwargs)
         policy = self.accelerator.unwrap_model(self.model_wrapped)
         sampler = None
         if self.rollout_sampler is not None:
             self.rollout_sampler.sync(policy, self.state.global_step)
             sampler = self.rollout_sampler.generate
         with capture_sampling_logprobs(policy, sampler) as captured:
-            completion_ids, _ = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            completion_ids, _ = trl_grpo.generate_single_turn(self, __class__, args, kwargs)
         logprobs = captured.get("logprobs")  # (B, S), NaN rows where the distribution was not seen
         if logprobs is None:
             return completion_ids, [[float("nan")] * len(ids) for ids in completion_ids]
@@ -168,7 +168,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         return completion_ids, [logprobs[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
     def _generate(self, prompts: list):
-        fields = unpack_generate_result(super()._generate(prompts), __class__, type(self))
+        fields = trl_grpo.generate(self, __class__, prompts)
         source = ("rollout_func" if self.rollout_func is not None
                   else "vLLM" if self.use_vllm else "transformers generate")
         logprobs, seen = check_rollout_logprobs(fields["completion_ids"], fields["logprobs"], source,
@@ -189,18 +189,18 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ 2. scoring a generation batch
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's calls only (this trainer's own forwards call ``GRPOTrainer``'s directly): see ``TrlForwardCalls``."""
-        named = dict(zip(("batch_size", "compute_entropy", "compute_aux_loss", *self._trl_forwards.input_names), args))
         return self._trl_forwards.answer(
-            model, input_ids, attention_mask, logits_to_keep, {**named, **kwargs},
-            lambda: super(__class__, self)._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs))
+            model, input_ids, attention_mask, logits_to_keep,
+            trl_grpo.forward_keywords(self._trl_forwards.input_names, args, kwargs),
+            lambda: trl_grpo.per_token_logps(self, __class__, model, input_ids, attention_mask, logits_to_keep,
+                                             *args, **kwargs))
 
     def _generate_and_score_completions(self, inputs):
         mode = self._mode()
         ref_model = (self.ref_model if self.ref_model is not None else self.model) if self.beta != 0.0 else None
         with self._trl_forwards.scoring(pi_old_model=self.model if trl_runs_pi_old_forward(self) else None,
                                         ref_model=ref_model) as scope:
-            output = super()._generate_and_score_completions(inputs)
+            output = trl_grpo.generate_and_score(self, __class__, inputs)
         self._trl_forwards.check_scored_output(output, scope)
         if scope.rollout_seen is None or "sampling_per_token_logps" not in output:
             raise TrlInternalsChanged("GRPOTrainer._generate_and_score_completions did not pass the rollout log-probs "
@@ -227,12 +227,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def _correct_generation_batch(self, output: dict, loss_mask: torch.Tensor) -> Correction:
         """One no-grad policy forward over the local generation batch, then the correction for all of it."""
-        from trl.models.utils import disable_gradient_checkpointing
-
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
         model_inputs = {k: output[k] for k in self._trl_forwards.input_names if k in output}
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with trl_grpo.gradient_checkpointing_disabled(self.model, self.args.gradient_checkpointing_kwargs):
             (logps, _, _), support = self._policy_forward(
                 self.model, input_ids, attention_mask, output["completion_ids"].size(1), model_inputs,
                 batch_size=self.args.per_device_train_batch_size)
@@ -241,11 +239,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _policy_forward(self, model, input_ids, attention_mask, logits_to_keep, model_inputs, **kwargs):
         """TRL's forward (log-probs, entropies, aux loss), plus the sampler's kept mass when it truncates."""
         if self._rc_truncation is None:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, **kwargs, **model_inputs), None
+            return trl_grpo.per_token_logps(self, __class__, model, input_ids, attention_mask, logits_to_keep,
+                                            **kwargs, **model_inputs), None
         with KeptMassProbe(model, self._rc_truncation, logits_to_keep) as probe:
-            result = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, **kwargs, **model_inputs)
+            result = trl_grpo.per_token_logps(self, __class__, model, input_ids, attention_mask, logits_to_keep,
+                                              **kwargs, **model_inputs)
         return result, probe.result()
 
     def _correction(self, train_logps: torch.Tensor, batch: dict, loss_mask: torch.Tensor, support, mode: str):
@@ -292,8 +290,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (B, P+T)
         model_inputs = {k: inputs.get(k) for k in self._trl_forwards.input_names}
         if carried:
-            forward = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            forward = trl_grpo.per_token_logps(
+                self, __class__, model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
                 compute_aux_loss=self.aux_loss_enabled, **model_inputs)
             support = None
         else:
@@ -371,7 +369,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """TRL's checkpoint, plus the engine's state (in checkpoints only: never pushed with the model)."""
-        super()._save_checkpoint(model, trial)
+        trl_grpo.save_checkpoint(self, __class__, model, trial)
         if self.args.should_save:
             save_rollout_state(checkpoint_dir(self, trial), self.rollout_sampler,
                                getattr(self, "vllm_sync_steps", None))

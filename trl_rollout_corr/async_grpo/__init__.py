@@ -1,8 +1,9 @@
 """Rollout correction for TRL's asynchronous GRPO trainer (``trl.experimental.async_grpo``), and what it needs to run
-on a CPU: a PyTorch tree-attention stand-in (:mod:`.tree_attention`, :mod:`.cpu`) and a CPU weight transfer into a
-vLLM server (:mod:`.transfer`); the trainer itself is :mod:`.trainer`."""
+on a CPU: a PyTorch tree-attention stand-in (:mod:`.tree_attention`, installed by
+:mod:`trl_rollout_corr.trl_hooks.async_grpo_cpu`) and a CPU weight transfer into a vLLM server (:mod:`.transfer`); the
+trainer itself is :mod:`.trainer`."""
 
-from .cpu import install_cpu_support
+from ..trl_hooks.async_grpo_cpu import install_cpu_support
 from .transfer import CPUFileWeightTransfer
 
 __all__ = ["CPUFileWeightTransfer", "RolloutCorrAsyncGRPOConfig", "RolloutCorrAsyncGRPOTrainer", "install_cpu_support"]

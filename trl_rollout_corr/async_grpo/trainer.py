@@ -4,7 +4,8 @@ TRL 1.16's ``AsyncGRPOTrainer`` generates continuously against a vLLM server whi
 server's sampling log-probs (pi_rollout) and the policy version that produced it, and TRL's loss is PPO-clip with
 pi_old := pi_rollout (bypass by construction), with no importance weighting, rejection or diagnostics. This trainer:
 
-1. carries every sample's policy version to the loss (:mod:`.versions`); lag = trainer's version - sample's version;
+1. carries every sample's policy version to the loss (:mod:`trl_rollout_corr.trl_hooks.async_grpo_data`);
+   lag = trainer's version - sample's version;
 2. in ``compute_loss``, runs the policy forward as TRL does, maps TRL's flat loss terms to (B, T) rows (one per sample,
    :mod:`trl_rollout_corr.core.flat`), computes the correction with
    :func:`~trl_rollout_corr.core.compute_rollout_correction_stats`
@@ -30,45 +31,25 @@ NCCL). On a GPU nothing changes: TRL's transfer, ``vllm serve`` as TRL documents
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from .._trl import TrlInternalsChanged
 from ..config import RolloutCorrectionConfig
 from ..core import compute_rollout_correction_stats
 from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
 from ..core.lag import lag_stats
 from ..core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from ..trl_hooks import async_grpo as trl_async
+from ..trl_hooks.async_grpo_data import carrying_sample_versions
 from .config import RolloutCorrAsyncGRPOConfig
-from .versions import ServerProbe, carrying_sample_versions
+from .server_probe import ServerProbe
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RolloutCorrAsyncGRPOConfig", "RolloutCorrAsyncGRPOTrainer"]
-
-# the micro-batch keys TRL 1.16's compute_loss reads, and the one this trainer adds
-_TRL_LOSS_KEYS = ("input_ids", "attention_mask", "position_ids", "shift_labels", "token_index", "old_log_probs",
-                  "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",
-                  "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_max_seqlens")
-
-
-class _AnsweredForward:
-    """Stands in for the model in TRL's ``compute_loss``: answers its one forward with the outputs already computed,
-    after checking that TRL asks for the same packed row."""
-
-    def __init__(self, outputs: Any, input_ids: torch.Tensor) -> None:
-        self.outputs, self.input_ids, self.calls = outputs, input_ids, 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls > 1 or args or not torch.equal(kwargs.get("input_ids", torch.empty(0)), self.input_ids):
-            raise TrlInternalsChanged("AsyncGRPOTrainer.compute_loss no longer runs one forward on the packed row "
-                                      "(input_ids= keyword)")
-        return self.outputs
 
 
 def served_model_ids(body: Any) -> list[str] | None:
@@ -93,9 +74,10 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
                             f"AsyncGRPOConfig subclass with the rollout-correction fields), got {type(args).__name__}. "
                             "Replace AsyncGRPOConfig by RolloutCorrAsyncGRPOConfig with the same arguments.")
         from ..supported_versions import check_version
-        from .cpu import install_cpu_support
+        from ..trl_hooks.async_grpo_cpu import install_cpu_support
 
         check_version("trl")
+        trl_async.check_hooks(__class__, type(self))
         check_version("vllm")  # where it is installed: the trainer drives TRL's vLLM server either way
         on_cpu = install_cpu_support()  # no-op (False) with CUDA
         self._rc_probe = None
@@ -187,7 +169,7 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             return super().get_train_dataloader()
 
     def _sync_weight(self) -> None:
-        super()._sync_weight()
+        trl_async.sync_weight(self, __class__)
         version = torch.tensor([self.model_version], dtype=torch.long, device=self.accelerator.device)
         if self.accelerator.num_processes > 1 and dist.is_initialized():
             dist.broadcast(version, src=0)
@@ -195,21 +177,9 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ 2. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        missing = [k for k in (*_TRL_LOSS_KEYS, "rc_sample_version") if k not in inputs]
-        if missing:
-            raise TrlInternalsChanged(f"the async GRPO micro-batch has no {', '.join(missing)} at compute_loss")
-        mask_bool = inputs["attention_mask"].bool()  # (1, N_pad)
+        trl_async.check_loss_inputs(inputs, added=("rc_sample_version",))
+        outputs, input_ids, forward_s = trl_async.packed_forward(model, inputs, self.aux_loss_enabled)
         selected = inputs["token_index"] >= 0  # (1, M_pad)
-        input_ids = inputs["input_ids"][mask_bool].unsqueeze(0)  # (1, N)
-        tree_kwargs = {key: inputs[key][inputs[key] >= 0]
-                       for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
-        tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
-        router_kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        forward_start = time.time()
-        outputs = model(input_ids=input_ids, position_ids=inputs["position_ids"][mask_bool].unsqueeze(0),
-                        shift_labels=inputs["shift_labels"][mask_bool].unsqueeze(0), fused_lm_head=True,
-                        **router_kwargs, **tree_kwargs)
-        forward_s = time.time() - forward_start
         token_index = inputs["token_index"][selected]  # (M,)
         log_probs = outputs.log_probs.flatten()[token_index].detach()  # (M,) log pi_theta at the sampled tokens
 
@@ -218,8 +188,9 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
         patched["advantages"] = inputs["advantages"].masked_scatter(selected, advantages)  # (1, M_pad)
         patched["old_log_probs"] = inputs["old_log_probs"].masked_scatter(selected, anchor)  # (1, M_pad)
         patched["global_n_tokens"] = torch.full_like(inputs["global_n_tokens"], kept_total)  # the loss's divisor
-        loss = super().compute_loss(_AnsweredForward(outputs, input_ids), patched, return_outputs, num_items_in_batch)
-        self._step_forward_s += forward_s  # TRL timed the answered call
+        answered = trl_async.AnsweredForward(outputs, input_ids)
+        loss = super().compute_loss(answered, patched, return_outputs, num_items_in_batch)
+        trl_async.add_forward_time(self, forward_s)  # TRL timed the answered call
         return loss
 
     def _correct_terms(self, inputs: dict, selected: torch.Tensor, log_probs: torch.Tensor):

@@ -6,7 +6,8 @@ Used by ``RolloutCorrGRPOTrainer`` only when ``use_vllm=True``:
   (TRL passes none: vLLM's "auto" silently runs a float32 checkpoint in bfloat16). When vLLM runs on its CPU
   platform it also applies ``cpu.apply_cpu_fixes``, runs a colocated engine in-process and eager, sizes its KV
   cache from ``vllm_gpu_memory_utilization`` (a fraction of host memory), talks to a server on loopback by default,
-  and skips TRL's NCCL communicator (CUDA only), which ``install_cpu_server_sync`` replaces.
+  and skips TRL's NCCL communicator (CUDA only), which ``install_cpu_server_sync`` replaces. What it swaps in TRL
+  while TRL builds its engine is :mod:`trl_rollout_corr.trl_hooks.vllm`.
 - ``finish_vllm_setup(trainer)`` installs the sync schedule (``vllm_sync_interval``: the engine lags up to k-1
   optimizer steps behind, as an asynchronous engine does), bounded, clearly-worded server errors, and logs the
   engine's dtype next to the trainer's once.
@@ -36,10 +37,11 @@ def vllm_engine_setup(args: Any):
     if args is None or not getattr(args, "use_vllm", False):
         yield setup
         return
-    import trl.generation.vllm_generation as trl_vllm
-
+    from ..trl_hooks.vllm import constructing_vllm_generation, import_trl_vllm
     from . import vllm_on_cpu
     from .cpu import apply_cpu_fixes, guard_subprocesses, kv_cache_bytes, set_cpu_env_defaults
+
+    import_trl_vllm()  # before the CPU fixes below, as before
 
     on_cpu = vllm_on_cpu()
     colocate = args.vllm_mode == "colocate"
@@ -47,7 +49,7 @@ def vllm_engine_setup(args: Any):
     dtype = getattr(args, "vllm_dtype", None)
     if dtype is not None:
         engine_kwargs["dtype"] = dtype
-    saved: list[tuple[Any, str, Any]] = []
+    skip_communicator = False
     if on_cpu:
         apply_cpu_fixes()
         guard_subprocesses()
@@ -60,8 +62,8 @@ def vllm_engine_setup(args: Any):
             if args.vllm_server_base_url is None and args.vllm_server_host == "0.0.0.0":
                 args.vllm_server_host = "127.0.0.1"  # TRL's default "0.0.0.0"; loopback unless the user chose
             # TRL's communicator is vLLM's NCCL engine (CUDA only); install_cpu_server_sync replaces its use
-            saved.append((trl_vllm.VLLMClient, "init_communicator", trl_vllm.VLLMClient.init_communicator))
-            trl_vllm.VLLMClient.init_communicator = lambda self, device=0: None
+            skip_communicator = True
+    session_class = None
     if not colocate:  # the control token rides on every request TRL's client sends to the server
         import requests
 
@@ -71,17 +73,10 @@ def vllm_engine_setup(args: Any):
         token = find_token(urlparse(base_url).port, getattr(args, "vllm_server_control_token_file", None))
         setup["control_token"] = token
         if token is not None:
-            saved.append((requests, "Session", requests.Session))
-            requests.Session = token_session_class(requests.Session, token, base_url)
-    if colocate and engine_kwargs:
-        llm_class = trl_vllm.LLM
-        saved.append((trl_vllm, "LLM", llm_class))
-        trl_vllm.LLM = functools.partial(llm_class, **engine_kwargs)
-    try:
+            session_class = token_session_class(requests.Session, token, base_url)
+    with constructing_vllm_generation(skip_communicator=skip_communicator, session_class=session_class,
+                                      engine_kwargs=engine_kwargs if colocate else None):
         yield setup
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
 
 
 def server_base_url(args: Any) -> str:
@@ -185,13 +180,14 @@ def install_cpu_server_sync(gen, directory: str | None = None, token: str | None
     """
     from safetensors.torch import save_file
 
+    from ..trl_hooks.vllm import named_parameters
     from .security import default_sync_dir, weight_file_prefix
     from .worker import RPC_METHOD
 
     directory = directory or default_sync_dir()
 
     def sync_weights():
-        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in gen._iter_named_params()}
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_parameters(gen)}
         if not gen.accelerator.is_main_process:
             return
         client = gen.vllm_client

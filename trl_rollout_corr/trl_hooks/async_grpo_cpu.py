@@ -8,7 +8,7 @@
   torch; on a non-CUDA device it returns None (TRL then disables MFU metrics, as for an unknown GPU).
 
 On a CUDA machine nothing is replaced. Each replacement checks that the TRL function it wraps is still there and
-raises :class:`~trl_rollout_corr._trl.TrlInternalsChanged` naming TRL's version if not.
+raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged` naming TRL's version if not.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .._trl import TrlInternalsChanged
+from .base import TrlInternalsChanged
 
 
 def _require(module, name: str):
@@ -33,7 +33,7 @@ def install_cpu_support() -> bool:
         return False
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
-    from .tree_attention import KERNEL
+    from ..async_grpo.tree_attention import KERNEL
 
     flash_attn = _require(packing, "_flash_attn")
     if not getattr(flash_attn, "_trl_rollout_corr", False):

@@ -5,25 +5,25 @@ drop samples older than ``max_staleness``) and a ``DataCollatorForRollout`` (whi
 into one row of flat loss terms). While it runs, :func:`carrying_sample_versions` puts two subclasses in their place:
 
 * the dataset tags each sample dict it yields with ``rc_model_version`` (read from the queue's last sample, checked to
-  be the one yielded) and, while it waits on an empty queue, also probes the vLLM server: a server that has not
-  answered for ``unreachable_timeout_s`` stops training with an error naming it;
+  be the one yielded) and, while it waits on an empty queue, also calls ``probe.probe()`` (a
+  :class:`~trl_rollout_corr.async_grpo.server_probe.ServerProbe`: a vLLM server that has not answered for its timeout
+  stops training with an error naming it);
 * the collator adds ``rc_sample_version`` (num_processes, M): the version of the sample of every loss term, -1 on
   padding, aligned with TRL's ``token_index`` / ``segment_id``.
 
 Only these names and their call signatures are assumed; each is checked, and a change raises
-:class:`~trl_rollout_corr._trl.TrlInternalsChanged`.
+:class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .._trl import TrlInternalsChanged
+from .base import TrlInternalsChanged
 
 _TRL_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 
@@ -43,32 +43,7 @@ class _LastSampleQueue:
         return getattr(self._queue, name)
 
 
-class ServerProbe:
-    """``probe()`` raises once the server at ``base_url`` has not answered ``/health`` for ``timeout_s`` seconds."""
-
-    def __init__(self, base_url: str, timeout_s: float) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self._last_ok = time.monotonic()
-
-    def probe(self) -> None:
-        import requests
-
-        try:
-            ok = requests.get(f"{self.base_url}/health", timeout=min(5.0, self.timeout_s)).status_code == 200
-        except requests.RequestException:
-            ok = False
-        now = time.monotonic()
-        if ok:
-            self._last_ok = now
-        elif now - self._last_ok >= self.timeout_s:
-            raise RuntimeError(
-                f"The vLLM server at {self.base_url} has not answered for {now - self._last_ok:.0f} s while the "
-                "trainer waited for samples: it stopped or is unreachable. Restart it (trl-rollout-corr "
-                "vllm-serve-async MODEL ...) and resume from the last checkpoint.")
-
-
-def _dataset_class(base: type, probe: ServerProbe | None) -> type:
+def _dataset_class(base: type, probe: Any) -> type:
     class VersionedRolloutQueueDataset(base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             if "rollout_queue" not in kwargs or "check_health_fn" not in kwargs:
@@ -127,7 +102,7 @@ def _collator_class(base: type) -> type:
 
 
 @contextlib.contextmanager
-def carrying_sample_versions(probe: ServerProbe | None = None) -> Iterator[None]:
+def carrying_sample_versions(probe: Any = None) -> Iterator[None]:
     """While TRL builds its dataloader, its dataset and collator carry every sample's policy version."""
     import importlib
 

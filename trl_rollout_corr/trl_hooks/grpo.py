@@ -1,0 +1,183 @@
+"""What this package assumes about TRL's ``GRPOTrainer`` internals, each checked where it is used.
+
+Written against TRL 1.16. What is assumed, and how it is checked:
+
+* ``_generate(prompts)`` returns a tuple whose field names :func:`generate_result_fields` reads from the ``return``
+  statement of TRL's source; :func:`unpack_generate_result` checks the length and the types of the fields read.
+* ``_generate_and_score_completions`` asks ``_get_per_token_logps_and_entropies`` for the pi_old forward (under
+  TRL's own condition, :func:`trl_runs_pi_old_forward`) and then the reference-model forward (``beta != 0``), both
+  without grad; ``_compute_loss`` asks it once for the micro-batch's policy forward.
+  :class:`~trl_rollout_corr.trl_hooks.grpo_forwards.TrlForwardCalls` answers those calls from an explicit list of
+  expected calls and raises on any other order, model or count.
+* The model-input keyword arguments of a forward are the parameters of ``_get_per_token_logps_and_entropies``
+  after its control arguments: :func:`forward_input_names` reads them from TRL's signature.
+* The loss types whose ``_compute_loss`` divides by ``num_items_in_batch`` (``dapo``, ``cispo``, ``vespo`` in TRL
+  1.16): :func:`kept_token_normalizer_losses` reads them from the source of TRL's ``_compute_loss``.
+* Keys added to the output of ``_generate_and_score_completions`` (tensors with a leading batch dimension) reach
+  ``compute_loss`` through TRL's shuffling and splitting: the trainer checks that they arrive.
+* ``_generate_single_turn`` takes ``(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)`` and
+  returns ``(completion_ids, logprobs)``: :func:`generate_single_turn` checks both.
+
+The trainer calls TRL's private methods only through this module (:func:`generate_single_turn`, :func:`generate`,
+:func:`per_token_logps`, :func:`generate_and_score`, :func:`save_checkpoint`, ...): ``super(owner, trainer)``, as the
+trainer's own ``super()`` would. :func:`check_hooks` checks at construction that every private method it overrides
+(:data:`OVERRIDDEN_HOOKS`) is still defined by TRL: a renamed hook would otherwise never be called.
+
+Every check reads the method the trainer really inherits (:func:`~trl_rollout_corr.trl_hooks.base.inherited_method`:
+the next definition after this package's class in the instance's MRO, what ``super()`` calls), never
+``trl.GRPOTrainer``: that name can be rebound (a patching library, a test harness, this package's class swapped into
+TRL's namespace) without TRL having changed.
+
+A failed check raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`, naming the installed TRL
+version.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+from ..plan import one_optimizer_step_per_generation_batch
+from .base import TrlInternalsChanged, inherited_method, require_hooks, require_parameters
+
+_FORWARD_CONTROL_ARGS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                         "compute_entropy", "compute_aux_loss")
+_FORWARD_NAMED = 5  # self, model, input_ids, attention_mask, logits_to_keep: named in the trainer's override
+_SINGLE_TURN_PARAMS = ("self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")
+# the private GRPOTrainer (and transformers.Trainer) methods RolloutCorrGRPOTrainer overrides
+OVERRIDDEN_HOOKS = ("_generate_single_turn", "_generate", "_get_per_token_logps_and_entropies",
+                    "_generate_and_score_completions", "_save_checkpoint")
+
+
+def forward_input_names(owner: type, cls: type | None = None) -> tuple[str, ...]:
+    """The model-input keyword arguments of ``GRPOTrainer._get_per_token_logps_and_entropies`` (pixel_values, ...)."""
+    params = list(inspect.signature(inherited_method(owner, "_get_per_token_logps_and_entropies", cls)).parameters)
+    if tuple(params[: len(_FORWARD_CONTROL_ARGS)]) != _FORWARD_CONTROL_ARGS:
+        raise TrlInternalsChanged(f"GRPOTrainer._get_per_token_logps_and_entropies takes {params}, expected "
+                                  f"{list(_FORWARD_CONTROL_ARGS)} first")
+    return tuple(params[len(_FORWARD_CONTROL_ARGS):])
+
+
+def kept_token_normalizer_losses(owner: type, cls: type | None = None) -> tuple[str, ...]:
+    """The loss types whose ``GRPOTrainer._compute_loss`` divides by ``num_items_in_batch``, read from its source."""
+    return _kept_token_normalizer_losses(inherited_method(owner, "_compute_loss", cls))
+
+
+@functools.lru_cache(maxsize=8)
+def _kept_token_normalizer_losses(compute_loss: Callable) -> tuple[str, ...]:
+    source = inspect.getsource(compute_loss)
+    for match in re.finditer(r"self\.loss_type in \[([^\]]*)\]:(.*?)(?=\n\s*elif |\n\s*else:)", source, re.S):
+        if 'inputs["num_items_in_batch"]' in match.group(2):
+            return tuple(sorted(re.findall(r"[\"'](\w+)[\"']", match.group(1))))
+    raise TrlInternalsChanged("GRPOTrainer._compute_loss has no loss-type branch that divides by "
+                              "inputs['num_items_in_batch']")
+
+
+def generate_result_fields(owner: type, cls: type | None = None) -> tuple[str, ...]:
+    """The names of the values ``GRPOTrainer._generate`` returns, in order, read from its ``return`` statement."""
+    return _generate_result_fields(inherited_method(owner, "_generate", cls))
+
+
+@functools.lru_cache(maxsize=8)
+def _generate_result_fields(generate: Callable) -> tuple[str, ...]:
+    returns = re.findall(r"\n\s*return ([\w, ]+)\n", inspect.getsource(generate))
+    fields = tuple(name.strip() for name in returns[-1].split(",")) if returns else ()
+    if not {"completion_ids", "logprobs"} <= set(fields):
+        raise TrlInternalsChanged(f"GRPOTrainer._generate's return statement names {fields or 'nothing'}, without "
+                                  "completion_ids and logprobs")
+    return fields
+
+
+def checkpoint_dir(trainer: Any, trial: Any) -> str:
+    """The directory ``Trainer._save_checkpoint`` writes this step's checkpoint into (as TRL's own override reads
+    it)."""
+    import os
+
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+
+
+def trl_runs_pi_old_forward(trainer: Any) -> bool:
+    """TRL's own condition for computing old_per_token_logps in ``_generate_and_score_completions``."""
+    one_step = one_optimizer_step_per_generation_batch(trainer.args.gradient_accumulation_steps,
+                                                       trainer.args.steps_per_generation, trainer.num_iterations)
+    return not one_step or (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+
+
+def unpack_generate_result(result: Any, owner: type, cls: type | None = None) -> dict[str, Any]:
+    """``GRPOTrainer._generate``'s tuple as a dict named by :func:`generate_result_fields`, after checking it."""
+    names = generate_result_fields(owner, cls)
+    if not isinstance(result, tuple) or len(result) != len(names):
+        raise TrlInternalsChanged(f"GRPOTrainer._generate returned {type(result).__name__} of length "
+                                  f"{len(result) if isinstance(result, tuple) else '?'}, expected the "
+                                  f"{len(names)}-tuple {names} its source returns")
+    fields = dict(zip(names, result))
+    completion_ids, logprobs = fields["completion_ids"], fields["logprobs"]
+    if not isinstance(completion_ids, list) or (logprobs is not None and not isinstance(logprobs, list)):
+        raise TrlInternalsChanged(f"GRPOTrainer._generate returned completion_ids of type "
+                                  f"{type(completion_ids).__name__} and logprobs of type {type(logprobs).__name__}, "
+                                  "expected lists")
+    return fields
+
+
+def check_hooks(owner: type, cls: type) -> None:
+    """Every private method in :data:`OVERRIDDEN_HOOKS` is still one ``owner`` inherits (see
+    :func:`~trl_rollout_corr.trl_hooks.base.require_hooks`)."""
+    require_hooks(owner, cls, OVERRIDDEN_HOOKS)
+
+
+def forward_keywords(input_names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments after ``logits_to_keep`` of a call to ``_get_per_token_logps_and_entropies``, all by name (the
+    positional ones named by TRL's signature: its control arguments, then ``input_names``)."""
+    return {**dict(zip((*_FORWARD_CONTROL_ARGS[_FORWARD_NAMED:], *input_names), args)), **kwargs}
+
+
+def per_token_logps(trainer: Any, owner: type, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int,
+                    *args: Any, **kwargs: Any) -> tuple:
+    """TRL's forward, ``GRPOTrainer._get_per_token_logps_and_entropies``: (log-probs, entropies, aux loss)."""
+    return super(owner, trainer)._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                    *args, **kwargs)
+
+
+def generate_single_turn(trainer: Any, owner: type, args: tuple, kwargs: dict[str, Any]) -> tuple[list, Any]:
+    """TRL's call to ``_generate_single_turn(*args, **kwargs)`` passed on to the method ``owner`` inherits, after
+    checking that it takes the arguments ``owner``'s override was written for; returns (completion_ids, logprobs)."""
+    require_parameters(owner, "_generate_single_turn", type(trainer), _SINGLE_TURN_PARAMS)
+    result = super(owner, trainer)._generate_single_turn(*args, **kwargs)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TrlInternalsChanged(f"GRPOTrainer._generate_single_turn returned {type(result).__name__}, expected the "
+                                  "2-tuple (completion_ids, logprobs)")
+    return result
+
+
+def generate(trainer: Any, owner: type, prompts: list) -> dict[str, Any]:
+    """``GRPOTrainer._generate(prompts)``'s result as a dict named by :func:`generate_result_fields`, checked."""
+    return unpack_generate_result(super(owner, trainer)._generate(prompts), owner, type(trainer))
+
+
+def generate_and_score(trainer: Any, owner: type, inputs: list) -> dict[str, Any]:
+    """``GRPOTrainer._generate_and_score_completions(inputs)``: the scored generation batch."""
+    return super(owner, trainer)._generate_and_score_completions(inputs)
+
+
+def save_checkpoint(trainer: Any, owner: type, model: Any, trial: Any) -> None:
+    """``Trainer._save_checkpoint(model, trial)``, as TRL's trainer inherits it."""
+    super(owner, trainer)._save_checkpoint(model, trial)
+
+
+def gradient_checkpointing_disabled(model: Any, gradient_checkpointing_kwargs: dict | None) -> Any:
+    """TRL's context that switches gradient checkpointing off for a no-grad forward."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    return disable_gradient_checkpointing(model, gradient_checkpointing_kwargs)
+
+
+def config_model_id(config: Any) -> str:
+    """The model id TRL names a default ``output_dir`` after."""
+    from trl.trainer.utils import get_config_model_id
+
+    return get_config_model_id(config)
