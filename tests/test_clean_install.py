@@ -18,7 +18,6 @@ ORDERS = {
         VLLM, "from trl import GRPOTrainer", "from transformers import Qwen2ForCausalLM", "import datasets, peft"],
     "this package first": [
         "import trl_rollout_corr", VLLM, "from transformers import Qwen2ForCausalLM", "from trl import GRPOTrainer"],
-    "trl alone": ["from trl import GRPOTrainer, GRPOConfig"],
 }
 CHECK = """
 import importlib.util, sys
