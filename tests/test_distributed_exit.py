@@ -1,8 +1,10 @@
 """A finished multi-process gloo run exits 0 through normal interpreter teardown (trl_rollout_corr/distributed_exit.py).
 
 The abort is a race (gloo's worker thread frees a tensor as the interpreter finalizes): measured with the switch
-interval raised, 2-rank launches of ``gloo_exit_worker.py bare gather`` aborted in 4 of 4 under torchrun and 2 of 4
-without a launcher, ``drained`` in 0 of 8. The deterministic check is the ``waiter`` one: at exit the package's hook
+interval raised, 2-rank torchrun launches of the same collectives without a print (an earlier form of ``gather``)
+aborted in 4 of 4 without the hook and 0 of 8 with it; ``gloo_exit_worker.py bare gather`` as it is (it prints once,
+which releases the GIL before the collectives) aborted in 2 of 4 launches without a launcher: too few to assert on.
+The deterministic check is the ``waiter`` one: at exit the package's hook
 releases the GIL to the threads waiting for it, before the interpreter finalizes; without the package nothing does.
 """
 
