@@ -6,8 +6,12 @@ import math
 
 import torch
 
-from trl_rollout_corr.core.pipeline import rollout_usable_mask
-from trl_rollout_corr.losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
+import pytest
+
+from trl_rollout_corr import RolloutCorrectionConfig
+from trl_rollout_corr.core.pipeline import finite_rows_mask, rollout_usable_mask
+from trl_rollout_corr.losses import (PI_OLD, PI_ROLLOUT, PI_THETA, corrected_loss_mask, loss_anchor, safe_anchor,
+                                     vespo_sampler_ratio, weighted_advantages, weights_advantage)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # (2, 4) completion mask
 KEEP = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0]])  # (2, 4) token 1 rejected, row 1 rejected entirely
@@ -65,3 +69,25 @@ def test_rollout_usable_mask_drops_samples_with_a_non_finite_rollout_logprob():
     seen = torch.tensor([True, True, False])  # row 2 has no pi_rollout: it stays (trained uncorrected)
     assert rollout_usable_mask(rollout, mask, seen).tolist() == [[False] * 4, [True, True, False, False],
                                                                  [True, True, False, False]]
+
+
+@pytest.mark.parametrize("bypass, policy_gradient, anchor, weighted", [
+    (False, False, PI_OLD, True),       # decoupled: r = pi_theta / pi_old, A' = w A
+    (True, False, PI_ROLLOUT, False),   # bypass PPO: r = pi_theta / pi_rollout already is rho
+    (True, True, PI_THETA, True),       # bypass policy gradient: r = 1, -w A grad log pi_theta
+])
+def test_loss_anchor_by_mode(bypass, policy_gradient, anchor, weighted):
+    assert loss_anchor(bypass, policy_gradient) == anchor
+    assert weights_advantage(anchor) is weighted
+    if not policy_gradient or bypass:  # the config's own view (policy gradient without bypass is refused there)
+        cfg = RolloutCorrectionConfig(rollout_is="token", bypass_mode=bypass, use_policy_gradient=policy_gradient)
+        assert cfg.loss_anchor == anchor and cfg.applies_is_weights is weighted
+
+
+def test_finite_rows_mask_drops_a_row_with_any_non_finite_masked_value():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])  # (4, 3)
+    a = torch.tensor([[0.0, -1.0, float("nan")], [0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0], [float("nan")] * 3])
+    b = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [float("inf"), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    # row 0: NaN on padding only (kept); row 1: -inf in a; row 2: +inf in b; row 3: nothing masked
+    assert finite_rows_mask(mask, a, b).int().tolist() == [[1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert finite_rows_mask(mask, b).int().tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]]

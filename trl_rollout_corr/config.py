@@ -14,6 +14,7 @@ from huggingface_hub import ModelHubMixin
 
 from .core.divergence import parse_divergence_criteria
 from .core.params import CorrectionParams
+from .losses import loss_anchor, weights_advantage
 from .trl_names import TRL_DEFAULT
 from .verl_names import ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_criteria_string, translate_rollout_rs
 from .core.rejection import RS_LEVELS
@@ -195,9 +196,15 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return 1.0 / self.rollout_rs_threshold
 
     @property
+    def loss_anchor(self) -> str:
+        """The anchor of TRL's PPO ratio in this mode: pi_rollout, pi_old or pi_theta (:func:`~trl_rollout_corr.losses.
+        loss_anchor`)."""
+        return loss_anchor(self.bypass_mode, self.use_policy_gradient)
+
+    @property
     def applies_is_weights(self) -> bool:
         """Whether IS weights multiply the loss (bypass PPO computes them for the metrics only)."""
-        return self.rollout_is is not None and (not self.bypass_mode or self.use_policy_gradient)
+        return self.rollout_is is not None and weights_advantage(self.loss_anchor)
 
     @property
     def is_enabled(self) -> bool:

@@ -23,6 +23,31 @@ from __future__ import annotations
 
 import torch
 
+PI_ROLLOUT, PI_OLD, PI_THETA = "pi_rollout", "pi_old", "pi_theta"
+"""The three anchors of TRL's PPO ratio r = pi_theta / anchor (see :func:`loss_anchor`)."""
+
+
+def loss_anchor(bypass_mode: bool, use_policy_gradient: bool) -> str:
+    """Which log-prob anchors TRL's ratio r_t = pi_theta / anchor, by mode (the rule both trainers apply):
+
+    * bypass, PPO-clip:  anchor = pi_rollout, so r_t = pi_theta / pi_rollout already is the IS ratio rho_t; the IS
+      weight w_t is not applied again (it feeds the metrics only);
+    * bypass, policy gradient:  anchor = pi_theta (detached): r_t = 1 and the gradient is -w_t A grad log pi_theta,
+      with w_t = min(pi_theta / pi_rollout, C) on the advantage;
+    * decoupled:  anchor = pi_old: r_t = pi_theta / pi_old, and A'_t = w_t A with w_t = min(pi_old / pi_rollout, C).
+
+    The IS weight multiplies the advantage exactly when the anchor is not pi_rollout (:func:`weights_advantage`).
+    """
+    if not bypass_mode:
+        return PI_OLD
+    return PI_THETA if use_policy_gradient else PI_ROLLOUT
+
+
+def weights_advantage(anchor: str) -> bool:
+    """Whether the IS weight multiplies the advantage, A' = w A: for every anchor but pi_rollout (whose ratio already
+    is rho)."""
+    return anchor != PI_ROLLOUT
+
 
 def corrected_loss_mask(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None,
                         keep: torch.Tensor) -> torch.Tensor:

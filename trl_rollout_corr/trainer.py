@@ -25,13 +25,14 @@ from typing import Any, NamedTuple
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.pipeline import rollout_usable_mask
-from .core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from .core.stats import STAT_DTYPE, RolloutStats
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
+from .correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
 from .grpo_config import RolloutCorrGRPOConfig
-from .losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
+from .losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor, vespo_sampler_ratio,
+                     weighted_advantages)
 from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from .rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from .rollout.logprobs import check_rollout_logprobs
@@ -67,7 +68,7 @@ def _checked_rollout_func(rollout_func):
     return checked
 
 
-class RolloutCorrGRPOTrainer(GRPOTrainer):
+class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
     """``GRPOTrainer`` that keeps pi_rollout with every completion and applies rollout correction in the loss.
 
     Args (beyond ``GRPOTrainer``'s):
@@ -86,18 +87,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if args is None:  # the default config, named as TRL names its own
             model_name = model if isinstance(model, str) else trl_grpo.config_model_id(model.config)
             args = RolloutCorrGRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
-        if not isinstance(args, RolloutCorrGRPOConfig):
-            raise TypeError("RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with "
-                            f"the rollout-correction fields), got {type(args).__name__}. Replace GRPOConfig by "
-                            "RolloutCorrGRPOConfig with the same arguments.")
+        require_correction_config(args, RolloutCorrGRPOConfig, "RolloutCorrGRPOTrainer")
         if args.use_vllm:
             check_version("vllm")
         with vllm_engine_setup(args) as vllm_setup:  # CPU fixes, engine dtype, control token: while TRL builds vLLM
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        # a frozen copy: the correction this trainer planned (a change to args raises from now on, see below)
-        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction.frozen(type(self).__name__)
         self.correction_plan = self.args.correction_plan()
-        self.args._rc_frozen_by = type(self).__name__  # a later change to the correction fields raises
+        self._rc_freeze()  # the correction this trainer planned: a change to args raises from now on
         self.rollout_sampler = rollout_sampler
         if self.rollout_func is not None:
             self.rollout_func = _checked_rollout_func(self.rollout_func)
@@ -142,9 +138,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 "generate (use_transformers_continuous_batching=False), vLLM or a rollout_func.")
         if not self.use_vllm and self.rollout_func is None:  # beam search has no pi_rollout: say so before training
             refuse_beam_search(self.generation_config.num_beams)
-
-    def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        return process_all_reduce(tensor, op)
 
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
@@ -267,10 +260,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                                                   reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"))
         self._rc_stats[mode].update(result.stats)
         keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
-        if cfg.bypass_mode:
-            if cfg.use_policy_gradient:
-                return Correction(keep, result.is_weights, None, None)
-            return Correction(keep, None, rollout + (train_logps - ratio_logps), None)  # IS feeds the metrics only
+        if cfg.loss_anchor == PI_ROLLOUT:  # bypass PPO: the IS weight feeds the metrics only
+            return Correction(keep, None, rollout + (train_logps - ratio_logps), None)
+        if cfg.loss_anchor == PI_THETA:  # bypass policy gradient
+            return Correction(keep, result.is_weights, None, None)
+        # decoupled: pi_old from the plan's forward, else pi_theta detached (None)
         anchor = train_logps if self.correction_plan.pi_old == "forward" and mode == "train" else None
         if self.loss_type == "vespo" and result.is_weights is not None:  # phi consumes the ratio; A is not weighted
             return Correction(keep, None, anchor, vespo_sampler_ratio(result.is_weights, keep))
@@ -307,11 +301,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         else:
             correction = self._correction(logps.detach(), inputs, loss_mask, support, mode)
         patched = self._corrected_inputs(inputs, correction, logps, loss_mask, tool_mask, whole_batch=not carried)
-        with torch.no_grad():
-            n_kept = (loss_mask * correction.keep).sum(dtype=STAT_DTYPE)
-            self._rc_stats[mode].update(RolloutStats(sums={
-                "loss.empty_micro_batches": (n_kept == 0).to(STAT_DTYPE),
-                "loss.micro_batches": torch.ones((), dtype=STAT_DTYPE, device=n_kept.device)}))
+        with torch.no_grad():  # each process counts its own micro-batches
+            self._rc_stats[mode].update(micro_batch_counts((loss_mask * correction.keep).sum(dtype=STAT_DTYPE)))
         with self._trl_forwards.loss(model, input_ids, attention_mask, completion_ids.size(1), inputs, forward):
             return super().compute_loss(model, patched, return_outputs, num_items_in_batch)
 
@@ -339,33 +330,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ 4. logging and saving
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        from .core.metrics import finalize_floats
-
         mode = self._mode()
         stats, self._rc_stats[mode] = self._rc_stats[mode], RolloutStats()
         if stats.sums:
-            reduced = stats.all_reduce(self._rc_reduce)
-            all_floats = reduced.to_floats()  # the one host sync of this logging step
-            metrics = finalize_floats(all_floats)
-            floats = summed(all_floats, "loss.")
-            if "loss.micro_batches" in floats:  # entropy, clip_ratio/*, kl, aux_loss, ...: TRL's own (_metrics)
-                empty = floats["loss.empty_micro_batches"]
-                metrics[METRIC_PREFIX + "all_rejected_micro_batches"] = empty
-                if empty > 0 and self.accelerator.is_main_process:
-                    logger.warning(
-                        "Rollout correction rejected every token of %d of %d micro-batches since the last log "
-                        "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
-                        "rollout_token_veto_threshold or check the sampler.", int(empty),
-                        int(floats["loss.micro_batches"]), metrics.get(METRIC_PREFIX + "rejected_token_fraction", 1.0))
+            metrics = self._rc_metrics(stats)
             if mode == "eval":
                 metrics = {f"eval_{k}": v for k, v in metrics.items()}
             logs.update(metrics)  # in place, as TRL does: evaluate() returns this dict
         super().log(logs, start_time)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            self.rollout_correction.save_pretrained(output_dir or self.args.output_dir)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """TRL's checkpoint, plus the engine's state (in checkpoints only: never pushed with the model)."""

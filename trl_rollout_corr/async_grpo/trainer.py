@@ -37,11 +37,13 @@ import torch
 import torch.distributed as dist
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from ..config import RolloutCorrectionConfig
 from ..core import compute_rollout_correction_stats
 from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
 from ..core.lag import lag_stats
-from ..core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from ..core.pipeline import finite_rows_mask
+from ..core.stats import STAT_DTYPE, RolloutStats
+from ..correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
+from ..losses import PI_ROLLOUT, weights_advantage
 from ..trl_hooks import async_grpo as trl_async
 from ..trl_hooks.async_grpo_data import carrying_sample_versions
 from .config import RolloutCorrAsyncGRPOConfig
@@ -61,18 +63,18 @@ def served_model_ids(body: Any) -> list[str] | None:
     return [m["id"] for m in data]
 
 
-class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
+class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
     """``AsyncGRPOTrainer`` with rollout correction (see the module docstring). Takes ``AsyncGRPOTrainer``'s arguments;
     ``args`` must be a :class:`RolloutCorrAsyncGRPOConfig`."""
+
+    _RC_ALL_REJECTED_REMEDY = ("Loosen rollout_rs_threshold / rollout_token_veto_threshold, lower max_staleness or "
+                               "check the server.")
 
     def __init__(self, model: str, reward_funcs: Any = None, args: RolloutCorrAsyncGRPOConfig | None = None,
                  *rest: Any, weight_transfer: Any = None, **kwargs: Any) -> None:
         if args is None:  # the default config, named as TRL names its own
             args = RolloutCorrAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
-        if not isinstance(args, RolloutCorrAsyncGRPOConfig):
-            raise TypeError("RolloutCorrAsyncGRPOTrainer needs args=RolloutCorrAsyncGRPOConfig(...) (an "
-                            f"AsyncGRPOConfig subclass with the rollout-correction fields), got {type(args).__name__}. "
-                            "Replace AsyncGRPOConfig by RolloutCorrAsyncGRPOConfig with the same arguments.")
+        require_correction_config(args, RolloutCorrAsyncGRPOConfig, "RolloutCorrAsyncGRPOTrainer")
         from ..supported_versions import check_version
         from ..trl_hooks.async_grpo_cpu import install_cpu_support
 
@@ -87,9 +89,7 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             self._rc_probe = ServerProbe(args.vllm_server_base_url, args.server_unreachable_timeout_s)
             self._check_served_model(args, model)
         super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer, **kwargs)
-        # a frozen copy: the correction this trainer checked (a change to args raises from now on, see below)
-        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction.frozen(type(self).__name__)
-        self.args._rc_frozen_by = type(self).__name__  # a later change to the correction fields raises
+        self._rc_freeze()  # the correction this trainer checked: a change to args raises from now on
         self._rc_stats = RolloutStats()
         self._rc_policy_version = 0  # the trainer's policy version, on every rank (TRL keeps it on rank 0)
         self._rc_max_lag = self.args.max_staleness + 1  # dequeue staleness + the batch accelerate prefetches
@@ -160,9 +160,6 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
                     "only): prefer top_k=0, top_p=1, min_p=None, repetition_penalty=1.", a.top_k, a.top_p, a.min_p,
                     a.repetition_penalty)
 
-    def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        return process_all_reduce(tensor, op)
-
     # ------------------------------------------------------------------ 1. versions
     def get_train_dataloader(self):
         with carrying_sample_versions(self._rc_probe if self.accelerator.is_main_process else None):
@@ -212,26 +209,21 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
                                                   reduce_fn=self._rc_reduce)
         keep_rows = result.modified_response_mask.bool()  # (B, T)
         lag = self._rc_policy_version - per_row(versions, layout)  # (B,)
-        finite = torch.isfinite(train_rows) & torch.isfinite(rollout_rows)  # (B, T)
-        valid_rows = mask & ~(mask & ~finite).any(1, keepdim=True)  # (B, T) what the statistics average over
+        valid_rows = finite_rows_mask(mask, train_rows, rollout_rows)  # (B, T) what the statistics average over
         stats = RolloutStats().update(result.stats).update(
             lag_stats(train_rows, rollout_rows, mask, valid_rows, keep_rows, lag, self._rc_max_lag, result.is_weights))
         keep = to_terms(keep_rows, layout)  # (M,)
         weights = None if result.is_weights is None else to_terms(result.is_weights, layout).float()  # (M,)
-        if cfg.bypass_mode and not cfg.use_policy_gradient:
-            anchor = rollout  # TRL's ratio pi_theta / pi_rollout: the IS weight is in it already
-        else:
-            anchor = log_probs  # ratio 1: the gradient is -w A grad log pi_theta
-            if weights is not None:
-                adv = adv * weights
+        # pi_rollout: TRL's ratio pi_theta / pi_rollout has the IS weight in it already; pi_old (= pi_prox, pi_theta
+        # detached) or pi_theta: ratio 1, the gradient is -w A grad log pi_theta
+        anchor = rollout if cfg.loss_anchor == PI_ROLLOUT else log_probs  # (M,)
+        if weights is not None and weights_advantage(cfg.loss_anchor):
+            adv = adv * weights
         anchor = torch.where(keep & torch.isfinite(anchor), anchor, log_probs)  # (M,) rejected: ratio 1 ...
         adv = torch.where(keep, adv, torch.zeros_like(adv))  # ... and no gradient
         kept_total = self._rc_reduce(keep.sum(dtype=torch.float32).reshape(1), "sum")  # (1,)
-        n_kept = kept_total.to(STAT_DTYPE).reshape(())
         once = float(self.accelerator.is_main_process)  # a micro-batch spans every process: count it once
-        stats.update(RolloutStats(sums={"loss.empty_micro_batches": (n_kept == 0).to(STAT_DTYPE) * once,
-                                        "loss.micro_batches": torch.full((), once, dtype=STAT_DTYPE,
-                                                                         device=n_kept.device)}))
+        stats.update(micro_batch_counts(kept_total.to(STAT_DTYPE).reshape(()), once))
         self._rc_stats.update(stats)
         return adv.to(inputs["advantages"].dtype), anchor.to(inputs["old_log_probs"].dtype), float(kept_total.item())
 
@@ -245,28 +237,9 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
                              "require_rollout_logprobs=False to reject such samples and count them in "
                              "rollout_corr/invalid_logprob_fraction.")
 
-    # ------------------------------------------------------------------ 3. logging and saving
+    # ------------------------------------------------------------------ 3. logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        from ..core.metrics import finalize_floats
-
         if self.model.training and self._rc_stats.sums:  # a log while not training keeps them for the next one
             stats, self._rc_stats = self._rc_stats, RolloutStats()
-            all_floats = stats.all_reduce(self._rc_reduce).to_floats()  # the one host sync of this logging step
-            metrics = finalize_floats(all_floats)
-            floats = summed(all_floats, "loss.")
-            empty = floats.get("loss.empty_micro_batches", 0.0)
-            metrics[METRIC_PREFIX + "all_rejected_micro_batches"] = empty
-            if empty > 0 and self.accelerator.is_main_process:
-                logger.warning(
-                    "Rollout correction rejected every token of %d of %d micro-batches since the last log "
-                    "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
-                    "rollout_token_veto_threshold, lower max_staleness or check the server.", int(empty),
-                    int(floats.get("loss.micro_batches", 0.0)),
-                    metrics.get(METRIC_PREFIX + "rejected_token_fraction", 1.0))
-            logs.update(metrics)
+            logs.update(self._rc_metrics(stats))
         super().log(logs, start_time)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            self.rollout_correction.save_pretrained(output_dir or self.args.output_dir)

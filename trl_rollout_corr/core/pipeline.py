@@ -23,15 +23,24 @@ class RolloutCorrection(NamedTuple):
     stats: RolloutStats
 
 
+def finite_rows_mask(mask: torch.Tensor, *log_probs: torch.Tensor) -> torch.Tensor:
+    """``mask`` minus every row with a non-finite value of any of ``log_probs`` on one of its masked tokens: the
+    invalid-sequence rule (a NaN/+-inf log-prob invalidates its whole sequence).   (B, T) bool"""
+    mask = mask.bool()  # (B, T)
+    finite = torch.ones_like(mask)  # (B, T)
+    for lp in log_probs:
+        finite = finite & torch.isfinite(lp)  # (B, T)
+    return mask & ~(mask & ~finite).any(1, keepdim=True)  # (B, T)
+
+
 def rollout_usable_mask(rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                         rollout_seen: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens that stay in the loss whatever pi_train is: the response mask minus every sample whose pi_rollout is
     non-finite on one of its tokens (such a sample is rejected; a sample without pi_rollout stays).   (B, T) bool"""
-    mask = response_mask.bool()  # (B, T)
-    bad_row = (mask & ~torch.isfinite(rollout_log_prob)).any(1, keepdim=True)  # (B, 1)
-    if rollout_seen is not None:
-        bad_row = bad_row & rollout_seen.bool().unsqueeze(1)  # (B, 1)
-    return mask & ~bad_row  # (B, T)
+    usable = finite_rows_mask(response_mask, rollout_log_prob)  # (B, T)
+    if rollout_seen is not None:  # a sample without pi_rollout stays
+        usable = usable | (response_mask.bool() & ~rollout_seen.bool().unsqueeze(1))  # (B, T)
+    return usable  # (B, T)
 
 
 def compute_rollout_correction_stats(
@@ -77,7 +86,7 @@ def compute_rollout_correction_stats(
         rollout = rollout_log_prob.detach().float()  # (B, T)
         finite = torch.isfinite(train) & torch.isfinite(rollout)  # (B, T)
         invalid_tok = corrected & ~finite  # (B, T)
-        valid = corrected & ~invalid_tok.any(1, keepdim=True)  # (B, T) invalid sequences leave the batch
+        valid = finite_rows_mask(corrected, train, rollout)  # (B, T) invalid sequences leave the batch
         train = torch.where(finite, train, torch.zeros_like(train))  # (B, T)
         rollout = torch.where(finite, rollout, torch.zeros_like(rollout))  # (B, T)
         log_ratio = train - rollout  # (B, T)
