@@ -2,8 +2,8 @@
 
 Each test breaks one assumption the way a TRL release could (call order, an extra or a missing forward, the result
 of ``_generate``, the loss not asking for the forward, keys lost in buffering, the signature of
-``_generate_single_turn``, the async trainer's forward timer, the vLLM weight iterator) and expects
-TrlInternalsChanged.
+``_generate_single_turn``, the async trainer's forward timer, the vLLM weight iterator, the vLLM generation's methods
+this package replaces, its client's requests session) and expects TrlInternalsChanged.
 """
 
 from __future__ import annotations
@@ -178,6 +178,86 @@ def test_the_async_forward_timer_and_the_vllm_weight_iterator_are_checked():
     assert list(named_parameters(SimpleNamespace(_iter_named_params=lambda: iter([("w", 1)])))) == [("w", 1)]
     with pytest.raises(TrlInternalsChanged, match=f"_iter_named_params is gone.*{VERSION}"):
         named_parameters(SimpleNamespace())
+
+
+def test_the_vllm_generation_methods_replaced_are_checked():
+    """``sync_weights`` / ``generate`` on TRL's ``VLLMGeneration`` instance: replaced or wrapped when there (and, for
+    ``sync_weights``, still called with no argument), TrlInternalsChanged when gone or changed; vllm/engine.py goes
+    through these checks (its sync schedule on a stand-in without ``sync_weights``)."""
+    from types import SimpleNamespace
+
+    from trl_rollout_corr.trl_hooks.vllm import replace_vllm_generation_method, wrap_vllm_generation_method
+    from trl_rollout_corr.vllm.engine import _install_sync_schedule
+
+    class Generation:  # TRL's VLLMGeneration, as far as these checks look
+        def sync_weights(self):
+            return "trl's sync"
+
+        def generate(self, prompts, images, num_generations, profiler=None):
+            return prompts
+
+    gen = Generation()
+    wrap_vllm_generation_method(gen, "sync_weights", lambda sync: lambda: ("scheduled", sync()))
+    assert gen.sync_weights() == ("scheduled", "trl's sync")
+    wrap_vllm_generation_method(gen, "generate", lambda generate: lambda *a, **kw: ("guarded", generate(*a, **kw)))
+    assert gen.generate(["p"], None, 2) == ("guarded", ["p"])
+    replace_vllm_generation_method(gen, "sync_weights", lambda: "file sync")
+    assert gen.sync_weights() == "file sync"
+    with pytest.raises(ValueError, match="'llm' is not one of"):
+        replace_vllm_generation_method(gen, "llm", lambda: None)
+
+    for name in ("sync_weights", "generate"):
+        with pytest.raises(TrlInternalsChanged, match=f"SimpleNamespace.{name} is gone.*{VERSION}"):
+            replace_vllm_generation_method(SimpleNamespace(), name, lambda: None)
+        with pytest.raises(TrlInternalsChanged, match=f"SimpleNamespace.{name} is gone.*{VERSION}"):
+            wrap_vllm_generation_method(SimpleNamespace(**{name: None}), name, lambda method: method)
+
+    class SyncWithAnArgument:  # TRL calling sync_weights(model): the no-argument replacements would break
+        def sync_weights(self, model):
+            pass
+
+    with pytest.raises(TrlInternalsChanged, match=f"SyncWithAnArgument.sync_weights takes \\['model'\\]; its "
+                                                  f"replacement was written for \\[\\].*{VERSION}"):
+        replace_vllm_generation_method(SyncWithAnArgument(), "sync_weights", lambda: None)
+    untouched = SimpleNamespace()
+    with pytest.raises(TrlInternalsChanged, match=f"sync_weights is gone.*{VERSION}"):
+        _install_sync_schedule(SimpleNamespace(vllm_generation=untouched), 2)
+    assert vars(untouched) == {}
+
+
+def test_the_vllm_client_session_is_checked():
+    """TRL's ``VLLMClient.session``: a requests.Session, on which the package sends its requests and mounts its
+    adapter; TrlInternalsChanged when it is gone or something else. vllm/engine.py mounts through the check."""
+    from types import SimpleNamespace
+
+    import requests
+    from requests.adapters import HTTPAdapter
+
+    from trl_rollout_corr.trl_hooks.vllm import client_session, mount_client_adapter
+    from trl_rollout_corr.vllm.engine import _bound_server_requests
+
+    client = SimpleNamespace(session=requests.Session())
+    assert client_session(client) is client.session
+    adapter = HTTPAdapter()
+    mount_client_adapter(client, adapter)
+    assert client.session.get_adapter("http://127.0.0.1:8000/x") is adapter
+    assert client.session.get_adapter("https://example.org/x") is adapter
+    _bound_server_requests(client, 30.0)
+    assert client.session.get_adapter("http://127.0.0.1:8000/x") is not adapter
+
+    class HttpxLikeSession:  # a client that moved to another HTTP library
+        def get(self, url, **kwargs): ...
+        def post(self, url, **kwargs): ...
+        def mount(self, prefix, transport): ...
+
+    for broken in (SimpleNamespace(), SimpleNamespace(session=HttpxLikeSession())):
+        with pytest.raises(TrlInternalsChanged, match=f"SimpleNamespace.session is \\w+, not a requests.Session.*"
+                                                      f"{VERSION}"):
+            client_session(broken)
+        with pytest.raises(TrlInternalsChanged, match=f"not a requests.Session.*{VERSION}"):
+            mount_client_adapter(broken, adapter)
+        with pytest.raises(TrlInternalsChanged, match=f"not a requests.Session.*{VERSION}"):
+            _bound_server_requests(broken, 30.0)
 
 
 def test_a_hook_trl_no_longer_defines_is_an_error_at_construction(tmp_path, monkeypatch):

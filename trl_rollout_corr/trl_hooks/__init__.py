@@ -12,10 +12,11 @@
   forward timer) and weight sync;
 * :mod:`.async_grpo_data`: the rollout queue dataset and collator, which carry every sample's policy version;
 * :mod:`.async_grpo_cpu`: the async trainer's CPU support (tree attention, MFU probe);
-* :mod:`.vllm`: TRL's vLLM client and engine construction, and its weight-sync parameters.
+* :mod:`.vllm`: TRL's vLLM client and engine construction, its weight-sync parameters, the methods replaced on the
+  trainer's ``vllm_generation`` object (``sync_weights``, ``generate``) and its client's requests session.
 
-Nothing outside this package reads TRL's private names (``tests/test_trl_boundary.py`` checks it). Written against
-TRL 1.16 (:data:`TESTED_TRL`).
+Nothing outside this package reads TRL's private names or patches TRL's modules or objects
+(``tests/test_trl_boundary.py`` checks it). Written against TRL 1.16 (:data:`TESTED_TRL`).
 """
 
 from .base import TESTED_TRL, TrlInternalsChanged, inherited_method

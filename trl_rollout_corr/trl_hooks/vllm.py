@@ -10,6 +10,12 @@
   - the module's ``LLM`` for ``LLM`` with engine keyword arguments (TRL passes no ``dtype`` to a colocated engine).
 * :func:`named_parameters` reads the parameters TRL's weight sync pushes (``VLLMGeneration._iter_named_params``,
   gathered collectively under ZeRO-3/FSDP).
+* On the trainer's ``VLLMGeneration`` instance (after ``GRPOTrainer.__init__``), :func:`replace_vllm_generation_method`
+  and :func:`wrap_vllm_generation_method` replace ``sync_weights`` (TRL calls it with no argument) and wrap
+  ``generate``; each first checks that the method is there (and, for ``sync_weights``, still takes no argument).
+* On its ``VLLMClient`` (server mode), :func:`client_session` is the ``requests.Session`` every request of the client
+  goes through (the package sends its own requests to the server on it), and :func:`mount_client_adapter` mounts a
+  transport adapter on it for ``http://`` and ``https://`` (in place of the retrying one TRL mounts).
 
 A failed check raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`, naming the installed TRL
 version.
@@ -19,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .base import TrlInternalsChanged
@@ -75,3 +82,63 @@ def named_parameters(gen: Any) -> Iterator[tuple[str, Any]]:
         raise TrlInternalsChanged(f"{type(gen).__name__}._iter_named_params is gone: the CPU server weight sync "
                                   "reads the parameters through it")
     return iterate()
+
+
+# The methods of TRL's ``VLLMGeneration`` this package replaces on the trainer's instance, each with the parameters
+# TRL's bound method takes (None: not checked; ``generate`` is only ever wrapped by a pass-through of every argument).
+# TRL calls ``sync_weights()`` with none, and so do the replacements.
+_REPLACEABLE_METHODS: dict[str, tuple[str, ...] | None] = {"sync_weights": (), "generate": None}
+
+
+def _generation_method(gen: Any, name: str) -> Callable:
+    """``gen.<name>`` (TRL's method or what already replaced it), checked to exist and to take what TRL passes."""
+    if name not in _REPLACEABLE_METHODS:
+        raise ValueError(f"{name!r} is not one of the VLLMGeneration methods this package replaces "
+                         f"({', '.join(_REPLACEABLE_METHODS)})")
+    method = getattr(gen, name, None)
+    if not callable(method):
+        raise TrlInternalsChanged(f"{type(gen).__name__}.{name} is gone: this package replaces it on the trainer's "
+                                  "vLLM generation")
+    expected = _REPLACEABLE_METHODS[name]
+    if expected is not None:
+        try:
+            params = tuple(inspect.signature(method).parameters)
+        except (TypeError, ValueError):  # no signature to read (a builtin): nothing to check
+            params = expected
+        if params != expected:
+            raise TrlInternalsChanged(f"{type(gen).__name__}.{name} takes {list(params)}; its replacement was "
+                                      f"written for {list(expected)}")
+    return method
+
+
+def replace_vllm_generation_method(gen: Any, name: str, fn: Callable) -> None:
+    """Set ``gen.<name> = fn`` on TRL's ``VLLMGeneration`` instance ``gen``, once the method it replaces is checked
+    (``name``: ``sync_weights`` or ``generate``)."""
+    _generation_method(gen, name)
+    setattr(gen, name, fn)
+
+
+def wrap_vllm_generation_method(gen: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Set ``gen.<name> = wrap(gen.<name>)`` on TRL's ``VLLMGeneration`` instance ``gen``, the current method checked
+    first (``name``: ``sync_weights`` or ``generate``)."""
+    setattr(gen, name, wrap(_generation_method(gen, name)))
+
+
+def client_session(client: Any) -> Any:
+    """The ``requests.Session`` TRL's ``VLLMClient`` sends every request through (``client.session``), checked."""
+    import requests
+
+    session = getattr(client, "session", None)
+    if not isinstance(session, requests.Session):
+        raise TrlInternalsChanged(f"{type(client).__name__}.session is {type(session).__name__}, not a "
+                                  "requests.Session: this package's requests to the vLLM server, its control token "
+                                  "and its timeouts go through it")
+    return session
+
+
+def mount_client_adapter(client: Any, adapter: Any) -> None:
+    """Mount ``adapter`` (a ``requests`` transport adapter) on TRL's client session for ``http://`` and ``https://``,
+    replacing the retrying adapter TRL mounts there."""
+    session = client_session(client)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)

@@ -6,11 +6,13 @@ Used by ``RolloutCorrGRPOTrainer`` only when ``use_vllm=True``:
   (TRL passes none: vLLM's "auto" silently runs a float32 checkpoint in bfloat16). When vLLM runs on its CPU
   platform it also applies ``cpu.apply_cpu_fixes``, runs a colocated engine in-process and eager, sizes its KV
   cache from ``vllm_gpu_memory_utilization`` (a fraction of host memory), talks to a server on loopback by default,
-  and skips TRL's NCCL communicator (CUDA only), which ``install_cpu_server_sync`` replaces. What it swaps in TRL
-  while TRL builds its engine is :mod:`trl_rollout_corr.trl_hooks.vllm`.
+  and skips TRL's NCCL communicator (CUDA only), which ``install_cpu_server_sync`` replaces.
 - ``finish_vllm_setup(trainer)`` installs the sync schedule (``vllm_sync_interval``: the engine lags up to k-1
   optimizer steps behind, as an asynchronous engine does), bounded, clearly-worded server errors, and logs the
   engine's dtype next to the trainer's once.
+
+What it swaps in TRL while TRL builds its engine, the methods it replaces on TRL's ``vllm_generation`` object and the
+use of its client's requests session all go through :mod:`trl_rollout_corr.trl_hooks.vllm`, which checks each.
 """
 
 from __future__ import annotations
@@ -92,8 +94,10 @@ def engine_dtype(trainer) -> str:
     if gen.mode == "colocate":
         dtype = gen.llm.llm_engine.vllm_config.model_config.dtype
     elif trainer.accelerator.is_main_process:
+        from ..trl_hooks.vllm import client_session
+
         client = gen.vllm_client
-        response = client.session.get(f"{client.base_url}/server_info", params={"config_format": "json"})
+        response = client_session(client).get(f"{client.base_url}/server_info", params={"config_format": "json"})
         if response.status_code == 401:
             from .security import TOKEN_ENV, token_path
 
@@ -151,23 +155,25 @@ def _install_sync_schedule(trainer, interval: int) -> None:
     engine weights cannot be restored, :mod:`trl_rollout_corr.resume`) loads the current weights once without
     moving the schedule.
     """
-    gen = trainer.vllm_generation
-    sync = gen.sync_weights
+    from ..trl_hooks.vllm import wrap_vllm_generation_method
+
     trainer.vllm_sync_steps = []
     trainer.vllm_refresh_pending = False
 
-    def scheduled_sync():
-        step = trainer.state.global_step
-        if trainer.vllm_sync_steps and step - trainer.vllm_sync_steps[-1] < interval:
-            if trainer.vllm_refresh_pending:
-                trainer.vllm_refresh_pending = False
-                sync()
-            return
-        trainer.vllm_refresh_pending = False
-        sync()
-        trainer.vllm_sync_steps.append(step)
+    def schedule(sync):
+        def scheduled_sync():
+            step = trainer.state.global_step
+            if trainer.vllm_sync_steps and step - trainer.vllm_sync_steps[-1] < interval:
+                if trainer.vllm_refresh_pending:
+                    trainer.vllm_refresh_pending = False
+                    sync()
+                return
+            trainer.vllm_refresh_pending = False
+            sync()
+            trainer.vllm_sync_steps.append(step)
+        return scheduled_sync
 
-    gen.sync_weights = scheduled_sync
+    wrap_vllm_generation_method(trainer.vllm_generation, "sync_weights", schedule)
 
 
 def install_cpu_server_sync(gen, directory: str | None = None, token: str | None = None) -> None:
@@ -180,7 +186,7 @@ def install_cpu_server_sync(gen, directory: str | None = None, token: str | None
     """
     from safetensors.torch import save_file
 
-    from ..trl_hooks.vllm import named_parameters
+    from ..trl_hooks.vllm import client_session, named_parameters, replace_vllm_generation_method
     from .security import default_sync_dir, weight_file_prefix
     from .worker import RPC_METHOD
 
@@ -195,8 +201,8 @@ def install_cpu_server_sync(gen, directory: str | None = None, token: str | None
         os.close(fd)
         try:
             save_file(tensors, path)
-            response = client.session.post(f"{client.base_url}/collective_rpc",
-                                           json={"method": RPC_METHOD, "args": [path]})
+            response = client_session(client).post(f"{client.base_url}/collective_rpc",
+                                                   json={"method": RPC_METHOD, "args": [path]})
             if response.status_code != 200 or not response.json().get("results"):
                 raise RuntimeError(
                     f"The vLLM server at {client.base_url} could not load the weights ({response.status_code}: "
@@ -206,7 +212,7 @@ def install_cpu_server_sync(gen, directory: str | None = None, token: str | None
         finally:
             os.unlink(path)
 
-    gen.sync_weights = sync_weights
+    replace_vllm_generation_method(gen, "sync_weights", sync_weights)
 
 
 class _TimeoutAdapter:
@@ -230,14 +236,16 @@ class _TimeoutAdapter:
 
 def _bound_server_requests(client, timeout: float) -> None:
     """Every request to the server gets a connect/read timeout and at most ``SERVER_RETRIES`` connection retries."""
-    adapter = _TimeoutAdapter.make(max(float(timeout), 1.0), SERVER_RETRIES)
-    client.session.mount("http://", adapter)
-    client.session.mount("https://", adapter)
+    from ..trl_hooks.vllm import mount_client_adapter
+
+    mount_client_adapter(client, _TimeoutAdapter.make(max(float(timeout), 1.0), SERVER_RETRIES))
 
 
 def _wrap_server_errors(trainer) -> None:
     """A server that dies or hangs mid-run: a RuntimeError naming the server, the step and the cause."""
     import requests
+
+    from ..trl_hooks.vllm import wrap_vllm_generation_method
 
     gen = trainer.vllm_generation
 
@@ -254,5 +262,5 @@ def _wrap_server_errors(trainer) -> None:
                     "says why it stopped) and restart the run from the last checkpoint.") from exc
         return call
 
-    gen.generate = guarded("generation", gen.generate)
-    gen.sync_weights = guarded("the weight sync", gen.sync_weights)
+    wrap_vllm_generation_method(gen, "generate", functools.partial(guarded, "generation"))
+    wrap_vllm_generation_method(gen, "sync_weights", functools.partial(guarded, "the weight sync"))
