@@ -23,7 +23,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from trainer_utils import make_trainer  # noqa: E402
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
-from trl_rollout_corr.trl_hooks.grpo import forward_input_names, generate_result_fields, kept_token_normalizer_losses  # noqa: E402
+from trl_rollout_corr.trl_hooks.grpo import forward_input_names, generate_result_fields  # noqa: E402
 
 
 class PatchedGRPOTrainer(GRPOTrainer):
@@ -59,7 +59,6 @@ def test_the_trainer_trains_with_trl_grpo_trainer_rebound(tmp_path, monkeypatch,
     # what the checks read is TRL's own method, whatever the public name points at
     assert "pixel_values" in forward_input_names(RolloutCorrGRPOTrainer)
     assert "logprobs" in generate_result_fields(RolloutCorrGRPOTrainer)
-    assert kept_token_normalizer_losses(RolloutCorrGRPOTrainer) == ("cispo", "dapo", "vespo")
     trainer, logs = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1, loss_type="dapo")
     trainer.train()
     assert any("rollout_corr/rollout_is_mean" in entry for entry in logs.logs)

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
 import trl
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 import trl_rollout_corr.trainer as trainer_module
-from test_trl_equivalence import ROWS, build, one_micro_batch
+from test_trl_equivalence import LOSS_TYPES, ROWS, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
 from trl_rollout_corr.testing.toy_task import build_model
 from trl_rollout_corr.trl_hooks import TrlInternalsChanged
-from trl_rollout_corr.trl_hooks.grpo import forward_input_names, generate_result_fields, kept_token_normalizer_losses
+from trl_rollout_corr.trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES, forward_input_names, generate_result_fields
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
 
@@ -41,18 +43,40 @@ def test_forward_inputs_are_read_from_trl():
     assert {a for a, _ in passed} == set(forward_input_names(RolloutCorrGRPOTrainer))
 
 
-def test_the_kept_token_normalizer_losses_are_read_from_trl(monkeypatch):
-    assert kept_token_normalizer_losses(RolloutCorrGRPOTrainer) == ("cispo", "dapo", "vespo")
+def trl_loss(args, loss_type, num_items_in_batch):
+    """The installed TRL's own ``GRPOTrainer._compute_loss`` (called unbound) on a stand-in trainer with TRL's default
+    config and a crafted micro-batch of 2 completions x 3 tokens (one padded): no model, the forward is given."""
+    logps = torch.tensor([[-0.5, -1.0, -1.5], [-0.25, -0.75, -2.0]])  # (B, T)
+    stand_in = SimpleNamespace(
+        args=args, loss_type=loss_type, importance_sampling_level="token", beta=0.0, use_vllm=False,
+        epsilon_low=args.epsilon, epsilon_high=args.epsilon, max_completion_length=args.max_completion_length,
+        top_entropy_quantile=args.top_entropy_quantile, off_policy_mask_threshold=None, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1, model=SimpleNamespace(training=True),
+        _metrics=defaultdict(lambda: defaultdict(list)), get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x),
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.ones_like(logps), None))
+    inputs = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(2, 3, dtype=torch.long),
+              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]), "advantages": torch.tensor([1.0, -0.5]),
+              "num_items_in_batch": torch.tensor(float(num_items_in_batch))}
+    return GRPOTrainer._compute_loss(stand_in, None, inputs)
 
-    def compute_loss_without_that_branch(self, model, inputs):
-        if self.loss_type in ["grpo"]:
-            return inputs["advantages"].sum()
-        else:
-            raise ValueError(self.loss_type)
 
-    monkeypatch.setattr(GRPOTrainer, "_compute_loss", compute_loss_without_that_branch)
-    with pytest.raises(TrlInternalsChanged, match=f"divides by.*num_items_in_batch.*{VERSION}"):
-        kept_token_normalizer_losses(RolloutCorrGRPOTrainer)
+def test_the_kept_token_normalizer_losses_are_those_whose_trl_loss_divides_by_num_items_in_batch(tmp_path):
+    """Checked against TRL's behaviour, not its source: for every loss type, TRL's loss with num_items_in_batch = 2
+    and = 8. Those that divide by it are exactly 4 times larger at 2; the others are unchanged."""
+    help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    supported = re.search(r"Supported values are (.*?)\. ", help_text).group(1)
+    assert set(re.findall(r"'(\w+)'", supported)) == set(LOSS_TYPES)  # every TRL loss type is tried
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    dividing = []
+    for loss_type in LOSS_TYPES:
+        at_2, at_8 = trl_loss(args, loss_type, 2), trl_loss(args, loss_type, 8)
+        assert torch.isfinite(at_2) and at_2 != 0, loss_type
+        if not torch.equal(at_2, at_8):
+            assert torch.equal(at_2, 4 * at_8), (loss_type, at_2, at_8)  # divided by it, exactly
+            dividing.append(loss_type)
+    assert tuple(sorted(dividing)) == KEPT_TOKEN_NORMALIZER_LOSSES
 
 
 def test_a_pi_old_forward_trl_no_longer_makes_is_an_error(tmp_path, monkeypatch):

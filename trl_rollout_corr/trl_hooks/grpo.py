@@ -11,8 +11,9 @@ Written against TRL 1.16. What is assumed, and how it is checked:
   expected calls and raises on any other order, model or count.
 * The model-input keyword arguments of a forward are the parameters of ``_get_per_token_logps_and_entropies``
   after its control arguments: :func:`forward_input_names` reads them from TRL's signature.
-* The loss types whose ``_compute_loss`` divides by ``num_items_in_batch`` (``dapo``, ``cispo``, ``vespo`` in TRL
-  1.16): :func:`kept_token_normalizer_losses` reads them from the source of TRL's ``_compute_loss``.
+* The loss types whose ``_compute_loss`` divides by ``num_items_in_batch`` are :data:`KEPT_TOKEN_NORMALIZER_LOSSES`
+  (``cispo``, ``dapo``, ``vespo``); ``tests/test_trl_hooks.py`` checks it against the installed TRL's loss (every
+  loss type, two values of ``num_items_in_batch``).
 * Keys added to the output of ``_generate_and_score_completions`` (tensors with a leading batch dimension) reach
   ``compute_loss`` through TRL's shuffling and splitting: the trainer checks that they arrive.
 * ``_generate_single_turn`` takes ``(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)`` and
@@ -23,10 +24,12 @@ The trainer calls TRL's private methods only through this module (:func:`generat
 trainer's own ``super()`` would. :func:`check_hooks` checks at construction that every private method it overrides
 (:data:`OVERRIDDEN_HOOKS`) is still defined by TRL: a renamed hook would otherwise never be called.
 
-Every check reads the method the trainer really inherits (:func:`~trl_rollout_corr.trl_hooks.base.inherited_method`:
-the next definition after this package's class in the instance's MRO, what ``super()`` calls), never
-``trl.GRPOTrainer``: that name can be rebound (a patching library, a test harness, this package's class swapped into
-TRL's namespace) without TRL having changed.
+Every check that reads a TRL method reads the method the trainer really inherits
+(:func:`~trl_rollout_corr.trl_hooks.base.inherited_method`: the next definition after this package's class in the
+instance's MRO, what ``super()`` calls), never ``trl.GRPOTrainer``: that name can be rebound (a patching library, a
+test harness, this package's class swapped into TRL's namespace) without TRL having changed.
+:data:`KEPT_TOKEN_NORMALIZER_LOSSES` is TRL 1.16's behaviour written down, not read from any method: a patch in the
+MRO that changes which losses divide by ``num_items_in_batch`` is not seen.
 
 A failed check raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`, naming the installed TRL
 version.
@@ -51,6 +54,18 @@ _SINGLE_TURN_PARAMS = ("self", "prompt_ids", "images", "multimodal_fields", "num
 OVERRIDDEN_HOOKS = ("_generate_single_turn", "_generate", "_get_per_token_logps_and_entropies",
                     "_generate_and_score_completions", "_save_checkpoint")
 
+KEPT_TOKEN_NORMALIZER_LOSSES = ("cispo", "dapo", "vespo")
+"""The loss types whose ``GRPOTrainer._compute_loss`` divides by ``inputs["num_items_in_batch"]``.
+
+In TRL 1.16, ``cispo``, ``dapo`` and ``vespo`` divide the masked sum of the per-token loss by
+``num_items_in_batch / num_processes`` (times ``current_gradient_accumulation_steps / steps_per_generation`` in
+training): TRL's count of the generation batch's loss tokens over all processes, which the trainer replaces by the
+kept-token count when the correction rejects tokens. ``grpo``, ``sapo``, ``bnpo``, ``dr_grpo`` and ``luspo`` never
+read it (they normalize per sequence, by the micro-batch's own token count or by ``max_completion_length``).
+``tests/test_trl_hooks.py`` runs the installed TRL's ``_compute_loss`` for every loss type with two values of
+``num_items_in_batch`` and checks that exactly these losses scale by their ratio.
+"""
+
 
 def forward_input_names(owner: type, cls: type | None = None) -> tuple[str, ...]:
     """The model-input keyword arguments of ``GRPOTrainer._get_per_token_logps_and_entropies`` (pixel_values, ...)."""
@@ -59,21 +74,6 @@ def forward_input_names(owner: type, cls: type | None = None) -> tuple[str, ...]
         raise TrlInternalsChanged(f"GRPOTrainer._get_per_token_logps_and_entropies takes {params}, expected "
                                   f"{list(_FORWARD_CONTROL_ARGS)} first")
     return tuple(params[len(_FORWARD_CONTROL_ARGS):])
-
-
-def kept_token_normalizer_losses(owner: type, cls: type | None = None) -> tuple[str, ...]:
-    """The loss types whose ``GRPOTrainer._compute_loss`` divides by ``num_items_in_batch``, read from its source."""
-    return _kept_token_normalizer_losses(inherited_method(owner, "_compute_loss", cls))
-
-
-@functools.lru_cache(maxsize=8)
-def _kept_token_normalizer_losses(compute_loss: Callable) -> tuple[str, ...]:
-    source = inspect.getsource(compute_loss)
-    for match in re.finditer(r"self\.loss_type in \[([^\]]*)\]:(.*?)(?=\n\s*elif |\n\s*else:)", source, re.S):
-        if 'inputs["num_items_in_batch"]' in match.group(2):
-            return tuple(sorted(re.findall(r"[\"'](\w+)[\"']", match.group(1))))
-    raise TrlInternalsChanged("GRPOTrainer._compute_loss has no loss-type branch that divides by "
-                              "inputs['num_items_in_batch']")
 
 
 def generate_result_fields(owner: type, cls: type | None = None) -> tuple[str, ...]:
