@@ -19,12 +19,13 @@ import trl
 from trl import GRPOConfig, GRPOTrainer
 
 import trl_rollout_corr.trainer as trainer_module
-from test_trl_equivalence import LOSS_TYPES, ROWS, build, one_micro_batch
+from test_trl_equivalence import LOSS_TYPES, ROWS, TOK, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
 from trl_rollout_corr.testing.toy_task import build_model
 from trl_rollout_corr.trl_hooks import TrlInternalsChanged
-from trl_rollout_corr.trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES, forward_input_names, generate_result_fields
+from trl_rollout_corr.trl_hooks.grpo import (GENERATE_RESULT_FIELDS, KEPT_TOKEN_NORMALIZER_LOSSES, forward_input_names,
+                                             unpack_generate_result)
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
 
@@ -103,32 +104,39 @@ def test_a_reference_forward_in_place_of_pi_old_is_an_error(tmp_path_factory, mo
         one_micro_batch(t, ROWS[:8])
 
 
-def test_a_changed_generate_result_is_an_error(tmp_path, monkeypatch):
-    t = trainer(tmp_path)
-    original = GRPOTrainer._generate
+def test_trls_generate_returns_the_fields_named_and_a_changed_result_is_an_error(tmp_path, monkeypatch):
+    """TRL's real ``_generate`` result (rollout_func path, with an env_mask) is GENERATE_RESULT_FIELDS in order, each
+    field the value it names; a result with one field less raises."""
+    t = trainer(tmp_path, env_mask=True)
+    original, results, rollouts = GRPOTrainer._generate, [], []
+    rollout_func = t.rollout_func
+    t.rollout_func = lambda prompts, trainer: rollouts.append(rollout_func(prompts, trainer)) or rollouts[-1]
 
-    def generate_with_a_shorter_early_return(self, prompts):  # its last return statement still names 8 fields
-        if prompts:
-            return original(self, prompts)[:7]
-        prompt_ids = completion_ids = tool_mask = completions = logprobs = extra_fields = images = tool_images = None
-        return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
+    def generate_returning_one_field_less(self, prompts):
+        results.append(original(self, prompts))
+        return results[-1][:7]
 
-    monkeypatch.setattr(GRPOTrainer, "_generate", generate_with_a_shorter_early_return)
+    monkeypatch.setattr(GRPOTrainer, "_generate", generate_returning_one_field_less)
     with pytest.raises(TrlInternalsChanged, match=f"_generate returned tuple of length 7.*{VERSION}"):
         one_micro_batch(t, ROWS[:8])
+    (result,), (rollout,) = results, rollouts
+    assert isinstance(result, tuple) and len(result) == len(GENERATE_RESULT_FIELDS)
+    fields = dict(zip(GENERATE_RESULT_FIELDS, result))
+    assert fields["prompt_ids"] == rollout["prompt_ids"]
+    assert fields["completion_ids"] == rollout["completion_ids"]
+    assert fields["tool_mask"] == rollout["env_mask"]
+    assert fields["completions"] == TOK.batch_decode(rollout["completion_ids"], skip_special_tokens=True)
+    assert fields["logprobs"] == rollout["logprobs"]
+    assert fields["extra_fields"] == {}  # env_mask became the tool mask
+    assert fields["images"] is None and fields["tool_images"] == []
+    assert len({repr(value) for value in result}) == len(result)  # no two fields alike: the order is pinned
 
 
-def test_the_generate_result_fields_are_read_from_trl(monkeypatch):
-    assert generate_result_fields(RolloutCorrGRPOTrainer) == (
-        "prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images", "tool_images")
-
-    def generate_returning_other_names(self, prompts):
-        ids, lps = [], []
-        return ids, lps
-
-    monkeypatch.setattr(GRPOTrainer, "_generate", generate_returning_other_names)
-    with pytest.raises(TrlInternalsChanged, match=f"names \\('ids', 'lps'\\).*{VERSION}"):
-        generate_result_fields(RolloutCorrGRPOTrainer)
+def test_a_generate_result_of_other_types_is_an_error():
+    result = dict.fromkeys(GENERATE_RESULT_FIELDS, [])
+    assert unpack_generate_result(tuple(result.values())) == result
+    with pytest.raises(TrlInternalsChanged, match=f"completion_ids of type Tensor.*{VERSION}"):
+        unpack_generate_result(tuple({**result, "completion_ids": torch.zeros(2, 3)}.values()))
 
 
 def test_the_cached_forward_is_handed_over_once_and_only_for_the_same_tensors(tmp_path, monkeypatch):
