@@ -1,4 +1,4 @@
-"""The library's import graph has no arrow into the demo (issue #30).
+"""The library's import graph has no arrow into the demo, and the trainer's config none into the trainer (issue #30).
 
 Every import statement of every module of ``trl_rollout_corr`` outside ``demo/`` and ``testing/`` is read with
 ``ast`` (top level and inside functions alike, relative imports resolved). The one allowed arrow: the CLI's ``demo``
@@ -67,3 +67,11 @@ def test_the_library_never_imports_the_demo(path):
               and (name, function) not in ALLOWED]
     assert not arrows, (f"{name} imports the demo ({arrows}): the toy task is trl_rollout_corr.testing.toy_task; "
                         "the library must not depend on trl_rollout_corr.demo")
+
+
+def test_the_trainer_config_does_not_import_the_trainer():
+    """``grpo_config.py`` once imported ``trainer.py`` inside a function (a cycle: the trainer imports the config) only
+    to read the loss types that divide by TRL's ``num_items_in_batch``; they are ``trl_hooks/grpo.py``'s constant."""
+    imported = {module for module, _ in imported_modules(PACKAGE / "grpo_config.py")}
+    assert "trl_rollout_corr.trl_hooks.grpo.KEPT_TOKEN_NORMALIZER_LOSSES" in imported  # the scan sees its imports
+    assert not [m for m in imported if m == "trl_rollout_corr.trainer" or m.startswith("trl_rollout_corr.trainer.")]

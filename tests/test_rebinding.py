@@ -23,7 +23,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from trainer_utils import make_trainer  # noqa: E402
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
-from trl_rollout_corr.trl_hooks.grpo import forward_input_names, generate_result_fields, kept_token_normalizer_losses  # noqa: E402
+from trl_rollout_corr.trl_hooks.grpo import forward_input_names  # noqa: E402
 
 
 class PatchedGRPOTrainer(GRPOTrainer):
@@ -58,28 +58,9 @@ def test_the_trainer_trains_with_trl_grpo_trainer_rebound(tmp_path, monkeypatch,
     assert trl.GRPOTrainer is pair[0]
     # what the checks read is TRL's own method, whatever the public name points at
     assert "pixel_values" in forward_input_names(RolloutCorrGRPOTrainer)
-    assert "logprobs" in generate_result_fields(RolloutCorrGRPOTrainer)
-    assert kept_token_normalizer_losses(RolloutCorrGRPOTrainer) == ("cispo", "dapo", "vespo")
     trainer, logs = make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1, loss_type="dapo")
     trainer.train()
     assert any("rollout_corr/rollout_is_mean" in entry for entry in logs.logs)
-
-
-def test_with_a_patched_class_in_the_mro_the_checks_read_what_super_calls():
-    """A user's class mixing this trainer with a patched TRL class: ``super()`` from this package's class reaches the
-    patch, so the patch's ``_generate`` is what is read (and TRL's, for the trainer alone)."""
-
-    class ReorderingPatch(GRPOTrainer):
-        def _generate(self, prompts):
-            prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = \
-                super()._generate(prompts)
-            return completion_ids, prompt_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
-
-    class Mixed(RolloutCorrGRPOTrainer, ReorderingPatch):
-        pass
-
-    assert generate_result_fields(RolloutCorrGRPOTrainer, Mixed)[:2] == ("completion_ids", "prompt_ids")
-    assert generate_result_fields(RolloutCorrGRPOTrainer)[:2] == ("prompt_ids", "completion_ids")
 
 
 @pytest.mark.parametrize("rebound_to", ["this package's classes", "a patching library's subclasses"])

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
 import trl
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 import trl_rollout_corr.trainer as trainer_module
-from test_trl_equivalence import ROWS, build, one_micro_batch
+from test_trl_equivalence import LOSS_TYPES, ROWS, TOK, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer
 from trl_rollout_corr.testing.toy_task import build_model
 from trl_rollout_corr.trl_hooks import TrlInternalsChanged
-from trl_rollout_corr.trl_hooks.grpo import forward_input_names, generate_result_fields, kept_token_normalizer_losses
+from trl_rollout_corr.trl_hooks.grpo import (GENERATE_RESULT_FIELDS, KEPT_TOKEN_NORMALIZER_LOSSES, forward_input_names,
+                                             unpack_generate_result)
 
 VERSION = re.escape(f"installed TRL {trl.__version__}")
 
@@ -41,18 +44,40 @@ def test_forward_inputs_are_read_from_trl():
     assert {a for a, _ in passed} == set(forward_input_names(RolloutCorrGRPOTrainer))
 
 
-def test_the_kept_token_normalizer_losses_are_read_from_trl(monkeypatch):
-    assert kept_token_normalizer_losses(RolloutCorrGRPOTrainer) == ("cispo", "dapo", "vespo")
+def trl_loss(args, loss_type, num_items_in_batch):
+    """The installed TRL's own ``GRPOTrainer._compute_loss`` (called unbound) on a stand-in trainer with TRL's default
+    config and a crafted micro-batch of 2 completions x 3 tokens (one padded): no model, the forward is given."""
+    logps = torch.tensor([[-0.5, -1.0, -1.5], [-0.25, -0.75, -2.0]])  # (B, T)
+    stand_in = SimpleNamespace(
+        args=args, loss_type=loss_type, importance_sampling_level="token", beta=0.0, use_vllm=False,
+        epsilon_low=args.epsilon, epsilon_high=args.epsilon, max_completion_length=args.max_completion_length,
+        top_entropy_quantile=args.top_entropy_quantile, off_policy_mask_threshold=None, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1, model=SimpleNamespace(training=True),
+        _metrics=defaultdict(lambda: defaultdict(list)), get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x),
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.ones_like(logps), None))
+    inputs = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(2, 3, dtype=torch.long),
+              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]), "advantages": torch.tensor([1.0, -0.5]),
+              "num_items_in_batch": torch.tensor(float(num_items_in_batch))}
+    return GRPOTrainer._compute_loss(stand_in, None, inputs)
 
-    def compute_loss_without_that_branch(self, model, inputs):
-        if self.loss_type in ["grpo"]:
-            return inputs["advantages"].sum()
-        else:
-            raise ValueError(self.loss_type)
 
-    monkeypatch.setattr(GRPOTrainer, "_compute_loss", compute_loss_without_that_branch)
-    with pytest.raises(TrlInternalsChanged, match=f"divides by.*num_items_in_batch.*{VERSION}"):
-        kept_token_normalizer_losses(RolloutCorrGRPOTrainer)
+def test_the_kept_token_normalizer_losses_are_those_whose_trl_loss_divides_by_num_items_in_batch(tmp_path):
+    """Checked against TRL's behaviour, not its source: for every loss type, TRL's loss with num_items_in_batch = 2
+    and = 8. Those that divide by it are exactly 4 times larger at 2; the others are unchanged."""
+    help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    supported = re.search(r"Supported values are (.*?)\. ", help_text).group(1)
+    assert set(re.findall(r"'(\w+)'", supported)) == set(LOSS_TYPES)  # every TRL loss type is tried
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    dividing = []
+    for loss_type in LOSS_TYPES:
+        at_2, at_8 = trl_loss(args, loss_type, 2), trl_loss(args, loss_type, 8)
+        assert torch.isfinite(at_2) and at_2 != 0, loss_type
+        if not torch.equal(at_2, at_8):
+            assert torch.equal(at_2, 4 * at_8), (loss_type, at_2, at_8)  # divided by it, exactly
+            dividing.append(loss_type)
+    assert tuple(sorted(dividing)) == KEPT_TOKEN_NORMALIZER_LOSSES
 
 
 def test_a_pi_old_forward_trl_no_longer_makes_is_an_error(tmp_path, monkeypatch):
@@ -79,32 +104,39 @@ def test_a_reference_forward_in_place_of_pi_old_is_an_error(tmp_path_factory, mo
         one_micro_batch(t, ROWS[:8])
 
 
-def test_a_changed_generate_result_is_an_error(tmp_path, monkeypatch):
-    t = trainer(tmp_path)
-    original = GRPOTrainer._generate
+def test_trls_generate_returns_the_fields_named_and_a_changed_result_is_an_error(tmp_path, monkeypatch):
+    """TRL's real ``_generate`` result (rollout_func path, with an env_mask) is GENERATE_RESULT_FIELDS in order, each
+    field the value it names; a result with one field less raises."""
+    t = trainer(tmp_path, env_mask=True)
+    original, results, rollouts = GRPOTrainer._generate, [], []
+    rollout_func = t.rollout_func
+    t.rollout_func = lambda prompts, trainer: rollouts.append(rollout_func(prompts, trainer)) or rollouts[-1]
 
-    def generate_with_a_shorter_early_return(self, prompts):  # its last return statement still names 8 fields
-        if prompts:
-            return original(self, prompts)[:7]
-        prompt_ids = completion_ids = tool_mask = completions = logprobs = extra_fields = images = tool_images = None
-        return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
+    def generate_returning_one_field_less(self, prompts):
+        results.append(original(self, prompts))
+        return results[-1][:7]
 
-    monkeypatch.setattr(GRPOTrainer, "_generate", generate_with_a_shorter_early_return)
+    monkeypatch.setattr(GRPOTrainer, "_generate", generate_returning_one_field_less)
     with pytest.raises(TrlInternalsChanged, match=f"_generate returned tuple of length 7.*{VERSION}"):
         one_micro_batch(t, ROWS[:8])
+    (result,), (rollout,) = results, rollouts
+    assert isinstance(result, tuple) and len(result) == len(GENERATE_RESULT_FIELDS)
+    fields = dict(zip(GENERATE_RESULT_FIELDS, result))
+    assert fields["prompt_ids"] == rollout["prompt_ids"]
+    assert fields["completion_ids"] == rollout["completion_ids"]
+    assert fields["tool_mask"] == rollout["env_mask"]
+    assert fields["completions"] == TOK.batch_decode(rollout["completion_ids"], skip_special_tokens=True)
+    assert fields["logprobs"] == rollout["logprobs"]
+    assert fields["extra_fields"] == {}  # env_mask became the tool mask
+    assert fields["images"] is None and fields["tool_images"] == []
+    assert len({repr(value) for value in result}) == len(result)  # no two fields alike: the order is pinned
 
 
-def test_the_generate_result_fields_are_read_from_trl(monkeypatch):
-    assert generate_result_fields(RolloutCorrGRPOTrainer) == (
-        "prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images", "tool_images")
-
-    def generate_returning_other_names(self, prompts):
-        ids, lps = [], []
-        return ids, lps
-
-    monkeypatch.setattr(GRPOTrainer, "_generate", generate_returning_other_names)
-    with pytest.raises(TrlInternalsChanged, match=f"names \\('ids', 'lps'\\).*{VERSION}"):
-        generate_result_fields(RolloutCorrGRPOTrainer)
+def test_a_generate_result_of_other_types_is_an_error():
+    result = dict.fromkeys(GENERATE_RESULT_FIELDS, [])
+    assert unpack_generate_result(tuple(result.values())) == result
+    with pytest.raises(TrlInternalsChanged, match=f"completion_ids of type Tensor.*{VERSION}"):
+        unpack_generate_result(tuple({**result, "completion_ids": torch.zeros(2, 3)}.values()))
 
 
 def test_the_cached_forward_is_handed_over_once_and_only_for_the_same_tensors(tmp_path, monkeypatch):

@@ -11,18 +11,11 @@ from .config import RolloutCorrectionConfig
 from .correction_fields import RolloutCorrectionFields
 from .trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
 from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
-from .trl_hooks.grpo import kept_token_normalizer_losses
+from .trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
 
 # TRL fields the correction plan depends on: a change re-checks the composition and the plan
 _PLAN_INPUTS = ("loss_type", "importance_sampling_level", "pi_old_source", "gradient_accumulation_steps",
                 "steps_per_generation", "num_iterations")
-
-
-def _trainer_kept_token_normalizer_losses() -> tuple[str, ...]:
-    """Read from the ``_compute_loss`` the trainer inherits (not ``trl.GRPOTrainer``'s, a name others can rebind)."""
-    from .trainer import RolloutCorrGRPOTrainer
-
-    return kept_token_normalizer_losses(RolloutCorrGRPOTrainer)
 
 
 @dataclass
@@ -138,7 +131,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
         plan_correction(resolved, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
                         gradient_accumulation_steps=self.gradient_accumulation_steps,
                         steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
-                        kept_token_normalizer_losses=_trainer_kept_token_normalizer_losses())
+                        kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES)
         # (plan_correction raises where the correction is not exact)
 
     def _refuse_change(self, name: str, value: Any) -> None:
@@ -154,4 +147,4 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
             self.rollout_correction, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
-            kept_token_normalizer_losses=_trainer_kept_token_normalizer_losses())
+            kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES)

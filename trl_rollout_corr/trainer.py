@@ -39,7 +39,7 @@ from .rollout.logprobs import check_rollout_logprobs
 from .rollout.support import KeptMassProbe
 from .trl_hooks import TrlInternalsChanged
 from .trl_hooks import grpo as trl_grpo
-from .trl_hooks.grpo import checkpoint_dir, forward_input_names, kept_token_normalizer_losses, trl_runs_pi_old_forward
+from .trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES, checkpoint_dir, forward_input_names, trl_runs_pi_old_forward
 from .trl_hooks.grpo_forwards import TrlForwardCalls
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
                 if value is not None:
                     output[key] = value  # (B, T)
             output["num_items_in_batch"] = self.accelerator.gather(correction.keep.sum()).sum()  # kept tokens, global
-        elif self.loss_type in kept_token_normalizer_losses(__class__, type(self)):
+        elif self.loss_type in KEPT_TOKEN_NORMALIZER_LOSSES:
             # samples with a non-finite pi_rollout leave the count
             usable = rollout_usable_mask(output["sampling_per_token_logps"], loss_mask, output["rc_rollout_seen"])
             output["num_items_in_batch"] = self.accelerator.gather(usable.sum()).sum()
@@ -323,7 +323,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             patched["importance_sampling_ratio"] = correction.sampler_ratio  # (B, T), read by VESPO only
         sampling = patched["sampling_per_token_logps"]  # (B, T) read by TRL's off-policy mask only
         patched["sampling_per_token_logps"] = torch.where(torch.isfinite(sampling), sampling, logps.detach())
-        if whole_batch and cfg.masks_tokens and self.loss_type in kept_token_normalizer_losses(__class__, type(self)):
+        if whole_batch and cfg.masks_tokens and self.loss_type in KEPT_TOKEN_NORMALIZER_LOSSES:
             # the micro-batch is the whole generation batch here (plan): its kept tokens, across processes
             patched["num_items_in_batch"] = self._rc_reduce(kept_mask.sum().to(torch.float32), "sum")
         return patched

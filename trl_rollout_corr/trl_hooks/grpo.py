@@ -2,8 +2,8 @@
 
 Written against TRL 1.16. What is assumed, and how it is checked:
 
-* ``_generate(prompts)`` returns a tuple whose field names :func:`generate_result_fields` reads from the ``return``
-  statement of TRL's source; :func:`unpack_generate_result` checks the length and the types of the fields read.
+* ``_generate(prompts)`` returns the tuple :data:`GENERATE_RESULT_FIELDS` names, in that order;
+  :func:`unpack_generate_result` checks its length and the types of ``completion_ids`` and ``logprobs`` on every call.
 * ``_generate_and_score_completions`` asks ``_get_per_token_logps_and_entropies`` for the pi_old forward (under
   TRL's own condition, :func:`trl_runs_pi_old_forward`) and then the reference-model forward (``beta != 0``), both
   without grad; ``_compute_loss`` asks it once for the micro-batch's policy forward.
@@ -11,8 +11,9 @@ Written against TRL 1.16. What is assumed, and how it is checked:
   expected calls and raises on any other order, model or count.
 * The model-input keyword arguments of a forward are the parameters of ``_get_per_token_logps_and_entropies``
   after its control arguments: :func:`forward_input_names` reads them from TRL's signature.
-* The loss types whose ``_compute_loss`` divides by ``num_items_in_batch`` (``dapo``, ``cispo``, ``vespo`` in TRL
-  1.16): :func:`kept_token_normalizer_losses` reads them from the source of TRL's ``_compute_loss``.
+* The loss types whose ``_compute_loss`` divides by ``num_items_in_batch`` are :data:`KEPT_TOKEN_NORMALIZER_LOSSES`
+  (``cispo``, ``dapo``, ``vespo``); ``tests/test_trl_hooks.py`` checks it against the installed TRL's loss (every
+  loss type, two values of ``num_items_in_batch``).
 * Keys added to the output of ``_generate_and_score_completions`` (tensors with a leading batch dimension) reach
   ``compute_loss`` through TRL's shuffling and splitting: the trainer checks that they arrive.
 * ``_generate_single_turn`` takes ``(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)`` and
@@ -23,10 +24,13 @@ The trainer calls TRL's private methods only through this module (:func:`generat
 trainer's own ``super()`` would. :func:`check_hooks` checks at construction that every private method it overrides
 (:data:`OVERRIDDEN_HOOKS`) is still defined by TRL: a renamed hook would otherwise never be called.
 
-Every check reads the method the trainer really inherits (:func:`~trl_rollout_corr.trl_hooks.base.inherited_method`:
-the next definition after this package's class in the instance's MRO, what ``super()`` calls), never
-``trl.GRPOTrainer``: that name can be rebound (a patching library, a test harness, this package's class swapped into
-TRL's namespace) without TRL having changed.
+Every check that reads a TRL method (its signature, whether it is still defined) reads the method the trainer really
+inherits (:func:`~trl_rollout_corr.trl_hooks.base.inherited_method`: the next definition after this package's class in
+the instance's MRO, what ``super()`` calls), never ``trl.GRPOTrainer``: that name can be rebound (a patching library, a
+test harness, this package's class swapped into TRL's namespace) without TRL having changed.
+:data:`KEPT_TOKEN_NORMALIZER_LOSSES` and :data:`GENERATE_RESULT_FIELDS` are TRL 1.16's behaviour written down, not
+read from any method: a patch in the MRO that reorders ``_generate``'s fields (keeping their types) or changes which
+losses divide by ``num_items_in_batch`` is not seen.
 
 A failed check raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`, naming the installed TRL
 version.
@@ -34,10 +38,7 @@ version.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import re
-from collections.abc import Callable
 from typing import Any
 
 from ..plan import one_optimizer_step_per_generation_batch
@@ -51,6 +52,27 @@ _SINGLE_TURN_PARAMS = ("self", "prompt_ids", "images", "multimodal_fields", "num
 OVERRIDDEN_HOOKS = ("_generate_single_turn", "_generate", "_get_per_token_logps_and_entropies",
                     "_generate_and_score_completions", "_save_checkpoint")
 
+KEPT_TOKEN_NORMALIZER_LOSSES = ("cispo", "dapo", "vespo")
+"""The loss types whose ``GRPOTrainer._compute_loss`` divides by ``inputs["num_items_in_batch"]``.
+
+In TRL 1.16, ``cispo``, ``dapo`` and ``vespo`` divide the masked sum of the per-token loss by
+``num_items_in_batch / num_processes`` (times ``current_gradient_accumulation_steps / steps_per_generation`` in
+training): TRL's count of the generation batch's loss tokens over all processes, which the trainer replaces by the
+kept-token count when the correction rejects tokens. ``grpo``, ``sapo``, ``bnpo``, ``dr_grpo`` and ``luspo`` never
+read it (they normalize per sequence, by the micro-batch's own token count or by ``max_completion_length``).
+``tests/test_trl_hooks.py`` runs the installed TRL's ``_compute_loss`` for every loss type with two values of
+``num_items_in_batch`` and checks that exactly these losses scale by their ratio.
+"""
+
+GENERATE_RESULT_FIELDS = ("prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields",
+                          "images", "tool_images")
+"""What ``GRPOTrainer._generate(prompts)`` returns in TRL 1.16, in order: the prompt and completion token ids (lists
+of lists), the tool mask (``None`` without tools or a rollout ``env_mask``), the decoded completions, the rollout
+log-probs (lists, or ``None``), the rollout function's extra fields (a dict), the images and the tool images.
+:func:`unpack_generate_result` checks the length and the types of ``completion_ids`` and ``logprobs`` on every call;
+``tests/test_trl_hooks.py`` checks each field's value on a real ``_generate``.
+"""
+
 
 def forward_input_names(owner: type, cls: type | None = None) -> tuple[str, ...]:
     """The model-input keyword arguments of ``GRPOTrainer._get_per_token_logps_and_entropies`` (pixel_values, ...)."""
@@ -59,36 +81,6 @@ def forward_input_names(owner: type, cls: type | None = None) -> tuple[str, ...]
         raise TrlInternalsChanged(f"GRPOTrainer._get_per_token_logps_and_entropies takes {params}, expected "
                                   f"{list(_FORWARD_CONTROL_ARGS)} first")
     return tuple(params[len(_FORWARD_CONTROL_ARGS):])
-
-
-def kept_token_normalizer_losses(owner: type, cls: type | None = None) -> tuple[str, ...]:
-    """The loss types whose ``GRPOTrainer._compute_loss`` divides by ``num_items_in_batch``, read from its source."""
-    return _kept_token_normalizer_losses(inherited_method(owner, "_compute_loss", cls))
-
-
-@functools.lru_cache(maxsize=8)
-def _kept_token_normalizer_losses(compute_loss: Callable) -> tuple[str, ...]:
-    source = inspect.getsource(compute_loss)
-    for match in re.finditer(r"self\.loss_type in \[([^\]]*)\]:(.*?)(?=\n\s*elif |\n\s*else:)", source, re.S):
-        if 'inputs["num_items_in_batch"]' in match.group(2):
-            return tuple(sorted(re.findall(r"[\"'](\w+)[\"']", match.group(1))))
-    raise TrlInternalsChanged("GRPOTrainer._compute_loss has no loss-type branch that divides by "
-                              "inputs['num_items_in_batch']")
-
-
-def generate_result_fields(owner: type, cls: type | None = None) -> tuple[str, ...]:
-    """The names of the values ``GRPOTrainer._generate`` returns, in order, read from its ``return`` statement."""
-    return _generate_result_fields(inherited_method(owner, "_generate", cls))
-
-
-@functools.lru_cache(maxsize=8)
-def _generate_result_fields(generate: Callable) -> tuple[str, ...]:
-    returns = re.findall(r"\n\s*return ([\w, ]+)\n", inspect.getsource(generate))
-    fields = tuple(name.strip() for name in returns[-1].split(",")) if returns else ()
-    if not {"completion_ids", "logprobs"} <= set(fields):
-        raise TrlInternalsChanged(f"GRPOTrainer._generate's return statement names {fields or 'nothing'}, without "
-                                  "completion_ids and logprobs")
-    return fields
 
 
 def checkpoint_dir(trainer: Any, trial: Any) -> str:
@@ -108,13 +100,13 @@ def trl_runs_pi_old_forward(trainer: Any) -> bool:
     return not one_step or (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 
 
-def unpack_generate_result(result: Any, owner: type, cls: type | None = None) -> dict[str, Any]:
-    """``GRPOTrainer._generate``'s tuple as a dict named by :func:`generate_result_fields`, after checking it."""
-    names = generate_result_fields(owner, cls)
+def unpack_generate_result(result: Any) -> dict[str, Any]:
+    """``GRPOTrainer._generate``'s tuple as a dict named by :data:`GENERATE_RESULT_FIELDS`, after checking it."""
+    names = GENERATE_RESULT_FIELDS
     if not isinstance(result, tuple) or len(result) != len(names):
         raise TrlInternalsChanged(f"GRPOTrainer._generate returned {type(result).__name__} of length "
                                   f"{len(result) if isinstance(result, tuple) else '?'}, expected the "
-                                  f"{len(names)}-tuple {names} its source returns")
+                                  f"{len(names)}-tuple {names} TRL 1.16 returns")
     fields = dict(zip(names, result))
     completion_ids, logprobs = fields["completion_ids"], fields["logprobs"]
     if not isinstance(completion_ids, list) or (logprobs is not None and not isinstance(logprobs, list)):
@@ -155,8 +147,8 @@ def generate_single_turn(trainer: Any, owner: type, args: tuple, kwargs: dict[st
 
 
 def generate(trainer: Any, owner: type, prompts: list) -> dict[str, Any]:
-    """``GRPOTrainer._generate(prompts)``'s result as a dict named by :func:`generate_result_fields`, checked."""
-    return unpack_generate_result(super(owner, trainer)._generate(prompts), owner, type(trainer))
+    """``GRPOTrainer._generate(prompts)``'s result as a dict named by :data:`GENERATE_RESULT_FIELDS`, checked."""
+    return unpack_generate_result(super(owner, trainer)._generate(prompts))
 
 
 def generate_and_score(trainer: Any, owner: type, inputs: list) -> dict[str, Any]:
