@@ -28,7 +28,8 @@ from trl import GRPOConfig, GRPOTrainer
 from .config import RolloutCorrectionConfig
 from .core import compute_rollout_correction_stats
 from .core.pipeline import rollout_usable_mask
-from .core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from .core.metric_names import metric
+from .core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
 from .grpo_config import RolloutCorrGRPOConfig
 from .losses import corrected_loss_mask, safe_anchor, vespo_sampler_ratio, weighted_advantages
@@ -177,9 +178,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if not all(seen) and not self._rc_warned_missing:
             self._rc_warned_missing = True
             logger.warning("%d of %d samples have no rollout log-probs (%s): they train uncorrected (IS weight 1, "
-                           "nothing rejected), as TRL would, and are counted in "
-                           "rollout_corr/missing_rollout_logprobs_fraction. Set require_rollout_logprobs=True to make "
-                           "this an error. (Warned once.)", seen.count(False), len(seen), source)
+                           "nothing rejected), as TRL would, and are counted in %s. Set require_rollout_logprobs=True "
+                           "to make this an error. (Warned once.)", seen.count(False), len(seen), source,
+                           metric("missing_rollout_logprobs_fraction"))
         scope = self._trl_forwards.active_scoring
         if scope is not None:
             scope.rollout_seen = seen
@@ -350,13 +351,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             floats = summed(all_floats, "loss.")
             if "loss.micro_batches" in floats:  # entropy, clip_ratio/*, kl, aux_loss, ...: TRL's own (_metrics)
                 empty = floats["loss.empty_micro_batches"]
-                metrics[METRIC_PREFIX + "all_rejected_micro_batches"] = empty
+                metrics[metric("all_rejected_micro_batches")] = empty
                 if empty > 0 and self.accelerator.is_main_process:
                     logger.warning(
                         "Rollout correction rejected every token of %d of %d micro-batches since the last log "
                         "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
                         "rollout_token_veto_threshold or check the sampler.", int(empty),
-                        int(floats["loss.micro_batches"]), metrics.get(METRIC_PREFIX + "rejected_token_fraction", 1.0))
+                        int(floats["loss.micro_batches"]), metrics.get(metric("rejected_token_fraction"), 1.0))
             if mode == "eval":
                 metrics = {f"eval_{k}": v for k, v in metrics.items()}
             logs.update(metrics)  # in place, as TRL does: evaluate() returns this dict

@@ -41,7 +41,8 @@ from ..config import RolloutCorrectionConfig
 from ..core import compute_rollout_correction_stats
 from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
 from ..core.lag import lag_stats
-from ..core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from ..core.metric_names import metric
+from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
 from ..trl_hooks import async_grpo as trl_async
 from ..trl_hooks.async_grpo_data import carrying_sample_versions
 from .config import RolloutCorrAsyncGRPOConfig
@@ -243,7 +244,7 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             raise ValueError(f"Samples {rows} of this rank's micro-batch have non-finite rollout log-probs on trained "
                              "tokens (require_rollout_logprobs=True). Check the server's logprobs output, or set "
                              "require_rollout_logprobs=False to reject such samples and count them in "
-                             "rollout_corr/invalid_logprob_fraction.")
+                             f"{metric('invalid_logprob_fraction')}.")
 
     # ------------------------------------------------------------------ 3. logging and saving
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -255,14 +256,14 @@ class RolloutCorrAsyncGRPOTrainer(AsyncGRPOTrainer):
             metrics = finalize_floats(all_floats)
             floats = summed(all_floats, "loss.")
             empty = floats.get("loss.empty_micro_batches", 0.0)
-            metrics[METRIC_PREFIX + "all_rejected_micro_batches"] = empty
+            metrics[metric("all_rejected_micro_batches")] = empty
             if empty > 0 and self.accelerator.is_main_process:
                 logger.warning(
                     "Rollout correction rejected every token of %d of %d micro-batches since the last log "
                     "(rejected_token_fraction=%.3f); their loss is 0. Loosen rollout_rs_threshold / "
                     "rollout_token_veto_threshold, lower max_staleness or check the server.", int(empty),
                     int(floats.get("loss.micro_batches", 0.0)),
-                    metrics.get(METRIC_PREFIX + "rejected_token_fraction", 1.0))
+                    metrics.get(metric("rejected_token_fraction"), 1.0))
             logs.update(metrics)
         super().log(logs, start_time)
 
