@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from trl_rollout_corr.core.metric_names import metric
+
 # variant -> this package's correction fields (None: TRL's own AsyncGRPOTrainer)
 ASYNC_VARIANTS = {
     "trl_as_is": None,
@@ -116,8 +118,8 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     result = {"variant": variant, "seed": seed, "staleness": staleness, "curve": curve,
               "eval_reward": statistics.fmean(tail), "seconds": time.time() - t0,
               "dropped": sum(log.get("sample/dropped_stale_total", 0.0) for log in logs),
-              "staleness_mean": mean("sample/staleness_mean"), "lag_mean": mean("rollout_corr/lag_mean"),
-              "kl": mean("rollout_corr/kl"), "k3_kl": mean("rollout_corr/k3_kl"),
+              "staleness_mean": mean("sample/staleness_mean"), "lag_mean": mean(metric("lag_mean")),
+              "kl": mean(metric("kl")), "k3_kl": mean(metric("k3_kl")),
               "ppo_kl": mean("kl")}
     with open(out, "w") as f:
         json.dump(result, f)

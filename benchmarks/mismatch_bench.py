@@ -44,6 +44,8 @@ import subprocess
 import sys
 import time
 
+from trl_rollout_corr.core.metric_names import metric
+
 # scenario -> (engine, lag, extra RolloutCorrGRPOConfig fields, on-policy reference)
 SCENARIOS = {
     "vllm_sync8": ("vllm", 8, {}, "vllm"),
@@ -211,8 +213,8 @@ def summarize(scenarios: list[str], methods: list[str], seeds: list[int], output
             closed = lo = hi = math.nan
             if m not in ("on_policy", "uncorrected") and reward.get("uncorrected") and reward.get("on_policy"):
                 closed, lo, hi = gap_closed_ci(xs, reward["uncorrected"], reward["on_policy"])
-            kl = statistics.fmean(r["metrics"]["rollout_corr/kl"] for r in by[m])
-            rej = statistics.fmean(r["metrics"]["rollout_corr/rejected_token_fraction"] for r in by[m])
+            kl = statistics.fmean(r["metrics"][metric("kl")] for r in by[m])
+            rej = statistics.fmean(r["metrics"][metric("rejected_token_fraction")] for r in by[m])
             secs = statistics.fmean(r["seconds"] for r in by[m])
             fmt_diff = f"{diff:+.3f} ± {diff_half:.3f}" if math.isfinite(diff) else ""
             fmt_closed = f"{closed * 100:4.0f}% [{lo * 100:4.0f}, {hi * 100:4.0f}]" if math.isfinite(closed) else ""
@@ -374,9 +376,9 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-TRACE_COLUMNS = ("reward", "entropy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token",
-                 "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_ratio_fraction_high",
-                 "rollout_corr/rejected_token_fraction")
+TRACE_COLUMNS = ("reward", "entropy", *(metric(name) for name in (
+    "kl", "k3_kl", "chi2_token", "rollout_is_eff_sample_size", "rollout_is_ratio_fraction_high",
+    "rejected_token_fraction")))
 
 
 def export_trace(output_dir: str, scenario: str, method: str, seed: int, path: str) -> None:

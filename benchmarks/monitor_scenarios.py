@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from trl_rollout_corr.core.metric_names import metric
+
 # name: (preset, engine kind or None for on-policy, lag)
 SCENARIOS = {
     "on_policy": ("decoupled_token_is", None, 0),
@@ -196,9 +198,9 @@ def replay_table(by_scenario: dict[str, list[dict]], every_list: list[int], **mo
     return "\n".join(lines)
 
 
-FIXTURE_KEYS = ("step", "reward", "entropy", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token",
-                "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_ratio_fraction_high",
-                "rollout_corr/rejected_token_fraction")
+FIXTURE_KEYS = ("step", "reward", "entropy", *(metric(name) for name in (
+    "kl", "k3_kl", "chi2_token", "rollout_is_eff_sample_size", "rollout_is_ratio_fraction_high",
+    "rejected_token_fraction")))
 
 
 def export_fixture(trace: dict, path: str, steps: int | None = None) -> None:

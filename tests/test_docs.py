@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.util
 import re
 import subprocess
@@ -188,11 +189,12 @@ def _generic(name: str) -> str:
     return name
 
 
-def _emitted_metric_names() -> set[str]:
+@functools.cache
+def _emitted_metric_names() -> frozenset[str]:
     """Every ``rollout_corr/*`` name the package logs: the core run with every statistic switched on (two runs: the
     masked IS bound and the batch normalization are separate levels), the truncated-support and lag statistics, and
-    the names the trainers write themselves (``"rollout_corr/<name>"`` or ``METRIC_PREFIX + "<name>"`` in the
-    package's source)."""
+    the names the trainers write themselves (``metric("<name>")``, the registry's form, or ``METRIC_PREFIX +
+    "<name>"`` / ``"rollout_corr/<name>"`` in the package's source)."""
     import torch
 
     from trl_rollout_corr.core import compute_rollout_correction_stats, finalize_stats
@@ -216,7 +218,8 @@ def _emitted_metric_names() -> set[str]:
         source = path.read_text(encoding="utf-8")
         names |= set(re.findall(r"[\"'](rollout_corr/[a-z0-9_]+)[\"']", source))
         names |= {"rollout_corr/" + n for n in re.findall(r"\b(?:METRIC_)?PREFIX \+ [\"']([a-z0-9_]+)[\"']", source)}
-    return {_generic(name) for name in names}
+        names |= {"rollout_corr/" + n for n in re.findall(r"\bmetric\([\"']([a-z0-9_/]+)[\"']\)", source)}
+    return frozenset(_generic(name) for name in names)
 
 
 def test_the_metrics_reference_lists_every_metric_and_only_those():
@@ -228,6 +231,20 @@ def test_the_metrics_reference_lists_every_metric_and_only_those():
     assert set(documented) == emitted, (sorted(emitted - set(documented)), sorted(set(documented) - emitted))
     for row in rows:
         assert all(cell.strip() for cell in row[1:]), row[0]  # definition, direction, range: never empty
+
+
+def test_the_registry_is_every_metric_the_package_emits():
+    """core/metric_names.py (what ``metric(name)`` accepts) knows exactly the names above: a metric added to a
+    finalizer but not to its tuple, or a registered name nothing emits, fails here."""
+    from trl_rollout_corr.core.lag import LAG_METRICS
+    from trl_rollout_corr.core.metric_names import METRIC_NAMES, is_metric
+    from trl_rollout_corr.core.stats import METRIC_PREFIX
+
+    registered = {_generic(METRIC_PREFIX + name) for name in METRIC_NAMES}
+    registered |= {f"rollout_corr/lag_<k>/{name}" for name in LAG_METRICS}
+    emitted = _emitted_metric_names()
+    assert registered == emitted, (sorted(emitted - registered), sorted(registered - emitted))
+    assert all(is_metric(f"lag_{k}/{name}") for k in (0, 1, 7) for name in LAG_METRICS)
 
 
 def test_the_five_metrics_to_watch_are_metrics():

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 
 from .config import RolloutCorrectionConfig
-from .core.stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from .core.metric_names import metric
+from .core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
 
 logger = logging.getLogger(__name__)
 
-ALL_REJECTED = METRIC_PREFIX + "all_rejected_micro_batches"
+ALL_REJECTED = metric("all_rejected_micro_batches")
 """Micro-batches since the last log whose every token the correction rejected (their loss is 0)."""
 _EMPTY, _MICRO_BATCHES = "loss.empty_micro_batches", "loss.micro_batches"
 
@@ -87,7 +88,7 @@ class CorrectionTrainerMixin:
                 logger.warning(
                     "Rollout correction rejected every token of %d of %d micro-batches since the last log "
                     "(rejected_token_fraction=%.3f); their loss is 0. %s", int(empty), int(counts[_MICRO_BATCHES]),
-                    metrics.get(METRIC_PREFIX + "rejected_token_fraction", 1.0), self._RC_ALL_REJECTED_REMEDY)
+                    metrics.get(metric("rejected_token_fraction"), 1.0), self._RC_ALL_REJECTED_REMEDY)
         return metrics
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

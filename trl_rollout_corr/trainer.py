@@ -27,6 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .core import compute_rollout_correction_stats
 from .core.pipeline import rollout_usable_mask
+from .core.metric_names import metric
 from .core.stats import STAT_DTYPE, RolloutStats
 from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
 from .correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
@@ -170,9 +171,9 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         if not all(seen) and not self._rc_warned_missing:
             self._rc_warned_missing = True
             logger.warning("%d of %d samples have no rollout log-probs (%s): they train uncorrected (IS weight 1, "
-                           "nothing rejected), as TRL would, and are counted in "
-                           "rollout_corr/missing_rollout_logprobs_fraction. Set require_rollout_logprobs=True to make "
-                           "this an error. (Warned once.)", seen.count(False), len(seen), source)
+                           "nothing rejected), as TRL would, and are counted in %s. Set require_rollout_logprobs=True "
+                           "to make this an error. (Warned once.)", seen.count(False), len(seen), source,
+                           metric("missing_rollout_logprobs_fraction"))
         scope = self._trl_forwards.active_scoring
         if scope is not None:
             scope.rollout_seen = seen

@@ -40,6 +40,7 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer
 from ..core import compute_rollout_correction_stats
 from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
 from ..core.lag import lag_stats
+from ..core.metric_names import metric
 from ..core.pipeline import finite_rows_mask
 from ..core.stats import STAT_DTYPE, RolloutStats
 from ..correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
@@ -235,7 +236,7 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
             raise ValueError(f"Samples {rows} of this rank's micro-batch have non-finite rollout log-probs on trained "
                              "tokens (require_rollout_logprobs=True). Check the server's logprobs output, or set "
                              "require_rollout_logprobs=False to reject such samples and count them in "
-                             "rollout_corr/invalid_logprob_fraction.")
+                             f"{metric('invalid_logprob_fraction')}.")
 
     # ------------------------------------------------------------------ 3. logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -37,6 +37,8 @@ DIVERGENCE_CRITERIA = (
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
 )
+DIVERGENCE_METRICS = ("mean", "max", "masked_fraction", "seq_masked_fraction")
+"""Logged per configured criterion c as ``rollout_rs_<c>_<name>``."""
 
 
 @dataclass(frozen=True)

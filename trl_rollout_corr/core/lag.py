@@ -24,6 +24,8 @@ from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_sum
 from .weights import SAFETY_BOUND
 
 LAG_METRICS = ("kl", "k3_kl", "is_weight_mean", "rejected_token_fraction", "sample_fraction")
+"""Logged per lag k as ``lag_<k>/<name>``."""
+LAG_SUMMARY_METRICS = ("lag_mean", "lag_max")
 
 
 def lag_stats(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, input_mask: torch.Tensor,

@@ -36,6 +36,9 @@ RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction
 IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
 M2_METRICS = ("rollout_m2", "rollout_m2_kept", "rollout_m2_masked_fraction")
 ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction", "missing_rollout_logprobs_fraction")
+BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
+WEIGHT_FAMILIES = ("rollout_is", "rollout_rs")
+"""The weight families: each logs ``<family>_<name>`` for every name of WEIGHT_FAMILY_METRICS."""
 
 
 def weight_family_stats(
@@ -225,7 +228,7 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
     """:func:`finalize_stats` on the output of :meth:`RolloutStats.to_floats` (no device access)."""
     s = lambda k: f.get(f"sum:{k}", 0.0)  # noqa: E731
     metrics: dict[str, float] = {}
-    for family in ("rollout_is", "rollout_rs"):
+    for family in WEIGHT_FAMILIES:
         if f"sum:{family}.tok_n" in f:
             metrics.update(_finalize_family(family, f))
     if "sum:offpolicy.tok_n" in f:

@@ -22,6 +22,7 @@ import torch
 
 from .stats import METRIC_PREFIX, RolloutStats, count, masked_min, masked_sum
 
+TRUNCATION_METRICS = ("kept_mass_mean", "kept_mass_min", "outside_support_fraction")
 # working set of one chunk in logits elements: TRL's fused LM head tile (4096 tokens x 32768 vocab entries)
 DEFAULT_CHUNK_ELEMENTS = 4096 * 32768 // 4  # the sort keeps ~4 (n, V) buffers alive
 

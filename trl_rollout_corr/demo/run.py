@@ -25,6 +25,9 @@ import sys
 import tempfile
 import time
 
+from ..core.metric_names import metric
+from ..core.stats import METRIC_PREFIX
+
 VARIANTS = {
     # name: (preset, uses the stale sampler)
     "on_policy": ("disabled", False),
@@ -52,7 +55,7 @@ def resolve_engine(engine: str) -> str:
     return "stale"
 
 
-METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/rejected_token_fraction")
+METRICS = (metric("kl"), metric("k3_kl"), metric("chi2_token"), metric("rejected_token_fraction"))
 
 
 def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_every: int, out: str,
@@ -138,7 +141,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
         "seconds": time.time() - t0,
         "metrics": {k: statistics.fmean(log[k] for log in logs if k in log) if any(k in log for log in logs) else 0.0
                     for k in METRICS},
-        "kl_curve": [(log["step"], log.get("rollout_corr/kl", 0.0)) for log in logs],
+        "kl_curve": [(log["step"], log.get(metric("kl"), 0.0)) for log in logs],
         "alerts": [(a["step"], a["alert"]) for a in monitor.alerts],
         "logs": logs,  # every logged row (the monitor's replay input)
     }
@@ -249,7 +252,7 @@ def plot(by_variant: dict, path: str) -> None:
         kl = [statistics.fmean(r["kl_curve"][i][1] for r in runs) for i in range(len(ks))]
         ax2.plot(ks, kl, label=v)
     ax1.set(title="policy's own held-out reward (mean over seeds)", xlabel="GRPO step", ylabel="reward")
-    ax2.set(title="rollout_corr/kl (pi_rollout || pi_train)", xlabel="GRPO step", ylabel="kl")
+    ax2.set(title=f"{metric('kl')} (pi_rollout || pi_train)", xlabel="GRPO step", ylabel="kl")
     ax1.legend()
     ax2.legend()
     fig.tight_layout()
@@ -295,7 +298,7 @@ def int8_diagnostics(steps: int = 20) -> str:
             "rollout_is_eff_sample_size", "mean_prob_diff", "max_prob_diff")
     out = ["INT8 sampler (torch.ao dynamic quantization), decoupled_token_is, "
            f"{steps} steps: the mechanics only -- at this model size the mismatch is too small to change training."]
-    out += [f"  rollout_corr/{k:28s} {log['rollout_corr/' + k]: .3e}" for k in keys]
+    out += [f"  {METRIC_PREFIX}{k:28s} {log[metric(k)]: .3e}" for k in keys]
     return "\n".join(out)
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.stats import METRIC_PREFIX
+
 
 @dataclass(frozen=True)
 class Remedy:
@@ -52,7 +54,7 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
     """The advice after ``policy_collapse``: the measured remedy for the kind of mismatch, or, where the run already
     uses it (``correction``: the run's resolved config), what remains: the learning rate, the mismatch at its source."""
     if not has_metrics:
-        lead = "No rollout_corr/* metrics are logged: enable a rollout correction."
+        lead = f"No {METRIC_PREFIX}* metrics are logged: enable a rollout correction."
     elif corrected is False:
         lead = "No rollout correction is active (preset disabled)."
     elif rollout_lag is None:

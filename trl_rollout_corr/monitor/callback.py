@@ -34,14 +34,15 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..core.metric_names import metric
 from ..core.stats import METRIC_PREFIX
 from .rules import ALERTS, DEFAULTS, AlertRules, validate, validate_stop_on_alert
 
 logger = logging.getLogger(__name__)
 CSV_NAME = "rollout_corr_metrics.csv"
 PNG_NAME = "rollout_corr_metrics.png"
-_PLOTTED = ("reward", "entropy", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rejected_token_fraction",
-            "rollout_corr/kl", "rollout_corr/k3_kl")
+_PLOTTED = ("reward", "entropy", metric("rollout_is_eff_sample_size"), metric("rejected_token_fraction"), metric("kl"),
+            metric("k3_kl"))
 __all__ = ["ALERTS", "RolloutCorrectionMonitor"]
 
 
@@ -111,7 +112,7 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
-        if "reward" not in logs and "rollout_corr/kl" not in logs:  # train-end summaries, eval logs
+        if "reward" not in logs and metric("kl") not in logs:  # train-end summaries, eval logs
             return control
         row = {"step": float(state.global_step)}
         row.update({k: float(v) for k, v in logs.items()

@@ -37,18 +37,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..core.metric_names import metric
 from .advice import collapse_advice
 
 ALERTS = ("policy_collapse", "all_rejected", "ess_collapse", "weights_pinned", "negative_kl")
-SIGNALS = {  # smoothed name -> logged key
+SIGNALS = {  # smoothed name -> logged key (TRL's own, or ours from the registry)
     "reward": "reward",
     "entropy": "entropy",
-    "ess": "rollout_corr/rollout_is_eff_sample_size",
-    "pinned": "rollout_corr/rollout_is_ratio_fraction_high",
-    "rejected": "rollout_corr/rejected_token_fraction",
-    "kl": "rollout_corr/kl",
-    "k3": "rollout_corr/k3_kl",
-    "chi2": "rollout_corr/chi2_token",
+    "ess": metric("rollout_is_eff_sample_size"),
+    "pinned": metric("rollout_is_ratio_fraction_high"),
+    "rejected": metric("rejected_token_fraction"),
+    "kl": metric("kl"),
+    "k3": metric("k3_kl"),
+    "chi2": metric("chi2_token"),
 }
 DEFAULTS: dict[str, Any] = dict(
     smoothing_steps=5, warmup_steps=10, patience_steps=5,
@@ -181,22 +182,22 @@ class AlertRules:
                     f"{self._collapse_advice()}")
         if c["rejected_fraction_threshold"] is not None and e.get("rejected", 0.0) >= c["rejected_fraction_threshold"]:
             out["all_rejected"] = (
-                f"the correction rejects {e['rejected']:.1%} of tokens (smoothed rollout_corr/rejected_token_fraction)"
+                f"the correction rejects {e['rejected']:.1%} of tokens (smoothed {SIGNALS['rejected']})"
                 f"{self._mismatch_text()}: almost nothing is learned. Loosen rollout_rs_threshold / "
                 "rollout_token_veto_threshold, or fix the sampler mismatch.")
         if ess_low:
             out["ess_collapse"] = (
                 f"the IS weights' effective sample size fell to {e['ess']:.3g} of the tokens (smoothed "
-                f"rollout_corr/rollout_is_eff_sample_size <= {c['ess_threshold']:g}){self._mismatch_text()}: a few "
+                f"{SIGNALS['ess']} <= {c['ess_threshold']:g}){self._mismatch_text()}: a few "
                 "tokens carry the gradient. Lower rollout_is_threshold or reduce the mismatch at its source.")
         if c["pinned_fraction_threshold"] is not None and e.get("pinned", 0.0) >= c["pinned_fraction_threshold"]:
             out["weights_pinned"] = (
                 f"{e['pinned']:.1%} of the tokens have rho above the truncation bound C (smoothed "
-                f"rollout_corr/rollout_is_ratio_fraction_high){self._mismatch_text()}: the weights sit at C and the "
+                f"{SIGNALS['pinned']}){self._mismatch_text()}: the weights sit at C and the "
                 "correction no longer corrects. Reduce the mismatch at its source (sync / precision / lag).")
         if c["negative_kl_tolerance"] is not None and "kl" in e and e["kl"] <= -c["negative_kl_tolerance"]:
             out["negative_kl"] = (
-                f"the smoothed rollout_corr/kl is {e['kl']:.3g} < 0: KL(pi_rollout || pi_train) on pi_rollout's own "
+                f"the smoothed {SIGNALS['kl']} is {e['kl']:.3g} < 0: KL(pi_rollout || pi_train) on pi_rollout's own "
                 "samples cannot be negative in expectation, so the pi_rollout log-probs are not the sampler's "
                 "(temperature / logits processing / log-prob hand-over).")
         return out
