@@ -30,6 +30,7 @@ from test_invariance import ROWS, TOK, mismatched_engine
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 from trl_rollout_corr.testing.toy_task import build_model, reverse_reward
+from trl_rollout_corr.trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
 
 LR = 0.05
 SHAPES = {
@@ -81,7 +82,8 @@ def refused(case: dict, shape: dict) -> bool:
     try:
         plan_correction(rc, loss_type=case.get("loss_type", "dapo"), gradient_accumulation_steps=ga,
                         steps_per_generation=shape.get("steps_per_generation", ga),
-                        num_iterations=shape.get("num_iterations", 1))
+                        num_iterations=shape.get("num_iterations", 1),
+                        kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES)
     except ValueError:
         return True
     return False

@@ -7,13 +7,14 @@ import pytest
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 from trl_rollout_corr import RolloutCorrGRPOConfig
 from trl_rollout_corr.plan import check_composition, plan_correction
+from trl_rollout_corr.trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
 
 BN = dict(rollout_is_batch_normalize=True)
 RS = dict(rollout_rs="token", rollout_rs_threshold=2.0)
 
 
 def plan(cfg, **shape):
-    return plan_correction(cfg, **shape)
+    return plan_correction(cfg, kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES, **shape)
 
 
 @pytest.mark.parametrize("cfg,shape,expected", [

@@ -88,12 +88,14 @@ def plan_correction(
     gradient_accumulation_steps: int = 1,
     steps_per_generation: int = 1,
     num_iterations: int = 1,
-    kept_token_normalizer_losses: tuple[str, ...] = ("cispo", "dapo", "vespo"),
+    kept_token_normalizer_losses: tuple[str, ...],
 ) -> CorrectionPlan:
     """Choose where pi_old comes from and where the correction is computed; raise for what cannot be exact.
 
     ``pi_old_source``: ``"auto"`` (no extra forward unless a generation-batch statistic needs one), ``"forward"``
     (always the pi_old forward, decoupled mode) or ``"free"`` (never: an error where it would change the result).
+    ``kept_token_normalizer_losses``: the loss types that divide by the kept-token count (TRL's, from
+    :data:`trl_rollout_corr.trl_hooks.grpo.KEPT_TOKEN_NORMALIZER_LOSSES`: this module imports nothing from TRL).
     """
     if pi_old_source not in PI_OLD_SOURCES:
         raise ValueError(f"pi_old_source={pi_old_source!r}: use one of {', '.join(PI_OLD_SOURCES)}.")
