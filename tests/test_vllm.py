@@ -41,13 +41,26 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def train(model_dir, out, max_steps=3, preset="decoupled_token_is", **overrides):
+def train(model_dir, out, max_steps=3, preset="decoupled_token_is", resume=None, **overrides):
     kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.01, vllm_dtype="float32")
     kwargs.update(overrides)
     trainer, logs = make_trainer(out, model=model_dir, preset=preset, max_steps=max_steps, **kwargs)
+    assert_rendezvous_port_free()
     trainer.policy_forwards = count_policy_forwards(trainer.model)  # real log-prob forwards of the policy
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer, [log for log in logs.logs if "rollout_corr/kl" in log]
+
+
+def assert_rendezvous_port_free():
+    """The first engine's one-process group takes a free port through the environment (MASTER_PORT) and gives the
+    environment back: a process started from here later (torchrun, a worker) must not inherit a port this process's
+    group holds (EADDRINUSE). Whatever MASTER_PORT is left (accelerate's 29500 once a group exists) can be bound."""
+    import socket
+
+    port = os.environ.get("MASTER_PORT")
+    if port:
+        with socket.socket() as s:
+            s.bind((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port)))
 
 
 def series(logs, key):
@@ -153,14 +166,41 @@ def test_bypass_on_vllm_skips_the_old_forward(model_dir, tmp_path, preset):
 
 
 @requires_vllm
-def test_sync_interval_makes_a_stale_engine(model_dir, tmp_path):
-    trainer, logs = train(model_dir, tmp_path, max_steps=8, vllm_sync_interval=4, learning_rate=1e-2)
+def test_sync_interval_makes_a_stale_engine_and_a_resumed_run_keeps_its_schedule(model_dir, tmp_path, caplog):
+    """A stale colocated engine (synced every 4 steps), then two runs resumed from its checkpoints (the real engine,
+    in this process; crash and resume with the emulated engine: tests/test_resume.py).
+
+    vLLM's sampler RNG is not in a checkpoint, so a resumed run samples other completions than the uninterrupted one
+    (docs/troubleshooting.md): what must carry over is the engine's schedule and weights, read here from the float32
+    engine's k3 (0 right after a sync, growing while the engine lags)."""
+    save = dict(save_strategy="steps", save_steps=2, vllm_sync_interval=4, learning_rate=1e-2)
+    trainer, logs = train(model_dir, tmp_path / "full", max_steps=8, **save)
     assert trainer.vllm_sync_steps == [0, 4]
     kl, k3 = series(logs, "rollout_corr/kl"), series(logs, "rollout_corr/k3_kl")
     print("sync every 4: kl per step", kl, "k3_kl per step", k3)
     for synced in (0, 4):
         assert abs(kl[synced]) < 1e-6 and k3[synced] < 1e-6  # right after a sync: on-policy (float32)
         assert 1e-5 < k3[synced + 1] < k3[synced + 3]  # the gap (k3 >= 0; k1 is noisy in sign) grows until the next
+
+    # resumed at step 4, a sync step: the engine loads the checkpoint's weights there, as the uninterrupted one did
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.resume"):
+        resumed, logs4 = train(model_dir, tmp_path / "at_sync", max_steps=8, resume=str(tmp_path / "full" /
+                                                                                          "checkpoint-4"), **save)
+    assert "not at a vLLM weight sync" not in caplog.text
+    assert resumed.vllm_sync_steps == [0, 4] and len(logs4) == 4  # steps 5-8
+    k3_resumed = series(logs4, "rollout_corr/k3_kl")
+    assert k3_resumed[0] < 1e-6 and 1e-5 < k3_resumed[1] < k3_resumed[3]  # the same phase as steps 5-8 above
+
+    # resumed at step 6, between syncs: step 4's engine weights are not saved, so the engine starts from the
+    # checkpoint's (on-policy at step 7, where the uninterrupted engine lags) and says so; the phase stays (no sync
+    # recorded at 6: the next one is at 8)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.resume"):
+        between, logs6 = train(model_dir, tmp_path / "between", max_steps=8, resume=str(tmp_path / "full" /
+                                                                                         "checkpoint-6"), **save)
+    assert "(step 6) is not at a vLLM weight sync (last sync at step 4, vllm_sync_interval=4)" in caplog.text
+    assert between.vllm_sync_steps == [0, 4] and len(logs6) == 2  # steps 7, 8
+    assert series(logs6, "rollout_corr/k3_kl")[0] < 1e-6 < k3[6]
 
 
 @requires_vllm

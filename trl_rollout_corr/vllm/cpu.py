@@ -123,3 +123,13 @@ def set_cpu_env_defaults(in_process: bool) -> dict[str, str]:
             applied["MASTER_ADDR"] = "127.0.0.1"
     os.environ.update(applied)
     return applied
+
+
+def release_engine_rendezvous(applied: dict[str, str]) -> None:
+    """Take back the ``MASTER_ADDR``/``MASTER_PORT`` that :func:`set_cpu_env_defaults` set, once the engine's group
+    exists (or failed to): a process started later from this one (``torchrun``, a worker, a test's subprocess) would
+    otherwise inherit a port this process's group still holds, and fail with EADDRINUSE. A value changed since is
+    left alone."""
+    for name in ("MASTER_PORT", "MASTER_ADDR"):
+        if name in applied and os.environ.get(name) == applied[name]:
+            del os.environ[name]

@@ -41,7 +41,8 @@ def vllm_engine_setup(args: Any):
         return
     from ..trl_hooks.vllm import constructing_vllm_generation, import_trl_vllm
     from . import vllm_on_cpu
-    from .cpu import apply_cpu_fixes, guard_subprocesses, kv_cache_bytes, set_cpu_env_defaults
+    from .cpu import (apply_cpu_fixes, guard_subprocesses, kv_cache_bytes, release_engine_rendezvous,
+                      set_cpu_env_defaults)
 
     import_trl_vllm()  # before the CPU fixes below, as before
 
@@ -52,10 +53,11 @@ def vllm_engine_setup(args: Any):
     if dtype is not None:
         engine_kwargs["dtype"] = dtype
     skip_communicator = False
+    env_applied: dict[str, str] = {}
     if on_cpu:
         apply_cpu_fixes()
         guard_subprocesses()
-        set_cpu_env_defaults(in_process=colocate)
+        env_applied = set_cpu_env_defaults(in_process=colocate)
         if colocate:
             engine_kwargs["enforce_eager"] = True  # torch.compile: ~30 s more per engine start on CPU, no gain here
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -76,9 +78,12 @@ def vllm_engine_setup(args: Any):
         setup["control_token"] = token
         if token is not None:
             session_class = token_session_class(requests.Session, token, base_url)
-    with constructing_vllm_generation(skip_communicator=skip_communicator, session_class=session_class,
-                                      engine_kwargs=engine_kwargs if colocate else None):
-        yield setup
+    try:
+        with constructing_vllm_generation(skip_communicator=skip_communicator, session_class=session_class,
+                                          engine_kwargs=engine_kwargs if colocate else None):
+            yield setup
+    finally:  # the engine's group is built: its rendezvous port must not leak into processes started later
+        release_engine_rendezvous(env_applied)
 
 
 def server_base_url(args: Any) -> str:
