@@ -70,6 +70,17 @@ def chat_model_dir(tmp_path_factory):
     return str(d)
 
 
+def server_command(model_dir: str, port: int) -> tuple[list[str], int]:
+    return [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", model_dir, "--port", str(port), "--dtype",
+            "float32", "--gpu-memory-utilization", "0.02"], port
+
+
+def server_env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRL_ROLLOUT_CORR_CONTROL_TOKEN", None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def async_server(chat_model_dir, tmp_path_factory):
     from server_utils import free_port, running_server
@@ -78,13 +89,9 @@ def async_server(chat_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("async_server")
     saved_cache = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(root / "cache")  # the token file, found by the trainer of this module
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("TRL_ROLLOUT_CORR_CONTROL_TOKEN", None)
-    cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", chat_model_dir, "--port", str(port),
-           "--dtype", "float32", "--gpu-memory-utilization", "0.02"]
     try:
-        with running_server(cmd, port, root / "server.log", env) as proc:
-            yield {"port": port, "url": f"http://127.0.0.1:{port}", "proc": proc}
+        with running_server(*server_command(chat_model_dir, port), root / "server.log", server_env()) as proc:
+            yield {"port": port, "url": f"http://127.0.0.1:{port}", "proc": proc, "root": root}
     finally:
         if saved_cache is None:
             os.environ.pop("XDG_CACHE_HOME", None)
@@ -243,14 +250,22 @@ def test_a_resumed_run_continues_the_policy_versions_against_the_same_server(cha
 
 
 @requires_vllm
-def test_server_dying_mid_run_is_a_clear_error_in_bounded_time_and_leaves_no_process(chat_model_dir, async_server,
-                                                                                   tmp_path):
+def test_server_dying_mid_run_is_a_clear_error_and_the_run_resumes_against_the_restarted_server(
+        chat_model_dir, async_server, tmp_path):
+    """The server dies (SIGKILL) at step 2: the trainer stops with a clear error in bounded time, leaving no process.
+    The server is restarted from the base model on the same port and the run resumed from its step-1 checkpoint: TRL
+    pushes the checkpoint's weights into the new server at train begin (the server then samples from the resumed
+    policy, not the base model), the policy versions continue, and the resumed steps train."""
     # runs last in this module: it kills the module's server
+    import json
     import signal
     import time
 
     import psutil
-    from transformers import TrainerCallback
+    from tool_task import build_tool_tokenizer
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from server_utils import running_server
 
     proc = async_server["proc"]
 
@@ -260,8 +275,9 @@ def test_server_dying_mid_run_is_a_clear_error_in_bounded_time_and_leaves_no_pro
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
 
-    trainer, _ = corrected_trainer(chat_model_dir, async_server["url"], tmp_path, max_steps=50,
-                                   rollout_correction_preset="decoupled_token_is", server_unreachable_timeout_s=10)
+    kw = dict(rollout_correction_preset="decoupled_token_is", server_unreachable_timeout_s=10, learning_rate=1e-2,
+              save_strategy="steps", save_steps=1)
+    trainer, _ = corrected_trainer(chat_model_dir, async_server["url"], tmp_path / "died", max_steps=50, **kw)
     trainer.add_callback(KillServerAtStep2())
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=f"vLLM server at {async_server['url']}"):
@@ -272,3 +288,36 @@ def test_server_dying_mid_run_is_a_clear_error_in_bounded_time_and_leaves_no_pro
     alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
              and "resource_tracker" not in " ".join(p.cmdline())]  # (multiprocessing's own, lives with pytest)
     assert alive == [], [(p.pid, p.cmdline()) for p in alive]  # the rollout worker was stopped
+
+    checkpoint = tmp_path / "died" / "checkpoint-1"  # the kill comes before step 2's save
+    saved_version = json.loads((checkpoint / "rollout_state.json").read_text())["model_version"]
+    prompt = [{"role": "user", "content": "go"}]
+    ids = list(build_tool_tokenizer().apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)["input_ids"]) + [70, 71, 72]
+    x = torch.tensor([ids])
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=x).logits[0, :-1].double().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+
+    base = logprobs(AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval())
+    resumed_policy = logprobs(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval())
+    served_at_resume = []
+
+    class ReadTheServerAtTheFirstStep(TrainerCallback):  # after TRL's push at train begin, before any new sync
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not served_at_resume:
+                served_at_resume.append(server_prompt_logprobs(async_server["url"], chat_model_dir, ids))
+
+    restarted_log = async_server["root"] / "restarted_server.log"
+    with running_server(*server_command(chat_model_dir, async_server["port"]), restarted_log, server_env()):
+        assert (server_prompt_logprobs(async_server["url"], chat_model_dir, ids) - base).abs().max() < 1e-4
+        resumed, _ = corrected_trainer(chat_model_dir, async_server["url"], tmp_path / "resumed", max_steps=3, **kw)
+        resumed.add_callback(ReadTheServerAtTheFirstStep())
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert (resumed_policy - base).abs().max() > 1e-3  # one step at lr 1e-2 moved the policy
+    assert (served_at_resume[0] - resumed_policy).abs().max() < 1e-4  # the new server serves the checkpoint's
+    assert resumed.model_version >= saved_version + 2  # continued (two more steps), not restarted at 0
+    logs = [log for log in resumed.state.log_history if "loss" in log and log["step"] > 1]
+    assert [log["step"] for log in logs] == [2, 3]
+    assert all(0 <= log["rollout_corr/lag_max"] <= 2 for log in logs)  # max_staleness=2
