@@ -157,9 +157,11 @@ def _shown(value: object) -> str:
 def test_the_configuration_table_has_every_field_and_its_default():
     from trl_rollout_corr.config import RolloutCorrectionConfig
     from trl_rollout_corr.correction_fields import RolloutCorrectionFields
+    from trl_rollout_corr.server_fields import VllmServerFields
 
     flat = {f.name: f.default for f in dataclasses.fields(RolloutCorrectionFields)}
     flat.update(_dataclass_defaults(ROOT / "trl_rollout_corr" / "grpo_config.py", "RolloutCorrGRPOConfig"))
+    flat.update({f.name: f.default for f in dataclasses.fields(VllmServerFields)})  # shared with the async config
     core = {f.name: f.default for f in dataclasses.fields(RolloutCorrectionConfig)}
     rows = table_rows(doc_block("config-fields", "docs/trainer.md"))
     documented = [code_names(row[0])[0] for row in rows]

@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from .config import RolloutCorrectionConfig
 from .correction_fields import RolloutCorrectionFields
+from .server_fields import VllmServerFields
 from .trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
 from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
 from .trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
@@ -19,7 +20,7 @@ _PLAN_INPUTS = ("loss_type", "importance_sampling_level", "pi_old_source", "grad
 
 
 @dataclass
-class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
+class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfig):
     """``GRPOConfig`` plus the rollout-correction fields (flat, CLI/YAML-parsable).
 
     Resolution order: ``rollout_correction_config`` (a saved config: directory, file or Hub repo id), else
@@ -59,13 +60,6 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, GRPOConfig):
     vllm_sync_interval: int = field(default=1, metadata={
         "help": "Sync the vLLM engine's weights every k optimizer steps (k > 1: a stale engine, k-1 steps behind at "
                 "most, as an asynchronous engine; fewer syncs)."})
-    vllm_server_control_token_file: str | None = field(default=None, metadata={
-        "help": "Server mode: a file holding the server's control token (`trl-rollout-corr vllm-serve` writes one per "
-                "port under ~/.cache/trl_rollout_corr, which a trainer on the same machine finds by itself; "
-                "TRL_ROLLOUT_CORR_CONTROL_TOKEN also works). The token itself never goes into the config."})
-    vllm_weight_sync_dir: str | None = field(default=None, metadata={
-        "help": "Server mode on CPU: directory for the weight file handed to the server (default /dev/shm); the "
-                "server must see the same path."})
 
     _RC_TRL_CONFIG = GRPOConfig
     _RC_PLAN_INPUTS = _PLAN_INPUTS

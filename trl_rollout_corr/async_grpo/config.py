@@ -9,10 +9,11 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..config import RolloutCorrectionConfig
 from ..correction_fields import RolloutCorrectionFields
+from ..server_fields import VllmServerFields
 
 
 @dataclass
-class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, AsyncGRPOConfig):
+class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, VllmServerFields, AsyncGRPOConfig):
     """``AsyncGRPOConfig`` plus the rollout-correction fields.
 
     Resolution as ``RolloutCorrGRPOConfig``: ``rollout_correction_config`` (a saved config), else
@@ -27,13 +28,6 @@ class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, AsyncGRPOConfig):
     normalizes each micro-batch by its own token count.
     """
 
-    vllm_server_control_token_file: str | None = field(default=None, metadata={
-        "help": "A file holding the server's control token (`trl-rollout-corr vllm-serve-async` writes one per port "
-                "under ~/.cache/trl_rollout_corr, which a trainer on the same machine finds by itself; "
-                "TRL_ROLLOUT_CORR_CONTROL_TOKEN also works). The token itself never goes into the config."})
-    vllm_weight_sync_dir: str | None = field(default=None, metadata={
-        "help": "CPU server: directory for the weight file handed to the server at each sync (default /dev/shm); the "
-                "server must see the same path."})
     server_unreachable_timeout_s: float = field(default=60.0, metadata={
         "help": "While the trainer waits for samples, the vLLM server is probed every few seconds; training stops with "
                 "an error naming the server once it has not answered for this long."})
