@@ -123,7 +123,7 @@ def test_a_resumed_vllm_sync_schedule_keeps_its_phase(tmp_path):
         trainer = SimpleNamespace(state=SimpleNamespace(global_step=0), use_vllm=True, rollout_sampler=None,
                                   args=SimpleNamespace(vllm_sync_interval=8),
                                   accelerator=SimpleNamespace(is_main_process=True),
-                                  vllm_generation=SimpleNamespace(sync_weights=None))
+                                  vllm_generation=SimpleNamespace(mode="colocate", sync_weights=None))
         trainer.vllm_generation.sync_weights = lambda: engine_loads.append(trainer.state.global_step)
         _install_sync_schedule(trainer, 8)
         return trainer, engine_loads

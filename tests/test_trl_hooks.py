@@ -251,10 +251,32 @@ def test_the_vllm_generation_methods_replaced_are_checked():
     with pytest.raises(TrlInternalsChanged, match=f"SyncWithAnArgument.sync_weights takes \\['model'\\]; its "
                                                   f"replacement was written for \\[\\].*{VERSION}"):
         replace_vllm_generation_method(SyncWithAnArgument(), "sync_weights", lambda: None)
-    untouched = SimpleNamespace()
+    untouched = SimpleNamespace(mode="colocate")
     with pytest.raises(TrlInternalsChanged, match=f"sync_weights is gone.*{VERSION}"):
         _install_sync_schedule(SimpleNamespace(vllm_generation=untouched), 2)
-    assert vars(untouched) == {}
+    assert vars(untouched) == {"mode": "colocate"}
+
+
+def test_what_is_read_of_trl_s_vllm_generation_is_checked():
+    """``trainer.vllm_generation`` (its mode), the colocated ``LLM`` and the server's ``VLLMClient``: each read
+    through trl_hooks/vllm.py, TrlInternalsChanged naming TRL's version when TRL's object no longer has it."""
+    from types import SimpleNamespace
+
+    from trl_rollout_corr.trl_hooks.vllm import colocated_llm, server_client, vllm_generation
+
+    gen = SimpleNamespace(mode="server", vllm_client=SimpleNamespace(base_url="http://127.0.0.1:8000"),
+                          llm=SimpleNamespace(llm_engine=object()))
+    trainer = SimpleNamespace(vllm_generation=gen)
+    assert vllm_generation(trainer) is gen and server_client(gen) is gen.vllm_client and colocated_llm(gen) is gen.llm
+    for broken, read, message in (
+            (SimpleNamespace(), vllm_generation, "GRPOTrainer.vllm_generation is NoneType with mode None"),
+            (SimpleNamespace(vllm_generation=SimpleNamespace(mode="remote")), vllm_generation,
+             "with mode 'remote': expected TRL's VLLMGeneration"),
+            (SimpleNamespace(llm=None), colocated_llm, "SimpleNamespace.llm is NoneType, not vLLM's LLM"),
+            (SimpleNamespace(vllm_client=SimpleNamespace()), server_client,
+             "SimpleNamespace.vllm_client is SimpleNamespace without a base_url")):
+        with pytest.raises(TrlInternalsChanged, match=f"{message}.*{VERSION}"):
+            read(broken)
 
 
 def test_the_vllm_client_session_is_checked():

@@ -13,6 +13,8 @@
 * On the trainer's ``VLLMGeneration`` instance (after ``GRPOTrainer.__init__``), :func:`replace_vllm_generation_method`
   and :func:`wrap_vllm_generation_method` replace ``sync_weights`` (TRL calls it with no argument) and wrap
   ``generate``; each first checks that the method is there (and, for ``sync_weights``, still takes no argument).
+* What is read of ``trainer.vllm_generation``: :func:`vllm_generation` (its ``mode``), :func:`colocated_llm` (the
+  colocated vLLM ``LLM``) and :func:`server_client` (the server's ``VLLMClient`` and its ``base_url``).
 * On its ``VLLMClient`` (server mode), :func:`client_session` is the ``requests.Session`` every request of the client
   goes through (the package sends its own requests to the server on it), and :func:`mount_client_adapter` mounts a
   transport adapter on it for ``http://`` and ``https://`` (in place of the retrying one TRL mounts).
@@ -142,3 +144,38 @@ def mount_client_adapter(client: Any, adapter: Any) -> None:
     session = client_session(client)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
+
+
+# What this package reads of TRL's ``VLLMGeneration`` (``trainer.vllm_generation``, TRL 1.16): its ``mode``, and in
+# colocate mode the vLLM ``LLM`` it built (``llm``), in server mode its ``VLLMClient`` (``vllm_client``, whose
+# ``base_url`` names the server).
+GENERATION_MODES = ("colocate", "server")
+
+
+def vllm_generation(trainer: Any) -> Any:
+    """TRL's ``VLLMGeneration`` of a trainer built with ``use_vllm=True``, checked to have a known ``mode``."""
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or getattr(gen, "mode", None) not in GENERATION_MODES:
+        raise TrlInternalsChanged(f"GRPOTrainer.vllm_generation is {type(gen).__name__} with mode "
+                                  f"{getattr(gen, 'mode', None)!r}: expected TRL's VLLMGeneration with a mode in "
+                                  f"{GENERATION_MODES}")
+    return gen
+
+
+def colocated_llm(gen: Any) -> Any:
+    """The vLLM ``LLM`` TRL's ``VLLMGeneration`` runs in colocate mode (``gen.llm``)."""
+    llm = getattr(gen, "llm", None)
+    if llm is None or not hasattr(llm, "llm_engine"):
+        raise TrlInternalsChanged(f"{type(gen).__name__}.llm is {type(llm).__name__}, not vLLM's LLM: the colocated "
+                                  "engine's dtype is read from it")
+    return llm
+
+
+def server_client(gen: Any) -> Any:
+    """TRL's ``VLLMClient`` of a ``VLLMGeneration`` in server mode (``gen.vllm_client``), checked to name its server
+    (``base_url``)."""
+    client = getattr(gen, "vllm_client", None)
+    if not isinstance(getattr(client, "base_url", None), str):
+        raise TrlInternalsChanged(f"{type(gen).__name__}.vllm_client is {type(client).__name__} without a base_url: "
+                                  "this package sends its own requests to the vLLM server through TRL's client")
+    return client

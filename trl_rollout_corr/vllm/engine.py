@@ -95,13 +95,13 @@ def server_base_url(args: Any) -> str:
 
 def engine_dtype(trainer) -> str:
     """The dtype the engine computes in ("float32", "bfloat16", ...)."""
-    gen = trainer.vllm_generation
-    if gen.mode == "colocate":
-        dtype = gen.llm.llm_engine.vllm_config.model_config.dtype
-    elif trainer.accelerator.is_main_process:
-        from ..trl_hooks.vllm import client_session
+    from ..trl_hooks.vllm import client_session, colocated_llm, server_client, vllm_generation
 
-        client = gen.vllm_client
+    gen = vllm_generation(trainer)
+    if gen.mode == "colocate":
+        dtype = colocated_llm(gen).llm_engine.vllm_config.model_config.dtype  # vLLM's own API
+    elif trainer.accelerator.is_main_process:
+        client = server_client(gen)
         response = client_session(client).get(f"{client.base_url}/server_info", params={"config_format": "json"})
         if response.status_code == 401:
             from .security import TOKEN_ENV, token_path
@@ -119,13 +119,14 @@ def engine_dtype(trainer) -> str:
 
 def finish_vllm_setup(trainer, setup: dict[str, Any]) -> None:
     """After ``GRPOTrainer.__init__``: CPU server sync, bounded server errors, sync schedule, the dtype log."""
+    from ..trl_hooks.vllm import server_client, vllm_generation
     from . import vllm_on_cpu
 
-    gen = trainer.vllm_generation
+    gen = vllm_generation(trainer)
     args = trainer.args
     if gen.mode == "server":
         if trainer.accelerator.is_main_process:
-            _bound_server_requests(gen.vllm_client, args.vllm_server_timeout)
+            _bound_server_requests(server_client(gen), args.vllm_server_timeout)
         if vllm_on_cpu():
             install_cpu_server_sync(gen, getattr(args, "vllm_weight_sync_dir", None), setup["control_token"])
         _wrap_server_errors(trainer)
@@ -134,7 +135,7 @@ def finish_vllm_setup(trainer, setup: dict[str, Any]) -> None:
     wanted = getattr(args, "vllm_dtype", None)
     if gen.mode == "server" and wanted not in (None, "auto") and trainer.accelerator.is_main_process \
             and _canonical(wanted) != trainer.vllm_engine_dtype:
-        raise ValueError(f"vllm_dtype={wanted!r}, but the vLLM server at {gen.vllm_client.base_url} runs in "
+        raise ValueError(f"vllm_dtype={wanted!r}, but the vLLM server at {server_client(gen).base_url} runs in "
                          f"{trainer.vllm_engine_dtype}. Restart the server with --dtype {wanted} or drop vllm_dtype.")
     param_dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
     train_dtype = "bfloat16 (autocast)" if args.bf16 else "float16 (autocast)" if args.fp16 else param_dtype
@@ -160,7 +161,7 @@ def _install_sync_schedule(trainer, interval: int) -> None:
     engine weights cannot be restored, :mod:`trl_rollout_corr.resume`) loads the current weights once without
     moving the schedule.
     """
-    from ..trl_hooks.vllm import wrap_vllm_generation_method
+    from ..trl_hooks.vllm import vllm_generation, wrap_vllm_generation_method
 
     trainer.vllm_sync_steps = []
     trainer.vllm_refresh_pending = False
@@ -178,7 +179,7 @@ def _install_sync_schedule(trainer, interval: int) -> None:
             trainer.vllm_sync_steps.append(step)
         return scheduled_sync
 
-    wrap_vllm_generation_method(trainer.vllm_generation, "sync_weights", schedule)
+    wrap_vllm_generation_method(vllm_generation(trainer), "sync_weights", schedule)
 
 
 def install_cpu_server_sync(gen, directory: str | None = None, token: str | None = None) -> None:
@@ -191,7 +192,7 @@ def install_cpu_server_sync(gen, directory: str | None = None, token: str | None
     """
     from safetensors.torch import save_file
 
-    from ..trl_hooks.vllm import client_session, named_parameters, replace_vllm_generation_method
+    from ..trl_hooks.vllm import client_session, named_parameters, replace_vllm_generation_method, server_client
     from .security import default_sync_dir, weight_file_prefix
     from .worker import RPC_METHOD
 
@@ -201,7 +202,7 @@ def install_cpu_server_sync(gen, directory: str | None = None, token: str | None
         tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_parameters(gen)}
         if not gen.accelerator.is_main_process:
             return
-        client = gen.vllm_client
+        client = server_client(gen)
         fd, path = tempfile.mkstemp(prefix=weight_file_prefix(token), suffix=".safetensors", dir=directory)  # 0600
         os.close(fd)
         try:
@@ -250,9 +251,9 @@ def _wrap_server_errors(trainer) -> None:
     """A server that dies or hangs mid-run: a RuntimeError naming the server, the step and the cause."""
     import requests
 
-    from ..trl_hooks.vllm import wrap_vllm_generation_method
+    from ..trl_hooks.vllm import vllm_generation, wrap_vllm_generation_method
 
-    gen = trainer.vllm_generation
+    gen = vllm_generation(trainer)
 
     def guarded(what, fn):
         @functools.wraps(fn)
