@@ -23,14 +23,19 @@ class RolloutCorrection(NamedTuple):
     stats: RolloutStats
 
 
-def finite_rows_mask(mask: torch.Tensor, *log_probs: torch.Tensor) -> torch.Tensor:
-    """``mask`` minus every row with a non-finite value of any of ``log_probs`` on one of its masked tokens: the
-    invalid-sequence rule (a NaN/+-inf log-prob invalidates its whole sequence).   (B, T) bool"""
+def rows_without(mask: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """The invalid-sequence rule: ``mask`` minus every row with a ``bad`` token among its masked ones.   (B, T) bool"""
     mask = mask.bool()  # (B, T)
-    finite = torch.ones_like(mask)  # (B, T)
+    return mask & ~(mask & bad).any(1, keepdim=True)  # (B, T)
+
+
+def finite_rows_mask(mask: torch.Tensor, *log_probs: torch.Tensor) -> torch.Tensor:
+    """``mask`` minus every row with a non-finite value of any of ``log_probs`` on one of its masked tokens (a
+    NaN/+-inf log-prob invalidates its whole sequence, :func:`rows_without`).   (B, T) bool"""
+    finite = torch.ones_like(mask, dtype=torch.bool)  # (B, T)
     for lp in log_probs:
         finite = finite & torch.isfinite(lp)  # (B, T)
-    return mask & ~(mask & ~finite).any(1, keepdim=True)  # (B, T)
+    return rows_without(mask, ~finite)  # (B, T)
 
 
 def rollout_usable_mask(rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -86,7 +91,7 @@ def compute_rollout_correction_stats(
         rollout = rollout_log_prob.detach().float()  # (B, T)
         finite = torch.isfinite(train) & torch.isfinite(rollout)  # (B, T)
         invalid_tok = corrected & ~finite  # (B, T)
-        valid = finite_rows_mask(corrected, train, rollout)  # (B, T) invalid sequences leave the batch
+        valid = rows_without(corrected, ~finite)  # (B, T) invalid sequences leave the batch (isfinite once)
         train = torch.where(finite, train, torch.zeros_like(train))  # (B, T)
         rollout = torch.where(finite, rollout, torch.zeros_like(rollout))  # (B, T)
         log_ratio = train - rollout  # (B, T)
