@@ -29,9 +29,9 @@ presets) are skipped and marked so. The costs below are estimates for one H100 (
 6. ``presets``: every preset of ``RolloutCorrectionConfig.preset_names()`` (this package's, then verl's names), then
    top-p 0.9 and top-k 50 sampling (the probe in the loss), each a fresh RolloutCorrGRPOTrainer on the transformers
    generation path (use_vllm=False: the trainer captures the sampler's log-probs in ``generate``), 2 optimizer steps
-   of 8 sequences x 32 tokens: every loss and every logged ``rollout_corr/*`` value finite, host syncs per step
-   (benchmarks/profiling.py's counter: this package's calls, and all callers). 24 runs x ~4 s (construction,
-   2 x 32 decoding steps, 2 steps). ~100 s.
+   of 8 sequences x 32 tokens (toy: 1 step of 4): every loss and every logged ``rollout_corr/*`` value finite, host
+   syncs per step (benchmarks/profiling.py's counter: this package's calls, and all callers). 24 runs x ~4 s
+   (construction, 2 x 32 decoding steps, 2 steps). ~100 s.
 
 Numbers in the JSON: seconds, milliseconds and GiB as named; ``finite`` flags. ``--toy``: a 2-layer hidden-64 model,
 vocabulary 512, T 16/32, float32, CPU, every phase at that size (the test checks every phase ran with finite numbers).
@@ -77,10 +77,10 @@ SIZES = {
                 step_lengths={512: 16, 2048: 8}, step_timed=3,
                 mismatch_batch=8, mismatch_lengths=(128, 512, 2048),
                 preset_batch=8, preset_length=32, preset_steps=2),
-    "toy": dict(probe_tokens=256, probe_hidden=(64, 128), probe_reps=2,
-                step_lengths={16: 8, 32: 4}, step_timed=2,
+    "toy": dict(probe_tokens=256, probe_hidden=(64, 128), probe_reps=1,
+                step_lengths={16: 8, 32: 4}, step_timed=1,
                 mismatch_batch=4, mismatch_lengths=(8, 16, 32),
-                preset_batch=8, preset_length=16, preset_steps=2),
+                preset_batch=4, preset_length=16, preset_steps=1),
 }
 STEP_VARIANTS = ("trl_pi_old", "trl_no_old", "decoupled_token_is", "ppo_is_bypass")
 TRUNCATED_RUNS = {"top_p_0.9": ("decoupled_token_is", dict(top_p=0.9)),
@@ -596,15 +596,20 @@ def phase_mismatch(result: dict, ctx: Context) -> None:
     model, tok = ctx.model, ctx.tokenizer
     enc = tok(reverse_prompts(batch, n_digits=6, seed=7), return_tensors="pt", padding=True).to(ctx.device)
     prompt_len = enc["input_ids"].shape[1]
-    # exactly `longest` new tokens: no EOS, plain sampling at temperature 1 over the full vocabulary
+    # exactly `longest` new tokens: no EOS (not min_new_tokens, whose processor renormalizes pi_rollout without EOS),
+    # plain sampling at temperature 1 over the full vocabulary
     gen_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=longest,
-                                  min_new_tokens=longest, eos_token_id=None, pad_token_id=0)
+                                  eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     model.eval()
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     ctx.sync()
     began = time.perf_counter()
-    with torch.no_grad(), capture_sampling_logprobs(model) as captured:
-        sequences = model.generate(**enc, generation_config=gen_config)  # (B, P+T)
+    try:
+        with torch.no_grad(), capture_sampling_logprobs(model) as captured:
+            sequences = model.generate(**enc, generation_config=gen_config)  # (B, P+T)
+    finally:
+        model.generation_config.eos_token_id = eos
     ctx.sync()
     generate_s = time.perf_counter() - began
     rollout = captured["logprobs"].float()  # (B, T)
