@@ -291,7 +291,8 @@ def phase_env(result: dict, ctx: Context) -> None:
                          "cuda": torch.version.cuda, "bf16_supported": torch.cuda.is_bf16_supported()}
     elif not ctx.toy:
         raise RuntimeError("no CUDA device (run with --toy on a CPU)")
-    result["imported"] = {name: name in sys.modules for name in ("vllm", "deepspeed")}
+    # a None entry is the package's guard marking the module absent (TRL_ROLLOUT_CORR_NO_VLLM), not an import
+    result["imported"] = {name: sys.modules.get(name) is not None for name in ("vllm", "deepspeed")}
     result["package_from"] = os.path.dirname(trl_rollout_corr.__file__)
 
 
@@ -719,7 +720,7 @@ def main(argv=None) -> dict:
     import torch  # after the environment variables above
 
     if opts.toy:
-        torch.set_num_threads(min(2, torch.get_num_threads()))
+        torch.set_num_threads(1)  # tiny matrices: a second thread only spins (and crawls on a shared machine)
     meta = {"mode": "toy" if opts.toy else "gpu", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "argv": sys.argv if argv is None else argv, "budget_s": opts.budget_s,
             "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not opts.toy else "cpu",
