@@ -276,7 +276,8 @@ def phase_env(result: dict, ctx: Context) -> None:
 
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "trl_rollout_corr": trl_rollout_corr.__version__}
-    for name in ("trl", "accelerate", "datasets", "peft", "tokenizers", "triton"):
+    for name in ("trl", "accelerate", "datasets", "peft", "tokenizers", "triton", "pyarrow", "fsspec",
+                 "huggingface_hub", "numpy"):
         try:
             versions[name] = __import__(name).__version__
         except Exception as exc:  # noqa: BLE001
