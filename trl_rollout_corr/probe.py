@@ -108,6 +108,7 @@ def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) ->
             "before_renormalization": mismatch_summary(train, data["rollout_logps"], mask)["tokens"],
         }
         train = renormalized
+    data["ratio_logps"] = train  # what the ratio uses: pi_train, renormalized over the kept set if truncated
     report.update(mismatch_summary(train, data["rollout_logps"], mask))
     corrections = {name: correction_params(name) for name in methods}
     report["methods"] = method_predictions(train, data["rollout_logps"], mask, corrections)
@@ -153,7 +154,7 @@ def _log_rho_by_bucket(data: dict[str, Any]) -> dict[str, list[float]]:
     from .core.mismatch import bucket_label
 
     mask = data["mask"].bool() & data["rollout_seen"].bool()[:, None]  # (B, T)
-    log_rho = (data["train_logps"] - data["rollout_logps"]).double()  # (B, T)
+    log_rho = (data.get("ratio_logps", data["train_logps"]) - data["rollout_logps"]).double()  # (B, T)
     lengths = mask.sum(1)  # (B,)
     edges = [0, *LENGTH_BUCKETS]
     out = {}
@@ -225,7 +226,7 @@ def write_report(report: dict[str, Any], out_dir: str) -> list[str]:
     for label, values in log_rho.items():
         axes[0].hist(values, bins=60, histtype="step", density=True, label=f"T {label}")
     axes[0].set_yscale("log")
-    axes[0].set_xlabel("log rho = log pi_train - log pi_rollout (per token)")
+    axes[0].set_xlabel("log rho = log pi_train - log pi_rollout per token (after renormalizing a truncated support)")
     axes[0].legend()
     quantiles = report["sequences"].get("t_kl_quantiles", {})
     if quantiles:
