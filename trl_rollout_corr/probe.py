@@ -39,8 +39,9 @@ def correction_params(name: str):
     from .config import RolloutCorrectionConfig
     from .trl_names import TRL_MODES, translate_trl_correction
 
-    if name.startswith("trl_") and name[4:] in TRL_MODES:
-        return RolloutCorrectionConfig(**translate_trl_correction(True, name[4:])).params()
+    mode = name.removeprefix("trl_")
+    if mode != name and mode in TRL_MODES:
+        return RolloutCorrectionConfig(**translate_trl_correction(True, mode)).params()
     return RolloutCorrectionConfig.from_preset(name).params()
 
 

@@ -190,6 +190,10 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
                                              *args, **kwargs))
 
     def _generate_and_score_completions(self, inputs):
+        return self._rc_generate_and_score(inputs)
+
+    def _rc_generate_and_score(self, inputs):
+        """TRL's generation and scoring, pi_rollout checked, the correction computed here if the plan says so."""
         mode = self._mode()
         ref_model = (self.ref_model if self.ref_model is not None else self.model) if self.beta != 0.0 else None
         with self._trl_forwards.scoring(pi_old_model=self.model if trl_runs_pi_old_forward(self) else None,
@@ -247,7 +251,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         was_training = self.model.training
         self.model.eval()
         try:
-            output = self._generate_and_score_completions(inputs)
+            output = self._rc_generate_and_score(inputs)
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
             model_inputs = {k: output[k] for k in self._trl_forwards.input_names if k in output}
