@@ -8,6 +8,9 @@
                                              datasets, --reward_funcs name|module.function, accelerate launch
                                              options), the correction fields, --rollout_corr_monitor true
                                              (see ``train --help``)
+    trl-rollout-corr probe --config run.yaml [--probe_batches 2] [--probe_out DIR]
+                                             before training: generate and score a few batches of your setup
+                                             (same arguments as train) and report the engine/trainer mismatch
     trl-rollout-corr tensors [--preset NAME] the correction on sample tensors
     trl-rollout-corr recipes DIR             write the shipped recipes (presets, accelerate/DeepSpeed/FSDP configs)
                                              to DIR, their paths made absolute: usable from any directory
@@ -64,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         from .train_command import main as train
 
         train(rest)
+    elif command == "probe":
+        from .probe import main as probe
+
+        probe(rest)
     elif command == "vllm-serve":
         from .vllm.serve import main as serve
 

@@ -127,10 +127,9 @@ def load_train_dataset(script_args: TrainScriptArguments, dataset_args) -> Any:
     return dataset
 
 
-def run(script_args: TrainScriptArguments, training_args, model_args, monitor_args, dataset_args) -> None:
-    """Train in this process (one rank of it under ``accelerate launch`` / ``torchrun``)."""
-    import transformers
-    from packaging.version import Version
+def build_trainer(script_args: TrainScriptArguments, training_args, model_args, monitor_args, dataset_args,
+                  monitor: bool = True):
+    """The ``RolloutCorrGRPOTrainer`` a ``train`` run builds from its arguments (``probe`` builds the same one)."""
     from trl import get_peft_config, get_quantization_config
 
     from .rollout.emulated import EmulatedRolloutEngine
@@ -150,13 +149,21 @@ def run(script_args: TrainScriptArguments, training_args, model_args, monitor_ar
                          f"(its splits: {list(dataset)}).")
     sampler = EmulatedRolloutEngine(script_args.rollout_engine, lag=script_args.rollout_engine_lag) \
         if script_args.rollout_engine else None
-    monitor = monitor_args.build(script_args.rollout_engine, script_args.rollout_engine_lag)
-    trainer = RolloutCorrGRPOTrainer(
+    callback = monitor_args.build(script_args.rollout_engine, script_args.rollout_engine_lag) if monitor else None
+    return RolloutCorrGRPOTrainer(
         model=model_args.model_name_or_path, reward_funcs=rewards, args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         quantization_config=get_quantization_config(model_args), peft_config=get_peft_config(model_args),
-        rollout_sampler=sampler, callbacks=[monitor] if monitor else None)
+        rollout_sampler=sampler, callbacks=[callback] if callback else None)
+
+
+def run(script_args: TrainScriptArguments, training_args, model_args, monitor_args, dataset_args) -> None:
+    """Train in this process (one rank of it under ``accelerate launch`` / ``torchrun``)."""
+    import transformers
+    from packaging.version import Version
+
+    trainer = build_trainer(script_args, training_args, model_args, monitor_args, dataset_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # the model or adapter, and rollout_correction_config.json
     trainer.accelerator.print(f"Model and rollout_correction_config.json saved to {training_args.output_dir}.")

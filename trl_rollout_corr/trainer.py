@@ -190,6 +190,10 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
                                              *args, **kwargs))
 
     def _generate_and_score_completions(self, inputs):
+        return self._rc_generate_and_score(inputs)
+
+    def _rc_generate_and_score(self, inputs):
+        """TRL's generation and scoring, pi_rollout checked, the correction computed here if the plan says so."""
         mode = self._mode()
         ref_model = (self.ref_model if self.ref_model is not None else self.model) if self.beta != 0.0 else None
         with self._trl_forwards.scoring(pi_old_model=self.model if trl_runs_pi_old_forward(self) else None,
@@ -229,6 +233,40 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
                 self.model, input_ids, attention_mask, output["completion_ids"].size(1), model_inputs,
                 batch_size=self.args.per_device_train_batch_size)
         return self._correction(logps, output, loss_mask, support, "train")  # (B, T) each
+
+    @torch.no_grad()
+    def score_generation_batch(self, inputs: list[dict]) -> dict[str, Any]:
+        """One generation batch as training produces it, scored by the trainer's own forward (the probe's data).
+
+        Generation (vLLM, a ``rollout_func``, an emulated engine or ``generate``) and TRL's scoring run as in a
+        training step, with the model in eval mode and no correction; then the policy forward that training would
+        run (same dtype, autocast, attention implementation and LM head; a truncating sampler's kept mass included).
+
+        Returns:
+            ``train_logps`` (B, T) log pi_train, ``rollout_logps`` (B, T) log pi_rollout, ``mask`` (B, T) completion
+            tokens (tool output excluded), ``rollout_seen`` (B,) whether the engine returned log-probs for the
+            sample, ``log_mass`` and ``in_support`` (B, T) (None unless the sampler truncates), ``input_ids`` and
+            ``attention_mask`` (B, P+T) (prompt and completion, as the forward saw them).
+        """
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            output = self._rc_generate_and_score(inputs)
+            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # (B, P+T)
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # (B, P+T)
+            model_inputs = {k: output[k] for k in self._trl_forwards.input_names if k in output}
+            (logps, _, _), support = self._policy_forward(
+                self.model, input_ids, attention_mask, output["completion_ids"].size(1), model_inputs,
+                batch_size=self.args.per_device_train_batch_size)
+        finally:
+            self.model.train(was_training)
+        mask = output["completion_mask"]  # (B, T)
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]  # (B, T)
+        log_mass, in_support = support if support is not None else (None, None)
+        return {"train_logps": logps, "rollout_logps": output["sampling_per_token_logps"], "mask": mask,
+                "rollout_seen": output["rc_rollout_seen"], "log_mass": log_mass, "in_support": in_support,
+                "input_ids": input_ids, "attention_mask": attention_mask}
 
     def _policy_forward(self, model, input_ids, attention_mask, logits_to_keep, model_inputs, **kwargs):
         """TRL's forward (log-probs, entropies, aux loss), plus the sampler's kept mass when it truncates."""

@@ -1,0 +1,266 @@
+"""``trl-rollout-corr probe``: measure the engine/trainer mismatch of *your* setup before training.
+
+With the model, tokenizer, prompts, engine and sampler settings a ``train`` run would use (the same YAML and
+arguments), it generates a few generation batches exactly as training would, scores them with the trainer's own
+forward, and reports:
+
+* the per-token log-ratio log rho = log pi_train - log pi_rollout (k1/k3 KL, quantiles, the low-probability tail),
+  the same by completion-length bucket, and the distribution of T*KL per sequence (:mod:`.core.mismatch`);
+* on a truncating sampler (top-k/top-p/min-p), the mismatch before and after the trainer renormalizes over the
+  sampler's kept set (what the truncation alone contributes), and the kept mass;
+* every correction's effective sample size, masked fractions and weight range computed on these very samples;
+* the regime (T, per-token KL, T*KL) to look up on the benchmark pages, and configuration problems it can see.
+
+Output: a terminal table, ``probe.json`` and ``probe.png`` (log rho histogram per length bucket, T*KL
+distribution) in ``--probe_out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .core.mismatch import LENGTH_BUCKETS, method_predictions, mismatch_summary
+from .core.truncation import truncated_support_logprobs
+
+#: the corrections the report predicts by default (TRL's default first)
+DEFAULT_METHODS = ("trl_default", "trl_token_truncate", "trl_token_mask", "trl_sequence_truncate",
+                   "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
+                   "ppo_is_bypass", "icepop")
+
+
+def correction_params(name: str):
+    """A preset by name, or ``trl_<mode>`` for TRL's ``vllm_importance_sampling_mode`` (C=3, TRL's defaults)."""
+    from .config import RolloutCorrectionConfig
+    from .trl_names import TRL_MODES, translate_trl_correction
+
+    mode = name.removeprefix("trl_")
+    if mode != name and mode in TRL_MODES:
+        return RolloutCorrectionConfig(**translate_trl_correction(True, mode)).params()
+    return RolloutCorrectionConfig.from_preset(name).params()
+
+
+@dataclass
+class ProbeArguments:
+    """The probe's own arguments (``trl-rollout-corr probe --config run.yaml --probe_batches 4``)."""
+
+    probe_batches: int = field(default=2, metadata={"help": "Generation batches to generate and score."})
+    probe_out: str | None = field(default=None, metadata={
+        "help": "Directory for probe.json and probe.png (default: <output_dir>/probe)."})
+    probe_methods: str = field(default=",".join(DEFAULT_METHODS), metadata={
+        "help": "Comma-separated presets whose weights and masks are computed on the probe's samples."})
+
+
+def collect(trainer: Any, batches: int) -> dict[str, Any]:
+    """``batches`` generation batches from ``trainer``'s own dataloader, generated and scored as training would.
+
+    Returns the concatenated (B, T) tensors of :meth:`RolloutCorrGRPOTrainer.score_generation_batch` (padded to the
+    longest T with mask 0), on CPU, and under ``batches`` each batch as scored.
+    """
+    if batches < 1:
+        raise ValueError(f"probe_batches must be >= 1, got {batches}.")
+    if trainer.train_dataset is None or len(trainer.train_dataset) == 0:
+        raise ValueError("The probe needs prompts: the training dataset is empty (check --dataset_name and "
+                         "--dataset_train_split).")
+    scored = []
+    loader = iter(trainer.get_train_dataloader())
+    for _ in range(batches):
+        try:
+            inputs = next(loader)
+        except StopIteration:
+            if not scored:
+                raise ValueError("The training dataloader yielded no batch: the dataset has fewer prompts than "
+                                 "one generation batch.") from None
+            break
+        scored.append({k: (v.cpu() if torch.is_tensor(v) else v)
+                       for k, v in trainer.score_generation_batch(inputs).items()})
+    width = max(b["mask"].size(1) for b in scored)
+    out: dict[str, Any] = {}
+    for key in ("train_logps", "rollout_logps", "mask", "log_mass", "in_support"):
+        if scored[0][key] is None:
+            out[key] = None
+            continue
+        out[key] = torch.cat([torch.nn.functional.pad(b[key], (0, width - b[key].size(1))) for b in scored])
+    out["rollout_seen"] = torch.cat([b["rollout_seen"] for b in scored])
+    out["batches"] = scored  # each batch as scored (its input_ids and attention_mask included)
+    return out
+
+
+def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) -> dict[str, Any]:
+    """The report of :mod:`trl_rollout_corr.probe` on collected tensors (see :func:`collect`)."""
+    seen = data["rollout_seen"].bool()  # (B,)
+    if not seen.any():
+        raise ValueError("The engine returned no log-probs for any sample, so there is no pi_rollout to compare: "
+                         "with vLLM, check that the server runs --logprobs-mode processed_logprobs; with a "
+                         "rollout_func, return 'logprobs' for every completion token.")
+    mask = data["mask"] * seen[:, None].to(data["mask"].dtype)  # (B, T)
+    train = data["train_logps"]  # (B, T)
+    report: dict[str, Any] = {"samples": int(seen.numel()), "samples_without_rollout_logprobs": int((~seen).sum())}
+    if data.get("log_mass") is not None:
+        renormalized = truncated_support_logprobs(train, data["log_mass"], data["in_support"])  # (B, T)
+        report["truncation"] = {
+            "kept_mass_mean": float((data["log_mass"].exp() * mask).sum() / mask.sum()),
+            "outside_support_fraction": float(((~data["in_support"].bool()) & mask.bool()).sum() / mask.sum()),
+            "before_renormalization": mismatch_summary(train, data["rollout_logps"], mask)["tokens"],
+        }
+        train = renormalized
+    data["ratio_logps"] = train  # what the ratio uses: pi_train, renormalized over the kept set if truncated
+    report.update(mismatch_summary(train, data["rollout_logps"], mask))
+    corrections = {name: correction_params(name) for name in methods}
+    report["methods"] = method_predictions(train, data["rollout_logps"], mask, corrections)
+    seqs = report["sequences"]
+    report["regime"] = {"T": seqs.get("mean_length"), "per_token_kl": report["tokens"]["k3"],
+                        "T_times_kl": seqs.get("t_kl_mean")}
+    return report
+
+
+def configuration_notes(trainer: Any) -> list[str]:
+    """What the probe can see about the setup that biases pi_rollout or the comparison."""
+    args = trainer.args
+    notes = []
+    train_dtype = next(trainer.model.parameters()).dtype
+    autocast = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    notes.append(f"trainer parameters {train_dtype}, autocast {autocast or 'off'}"
+                 + (f", vLLM dtype {getattr(args, 'vllm_dtype', None) or 'auto'}" if args.use_vllm else ""))
+    if (trainer.repetition_penalty or 1.0) != 1.0:
+        notes.append(f"repetition_penalty={trainer.repetition_penalty}: the trainer does not reproduce it, every "
+                     "repeated token's ratio is biased")
+    gen = args.generation_kwargs or {}
+    for key in ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words"):
+        if gen.get(key):
+            notes.append(f"generation_kwargs[{key!r}] changes pi_rollout in a way the trainer does not reproduce")
+    return notes
+
+
+def probe(trainer: Any, batches: int = 2, methods: tuple[str, ...] = DEFAULT_METHODS) -> dict[str, Any]:
+    """Generate and score ``batches`` generation batches with ``trainer`` and report the mismatch (a dict)."""
+    import time
+
+    start = time.perf_counter()
+    data = collect(trainer, batches)
+    report = analyse(data, methods)
+    report["configuration"] = configuration_notes(trainer)
+    report["seconds"] = time.perf_counter() - start
+    report["_log_rho"] = _log_rho_by_bucket(data)
+    return report
+
+
+def _log_rho_by_bucket(data: dict[str, Any]) -> dict[str, list[float]]:
+    """log rho of every valid token, grouped by its sequence's length bucket (for the plot)."""
+    from .core.mismatch import bucket_label
+
+    mask = data["mask"].bool() & data["rollout_seen"].bool()[:, None]  # (B, T)
+    log_rho = (data.get("ratio_logps", data["train_logps"]) - data["rollout_logps"]).double()  # (B, T)
+    lengths = mask.sum(1)  # (B,)
+    edges = [0, *LENGTH_BUCKETS]
+    out = {}
+    for lower, upper in zip(edges, [*edges[1:], None]):
+        rows = (lengths >= lower) & (lengths < upper if upper is not None else True)  # (B,)
+        values = log_rho[rows][mask[rows]]
+        values = values[torch.isfinite(values)]
+        if values.numel():
+            out[bucket_label(lower, upper)] = values.tolist()
+    return out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The terminal table."""
+    tok, seq = report["tokens"], report["sequences"]
+    lines = [f"Probe: {report['samples']} samples ({report['samples_without_rollout_logprobs']} without engine "
+             f"log-probs), {tok['count']} tokens, {report['seconds']:.1f} s",
+             *(f"  setup: {note}" for note in report.get("configuration", [])),
+             "",
+             f"per-token KL(pi_rollout || pi_train): k3 {tok['k3']:.3g}, k1 {tok['k1']:.3g}; max |log rho| "
+             f"{tok['max_abs_log_rho']:.3g}; log rho 0.1%/50%/99.9%: {tok['log_rho_quantiles']['q0.001']:.3g} / "
+             f"{tok['log_rho_quantiles']['q0.5']:.3g} / {tok['log_rho_quantiles']['q0.999']:.3g}",
+             f"low-probability tokens (pi_train < 1e-3): {tok['low_prob_token_fraction']:.2%} of tokens, "
+             f"{tok['low_prob_share_of_k3']:.2%} of the KL",
+             f"sequences: mean T {seq['mean_length']:.0f}, T*KL mean {seq['t_kl_mean']:.3g} (median "
+             f"{seq['t_kl_quantiles']['q0.5']:.3g}, 99%: {seq['t_kl_quantiles']['q0.99']:.3g}); sequence-weight ESS "
+             f"{seq['seq_ess']:.3f} (log-normal prediction exp(-Var sum log rho) = {seq['seq_ess_lognormal']:.3f})"]
+    if "truncation" in report:
+        tr = report["truncation"]
+        lines.append(f"truncated sampling: kept mass {tr['kept_mass_mean']:.3f}; k3 before renormalizing "
+                     f"{tr['before_renormalization']['k3']:.3g}, after {tok['k3']:.3g} (the rest is precision, "
+                     "kernels and batch shape)")
+    lines += ["", f"{'length':>10} {'seqs':>6} {'mean T':>7} {'k3/token':>10} {'T*KL':>9} {'seq ESS':>8}"]
+    for label, b in report["by_length"].items():
+        lines.append(f"{label:>10} {b['count']:>6} {b['mean_length']:>7.0f} {b['k3']:>10.3g} {b['t_kl_mean']:>9.3g} "
+                     f"{b['seq_ess']:>8.3f}")
+    lines += ["", f"{'method (on these samples)':28} {'ESS':>6} {'w min':>8} {'w max':>8} {'w = 0':>7} "
+              f"{'pinned at C':>11} {'rejected tok':>12} {'rejected seq':>12}"]
+    for name, m in report["methods"].items():
+        def g(key, fmt=".3f", m=m):
+            return format(m[key], fmt) if key in m else "-"
+        lines.append(f"{name:28} {g('rollout_is_eff_sample_size'):>6} {g('weight_min', '.3g'):>8} "
+                     f"{g('weight_max', '.3g'):>8} {g('weight_zero_fraction', '.1%'):>7} "
+                     f"{g('rollout_is_ratio_fraction_high', '.1%'):>11} {g('rejected_token_fraction', '.2%'):>12} "
+                     f"{g('rollout_rs_seq_masked_fraction', '.2%'):>12}")
+    r = report["regime"]
+    lines += ["", f"Your regime: T ~ {r['T']:.0f} tokens, per-token KL ~ {r['per_token_kl']:.2g}, T*KL ~ "
+              f"{r['T_times_kl']:.2g}. Look it up in docs/benchmarks.md (\"Estimator map\") for which estimator "
+              "the measurements favour there."]
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: str) -> list[str]:
+    """``probe.json`` and (with matplotlib) ``probe.png`` in ``out_dir``; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    log_rho = report.get("_log_rho", {})
+    path = os.path.join(out_dir, "probe.json")
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in report.items() if not k.startswith("_")}, f, indent=2, default=float)
+    written = [path]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label, values in log_rho.items():
+        axes[0].hist(values, bins=60, histtype="step", density=True, label=f"T {label}")
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("log rho = log pi_train - log pi_rollout per token (after renormalizing a truncated support)")
+    axes[0].legend()
+    quantiles = report["sequences"].get("t_kl_quantiles", {})
+    if quantiles:
+        axes[1].plot([float(k[1:]) for k in quantiles], list(quantiles.values()), marker="o")
+        axes[1].set_xscale("logit")
+        axes[1].set_yscale("symlog", linthresh=1e-3)
+        axes[1].set_xlabel("quantile over sequences")
+        axes[1].set_ylabel("T*KL of a sequence (sum of k3)")
+    fig.tight_layout()
+    png = os.path.join(out_dir, "probe.png")
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return [*written, png]
+
+
+def main(argv: list[str]) -> None:
+    """``trl-rollout-corr probe``: ``train``'s arguments (``--config run.yaml`` ...) plus :class:`ProbeArguments`."""
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+
+    from .grpo_config import RolloutCorrGRPOConfig
+    from .monitor.args import MonitorArguments
+    from .train_command import TrainScriptArguments, build_trainer
+
+    parser = TrlParser((TrainScriptArguments, RolloutCorrGRPOConfig, ModelConfig, MonitorArguments,
+                        DatasetMixtureConfig, ProbeArguments), prog="trl-rollout-corr probe")
+    script_args, training_args, model_args, monitor_args, dataset_args, probe_args = \
+        parser.parse_args_and_config(args=argv)
+    trainer = build_trainer(script_args, training_args, model_args, monitor_args, dataset_args, monitor=False)
+    methods = tuple(m.strip() for m in probe_args.probe_methods.split(",") if m.strip())
+    report = probe(trainer, probe_args.probe_batches, methods)
+    print(format_report(report))
+    out = probe_args.probe_out or os.path.join(training_args.output_dir, "probe")
+    for path in write_report(report, out):
+        print(f"wrote {path}")
+    if not math.isfinite(report["tokens"]["k3"]):
+        raise SystemExit("The probe found no valid token to measure (every sample had a non-finite log-prob).")
