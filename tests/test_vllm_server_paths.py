@@ -295,3 +295,58 @@ def test_a_server_with_processed_log_probs_or_an_older_vllm_passes(cache):
     with standin_server(vllm_routes(logprobs_mode=None)) as (url, _):  # does not report it: not refused
         assert engine_dtype(sync_trainer_on(url)) == "float32"
     assert check_server_info("http://127.0.0.1:9", None) is False  # not up yet: checked at the first weight sync
+
+
+# ---------------------------------------------------------------- F4: older vLLM layouts
+def run_server_with(monkeypatch, cache):
+    """``serve.run_server`` with a stand-in build, this machine's vLLM platform check answered "not CPU"."""
+    from trl_rollout_corr.vllm import serve
+
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=None))  # not a package's __main__: no exec
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv(TOKEN_ENV, "the-token")  # run_server puts it into os.environ; restored after the test
+    monkeypatch.setattr("trl_rollout_corr.vllm.vllm_on_cpu", lambda: False)
+
+    def build(argv):
+        return ["--model", "my/model", "--port", "8123"], {TOKEN_ENV: "the-token"}, 8123
+
+    serve.run_server([], build, "trl_rollout_corr.vllm.serve", "trl-rollout-corr vllm-serve")
+
+
+def test_vllm_serve_runs_the_api_server_of_an_older_vllm_layout(cache, monkeypatch):
+    """vLLM before ~0.29 has no vllm.entrypoints.launchers (the package supports 0.22-0.31): the server then runs
+    from vllm.entrypoints.openai.api_server's own __main__ block, with the same options (before:
+    ModuleNotFoundError)."""
+    import importlib.util
+    import runpy
+
+    ran = []
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers", None)  # import of it and below: not found
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: SimpleNamespace(name=name) if name.startswith("vllm.") else None)
+    monkeypatch.setattr(runpy, "run_module", lambda name, run_name=None, alter_sys=False: ran.append(
+        (name, run_name, alter_sys, list(sys.argv))))
+    run_server_with(monkeypatch, cache)
+    assert ran == [("vllm.entrypoints.openai.api_server", "__main__", False,
+                    ["trl-rollout-corr vllm-serve", "--model", "my/model", "--port", "8123"])]
+
+
+def test_vllm_serve_with_neither_layout_says_so(cache, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(RuntimeError, match="has neither vllm.entrypoints.launchers.api_server.entry nor "
+                                           "vllm.entrypoints.openai.api_server.*vllm>=0.22.0,<=0.31.0"):
+        run_server_with(monkeypatch, cache)
+
+
+def test_vllm_serve_runs_the_launcher_of_vllm_0_31(cache, monkeypatch):
+    import types
+
+    ran = []
+    entry = types.ModuleType("vllm.entrypoints.launchers.api_server.entry")
+    entry.main = lambda: ran.append(list(sys.argv))
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers.api_server.entry", entry)
+    run_server_with(monkeypatch, cache)
+    assert ran == [["trl-rollout-corr vllm-serve", "--model", "my/model", "--port", "8123"]]
