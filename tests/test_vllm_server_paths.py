@@ -350,3 +350,36 @@ def test_vllm_serve_runs_the_launcher_of_vllm_0_31(cache, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers.api_server.entry", entry)
     run_server_with(monkeypatch, cache)
     assert ran == [["trl-rollout-corr vllm-serve", "--model", "my/model", "--port", "8123"]]
+
+
+# ---------------------------------------------------------------- F15: samplers that change pi_rollout
+def test_penalties_biases_and_constrained_decoding_are_named():
+    from trl_rollout_corr.trainer import pi_rollout_modifiers
+
+    def args(**kwargs):
+        return SimpleNamespace(generation_kwargs=kwargs.pop("generation_kwargs", None), **kwargs)
+
+    assert pi_rollout_modifiers(args(), 1.0) == []
+    assert pi_rollout_modifiers(args(generation_kwargs={"presence_penalty": 0.0, "logit_bias": {}, "top_k": 5,
+                                                        "frequency_penalty": None}), None) == []
+    assert pi_rollout_modifiers(args(generation_kwargs={"presence_penalty": 0.5, "frequency_penalty": 0.2,
+                                                        "logit_bias": {"7": 5.0}, "bad_words": ["no"]}), 1.0) == [
+        "presence_penalty=0.5", "frequency_penalty=0.2", "logit_bias={'7': 5.0}", "bad_words=['no']"]
+    assert pi_rollout_modifiers(args(vllm_structured_outputs_regex=r"\d+"), 1.0) == [
+        "vllm_structured_outputs_regex='\\\\d+'"]
+    assert pi_rollout_modifiers(args(), 1.3) == ["repetition_penalty=1.3"]
+    # generation_kwargs win over the field, as in TRL
+    assert pi_rollout_modifiers(args(generation_kwargs={"repetition_penalty": 1.0}), 1.3) == []
+    assert pi_rollout_modifiers(args(generation_kwargs={"repetition_penalty": 1.2}), 1.0) == ["repetition_penalty=1.2"]
+
+
+def test_the_trainer_warns_for_a_sampler_setting_it_does_not_reproduce(tmp_path, caplog):
+    """Before: only repetition_penalty was named; a no-repeat n-gram ban (or a presence penalty, a logit bias,
+    constrained decoding on vLLM) biased pi_rollout silently."""
+    import logging
+
+    from trainer_utils import make_trainer
+
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+        make_trainer(tmp_path, generation_kwargs={"no_repeat_ngram_size": 2})
+    assert "no_repeat_ngram_size=2 change pi_rollout in a way the trainer does not reproduce" in caplog.text
