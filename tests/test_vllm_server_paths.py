@@ -75,6 +75,7 @@ def construct_async_trainer(monkeypatch, tmp_path, url, model="my/model"):
 
     monkeypatch.setattr(AsyncGRPOTrainer, "__init__", trl_init)
     monkeypatch.setattr("trl_rollout_corr.trl_hooks.async_grpo_cpu.install_cpu_support", lambda: False)  # CUDA
+    monkeypatch.setattr("trl_rollout_corr.trl_hooks.async_grpo_cpu.require_kernels", lambda: None)  # installed
     return RolloutCorrAsyncGRPOTrainer(model=model, reward_funcs=[],
                                        args=async_args(str(tmp_path), vllm_server_base_url=url))
 
@@ -383,3 +384,41 @@ def test_the_trainer_warns_for_a_sampler_setting_it_does_not_reproduce(tmp_path,
     with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
         make_trainer(tmp_path, generation_kwargs={"no_repeat_ngram_size": 2})
     assert "no_repeat_ngram_size=2 change pi_rollout in a way the trainer does not reproduce" in caplog.text
+
+
+# ---------------------------------------------------------------- F16: the GPU async trainer's kernels, the plugin
+def test_the_async_trainer_on_a_gpu_without_kernels_says_which_extra(tmp_path, monkeypatch):
+    """TRL's packed attention on a GPU imports `kernels` at the first forward: without it, an error at construction
+    naming the extra (before: an ImportError deep in the first step)."""
+    import importlib.util
+
+    from async_stub import async_args
+    from trl_rollout_corr import RolloutCorrAsyncGRPOTrainer
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kernels" else
+                        real_find_spec(name, *a))
+    monkeypatch.setattr("trl_rollout_corr.trl_hooks.async_grpo_cpu.install_cpu_support", lambda: False)  # CUDA
+    with pytest.raises(ImportError, match=r"`kernels` package.*pip install \"trl-rollout-corr\[kernels\]\""):
+        RolloutCorrAsyncGRPOTrainer(model="unused", reward_funcs=[], args=async_args(str(tmp_path)))
+
+
+def test_the_vllm_plugin_does_not_load_the_package_into_a_gpu_machine_s_vllm(tmp_path):
+    """vLLM runs every installed general plugin in each of its processes, for any `vllm serve`: with a CUDA torch the
+    plugin returns without importing trl_rollout_corr (before: the entry point was inside the package, whose
+    __init__ ran in every vLLM process); with a CPU torch it runs the guard."""
+    import subprocess
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plugins = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"trl_rollout_corr_cpu_guard": "trl_rollout_corr_vllm_plugin:register"}
+    code = ("import sys, torch; torch.version.cuda = sys.argv[1] or None; import trl_rollout_corr_vllm_plugin as p; "
+            "p.register(); print('trl_rollout_corr' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("TRL_ROLLOUT_CORR_KEEP_CUDA_EXTENSIONS", None)
+    for cuda, loaded in (("12.8", "False"), ("", "True")):
+        out = subprocess.run([sys.executable, "-c", code, cuda], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == loaded

@@ -25,7 +25,10 @@ pi_old := pi_rollout (bypass by construction), with no importance weighting, rej
 
 On a machine without CUDA it installs TRL's CPU support (:func:`.install_cpu_support`) and, unless a
 ``weight_transfer`` is given, syncs weights into the server with :class:`.CPUFileWeightTransfer` (TRL's default is
-NCCL). On a GPU nothing changes: TRL's transfer, ``vllm serve`` as TRL documents it.
+NCCL). On a GPU: TRL's NCCL transfer, to ``trl-rollout-corr vllm-serve-async`` (its requests carry the server's
+control token, :func:`.server_probe.send_token_from_trl_client`) or ``vllm serve`` as TRL documents it, and TRL's
+packed attention, which needs the ``kernels`` package (a clear error at construction without it). Either way the
+server must return processed log-probs (``--logprobs-mode processed_logprobs``; checked in ``/server_info``).
 """
 
 from __future__ import annotations
@@ -77,12 +80,14 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
             args = RolloutCorrAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         require_correction_config(args, RolloutCorrAsyncGRPOConfig, "RolloutCorrAsyncGRPOTrainer")
         from ..supported_versions import check_version
-        from ..trl_hooks.async_grpo_cpu import install_cpu_support
+        from ..trl_hooks import async_grpo_cpu
 
         check_version("trl")
         trl_async.check_hooks(__class__, type(self))
         check_version("vllm")  # where it is installed: the trainer drives TRL's vLLM server either way
-        on_cpu = install_cpu_support()  # no-op (False) with CUDA
+        on_cpu = async_grpo_cpu.install_cpu_support()  # no-op (False) with CUDA
+        if not on_cpu:
+            async_grpo_cpu.require_kernels()  # TRL's packed attention on a GPU: a clear error now, not at step 1
         self._rc_probe = None
         if weight_transfer is None and on_cpu and kwargs.get("rollout_worker") is None:
             weight_transfer = self._cpu_weight_transfer(args)
