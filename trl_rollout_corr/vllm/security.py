@@ -129,12 +129,13 @@ def refusal_message(base_url: str, path: str, sent: bool) -> str:
 
     port = urlparse(base_url).port or 8000
     host = urlparse(base_url).hostname
-    where = token_path(port, None if _is_this_machine(host) else host)
+    where = (token_path(port) if _is_this_machine(host)
+             else f"~/.cache/trl_rollout_corr/vllm-serve-<its host name>-{port}.token on the server's machine")
     given = ("the control token this trainer sent is not the server's (a server restarted with a new token, or the "
              "token of another server)" if sent else "this trainer found no control token")
     return (f"The vLLM server at {base_url} refused {path} (401): it was started by `trl-rollout-corr vllm-serve` or "
             f"`vllm-serve-async`, which protect its control endpoints with a control token, and {given}. The server "
-            f"printed where it wrote the token (on its machine: {where}). "
+            f"printed where it wrote the token ({where}). "
             f"Give it to the trainer: set {TOKEN_ENV} to it, or set vllm_server_control_token_file to a copy of that "
             "file (0600); or start the server with --control_token_file FILE and give the trainer the same FILE.")
 
