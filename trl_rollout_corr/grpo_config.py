@@ -60,6 +60,11 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     vllm_sync_interval: int = field(default=1, metadata={
         "help": "Sync the vLLM engine's weights every k optimizer steps (k > 1: a stale engine, k-1 steps behind at "
                 "most, as an asynchronous engine; fewer syncs)."})
+    vllm_server_request_timeout: float | None = field(default=1800.0, metadata={
+        "help": "Server mode: seconds the trainer waits for the answer to one generation batch (TRL sends the whole "
+                "batch as one request) or one weight update (it stays open while every parameter streams). Set it "
+                "above your longest generation; 0 or None: wait without limit. Every other request to the server "
+                "waits vllm_server_timeout (TRL's start-up wait)."})
 
     _RC_TRL_CONFIG = GRPOConfig
     _RC_PLAN_INPUTS = _PLAN_INPUTS
@@ -117,6 +122,9 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
             raise ValueError("vllm_sync_interval > 1 with vllm_enable_sleep_mode=True: sleep mode discards the "
                              "engine's weights and TRL re-pushes the current ones on wake-up, so the engine cannot "
                              "stay stale. Use one of the two.")
+        if self.vllm_server_request_timeout is not None and not self.vllm_server_request_timeout >= 0:
+            raise ValueError(f"vllm_server_request_timeout={self.vllm_server_request_timeout!r} must be >= 0 seconds "
+                             "(0 or None: no limit on a generation batch or a weight update).")
         if self.pi_old_source not in PI_OLD_SOURCES:
             raise ValueError(f"pi_old_source={self.pi_old_source!r}: use one of {', '.join(PI_OLD_SOURCES)}.")
 

@@ -69,6 +69,34 @@ def _checked_rollout_func(rollout_func):
     return checked
 
 
+# Sampler settings (vLLM SamplingParams and transformers GenerationConfig names, through generation_kwargs) that change
+# the distribution tokens are sampled from beyond temperature and top-k/top-p/min-p, with their neutral value: the
+# trainer does not reproduce them, so pi_rollout is not the distribution pi_train is compared with.
+PI_ROLLOUT_MODIFIERS: dict[str, Any] = {
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
+    "bad_words": None, "allowed_token_ids": None, "min_tokens": 0, "structured_outputs": None,
+    "guided_decoding": None, "logits_processors": None, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "min_new_tokens": 0, "min_length": 0, "exponential_decay_length_penalty": None,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+}
+
+
+def pi_rollout_modifiers(args: Any, repetition_penalty: float | None = None) -> list[str]:
+    """``name=value`` of every sampler setting that changes pi_rollout in a way the trainer does not reproduce: the
+    repetition penalty, the settings of :data:`PI_ROLLOUT_MODIFIERS` in ``generation_kwargs`` away from their neutral
+    value, and TRL's ``vllm_structured_outputs_regex``."""
+    kwargs = dict(getattr(args, "generation_kwargs", None) or {})
+    penalty = kwargs.pop("repetition_penalty", repetition_penalty)  # generation_kwargs win over the field, as in TRL
+    found = [] if penalty in (None, 1.0) else [f"repetition_penalty={penalty}"]
+    for name, value in kwargs.items():
+        if name in PI_ROLLOUT_MODIFIERS and value not in (None, PI_ROLLOUT_MODIFIERS[name], {}, [], ()):
+            found.append(f"{name}={value!r}")
+    if getattr(args, "vllm_structured_outputs_regex", None):
+        found.append(f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r}")
+    return found
+
+
 class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
     """``GRPOTrainer`` that keeps pi_rollout with every completion and applies rollout correction in the loss.
 
@@ -123,10 +151,11 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             top_k=int(gen_kwargs.get("top_k", self.top_k) or 0),
             top_p=float(gen_kwargs.get("top_p", self.top_p) or 1.0),
             min_p=min_p, min_p_first=self.use_vllm)  # vLLM applies min-p before top-k/top-p
-        if (self.repetition_penalty or 1.0) != 1.0 and self.accelerator.is_main_process:
-            logger.warning("repetition_penalty=%s changes pi_rollout in a way the trainer does not reproduce: the "
-                           "ratio pi_train/pi_rollout is biased on repeated tokens. Prefer repetition_penalty=1.0.",
-                           self.repetition_penalty)
+        modifiers = pi_rollout_modifiers(self.args, self.repetition_penalty)
+        if modifiers and self.accelerator.is_main_process:
+            logger.warning("%s change pi_rollout in a way the trainer does not reproduce (penalties, logit biases, "
+                           "banned or forced tokens, constrained decoding): the ratio pi_train/pi_rollout is biased on "
+                           "the tokens they touch. Prefer to leave them unset.", ", ".join(modifiers))
         return truncation if truncation.truncates else None
 
     def _check_supported(self) -> None:

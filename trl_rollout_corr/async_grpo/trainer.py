@@ -25,7 +25,10 @@ pi_old := pi_rollout (bypass by construction), with no importance weighting, rej
 
 On a machine without CUDA it installs TRL's CPU support (:func:`.install_cpu_support`) and, unless a
 ``weight_transfer`` is given, syncs weights into the server with :class:`.CPUFileWeightTransfer` (TRL's default is
-NCCL). On a GPU nothing changes: TRL's transfer, ``vllm serve`` as TRL documents it.
+NCCL). On a GPU: TRL's NCCL transfer, to ``trl-rollout-corr vllm-serve-async`` (its requests carry the server's
+control token, :func:`.server_probe.send_token_from_trl_client`) or ``vllm serve`` as TRL documents it, and TRL's
+packed attention, which needs the ``kernels`` package (a clear error at construction without it). Either way the
+server must return processed log-probs (``--logprobs-mode processed_logprobs``; checked in ``/server_info``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from ..losses import PI_ROLLOUT, weights_advantage
 from ..trl_hooks import async_grpo as trl_async
 from ..trl_hooks.async_grpo_data import carrying_sample_versions
 from .config import RolloutCorrAsyncGRPOConfig
-from .server_probe import ServerProbe
+from .server_probe import ServerProbe, check_server_info, send_token_from_trl_client
 
 logger = logging.getLogger(__name__)
 
@@ -77,18 +80,24 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
             args = RolloutCorrAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         require_correction_config(args, RolloutCorrAsyncGRPOConfig, "RolloutCorrAsyncGRPOTrainer")
         from ..supported_versions import check_version
-        from ..trl_hooks.async_grpo_cpu import install_cpu_support
+        from ..trl_hooks import async_grpo_cpu
 
         check_version("trl")
         trl_async.check_hooks(__class__, type(self))
         check_version("vllm")  # where it is installed: the trainer drives TRL's vLLM server either way
-        on_cpu = install_cpu_support()  # no-op (False) with CUDA
+        on_cpu = async_grpo_cpu.install_cpu_support()  # no-op (False) with CUDA
+        if not on_cpu:
+            async_grpo_cpu.require_kernels()  # TRL's packed attention on a GPU: a clear error now, not at step 1
         self._rc_probe = None
         if weight_transfer is None and on_cpu and kwargs.get("rollout_worker") is None:
             weight_transfer = self._cpu_weight_transfer(args)
+        self._rc_server_checked = True
         if kwargs.get("rollout_worker") is None:
             self._rc_probe = ServerProbe(args.vllm_server_base_url, args.server_unreachable_timeout_s)
             self._check_served_model(args, model)
+            token = self._server_token(args)
+            send_token_from_trl_client(args.vllm_server_base_url, token)  # TRL's client sends no header itself
+            self._rc_server_checked = check_server_info(args.vllm_server_base_url, token)
         super().__init__(model, reward_funcs, args, *rest, weight_transfer=weight_transfer, **kwargs)
         self._rc_freeze()  # the correction this trainer checked: a change to args raises from now on
         self._rc_stats = RolloutStats()
@@ -102,6 +111,16 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
                         cfg.rollout_token_veto_threshold, "policy gradient" if cfg.use_policy_gradient else "PPO-clip")
 
     @staticmethod
+    def _server_token(args: RolloutCorrAsyncGRPOConfig) -> str | None:
+        """The control token of the server at ``args.vllm_server_base_url`` (None: none found)."""
+        from urllib.parse import urlparse
+
+        from ..vllm.security import find_token
+
+        url = urlparse(args.vllm_server_base_url)
+        return find_token(url.port, args.vllm_server_control_token_file, url.hostname)
+
+    @staticmethod
     def _cpu_weight_transfer(args: RolloutCorrAsyncGRPOConfig):
         """CPUFileWeightTransfer to ``args.vllm_server_base_url``, with the server's control token; the server must
         answer now (a clear error otherwise, before any model is loaded)."""
@@ -109,7 +128,6 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
 
         import requests
 
-        from ..vllm.security import find_token
         from .transfer import CPUFileWeightTransfer
 
         url = args.vllm_server_base_url.rstrip("/")
@@ -120,7 +138,7 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
                 f"No vLLM server answers at {url} ({type(error).__name__}). Start it first, e.g. `trl-rollout-corr "
                 f"vllm-serve-async MODEL --port {urlparse(url).port or 8000} --dtype float32`, and wait until it "
                 "prints that it is ready.") from error
-        token = find_token(urlparse(url).port, args.vllm_server_control_token_file)
+        token = RolloutCorrAsyncGRPOTrainer._server_token(args)
         return CPUFileWeightTransfer(url, token=token, sync_dir=args.vllm_weight_sync_dir,
                                      timeout=float(args.weight_sync_timeout))
 
@@ -130,13 +148,12 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
         under another name answers 404 forever (the trainer would wait without end). Checked when the server answers."""
         import requests
 
-        from ..vllm.security import TOKEN_HEADER, find_token
-        from urllib.parse import urlparse
+        from ..vllm.security import TOKEN_HEADER
 
         if not isinstance(model, str):
             return
         url = args.vllm_server_base_url.rstrip("/")
-        token = find_token(urlparse(url).port, args.vllm_server_control_token_file)
+        token = RolloutCorrAsyncGRPOTrainer._server_token(args)
         try:
             answer = requests.get(f"{url}/v1/models", timeout=10, headers={TOKEN_HEADER: token} if token else {})
             body = answer.json() if answer.status_code == 200 else None
@@ -167,6 +184,8 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
             return super().get_train_dataloader()
 
     def _sync_weight(self) -> None:
+        if not self._rc_server_checked and self.accelerator.is_main_process:  # the server was not up at construction
+            self._rc_server_checked = check_server_info(self.args.vllm_server_base_url, self._server_token(self.args))
         trl_async.sync_weight(self, __class__)
         version = torch.tensor([self.model_version], dtype=torch.long, device=self.accelerator.device)
         if self.accelerator.num_processes > 1 and dist.is_initialized():

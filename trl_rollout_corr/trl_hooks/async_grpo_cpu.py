@@ -53,3 +53,22 @@ def install_cpu_support() -> bool:
         peak_flops_or_none._trl_rollout_corr = True
         async_grpo_trainer.get_peak_flops_per_device = peak_flops_or_none
     return True
+
+
+KERNELS_EXTRA = "trl-rollout-corr[kernels]"
+
+
+def require_kernels() -> None:
+    """On a CUDA/ROCm machine (no CPU support installed), TRL's tree attention imports the ``kernels`` package at the
+    first forward and downloads ``kernels-community/flash-attn3`` (``aiter-flash-attn`` on ROCm) from the Hugging Face
+    Hub (``packing._flash_attn``): without the package that is an ImportError deep inside the first training step.
+    Raise it at construction instead, naming the extra that installs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("kernels") is None:
+        raise ImportError(
+            "TRL's asynchronous GRPO trainer on a GPU runs its packed attention with the Hub kernel "
+            "kernels-community/flash-attn3 (aiter-flash-attn on ROCm) through the `kernels` package, which is not "
+            f"installed. Install it: pip install \"{KERNELS_EXTRA}\" (TRL's `kernels` extra). The kernel itself is "
+            "downloaded from the Hugging Face Hub at the first forward: a machine without network needs it in its "
+            "Hugging Face cache beforehand.")

@@ -18,6 +18,11 @@
 * On its ``VLLMClient`` (server mode), :func:`client_session` is the ``requests.Session`` every request of the client
   goes through (the package sends its own requests to the server on it), and :func:`mount_client_adapter` mounts a
   transport adapter on it for ``http://`` and ``https://`` (in place of the retrying one TRL mounts).
+* :func:`weights_sleeping` reads whether TRL's colocated engine sleeps with its weights discarded
+  (``_llm_weights_sleeping``, sleep mode), so the sync schedule lets TRL's own re-push through.
+* TRL's asynchronous client (``trl.experimental.async_grpo.vllm_client``) sends module-level ``requests.get/post``:
+  :func:`route_async_client_requests` rebinds that module's ``requests`` to a stand-in that routes the requests to
+  one server (the control token) and passes every other request to ``requests``.
 
 A failed check raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`, naming the installed TRL
 version.
@@ -179,3 +184,68 @@ def server_client(gen: Any) -> Any:
         raise TrlInternalsChanged(f"{type(gen).__name__}.vllm_client is {type(client).__name__} without a base_url: "
                                   "this package sends its own requests to the vLLM server through TRL's client")
     return client
+
+
+def weights_sleeping(gen: Any) -> bool:
+    """Whether TRL's colocated engine sleeps at level 2 with its weights discarded (``vllm_enable_sleep_mode``):
+    ``gen._llm_weights_sleeping``, which TRL 1.16 sets after each generation and clears in ``sync_weights``; its
+    ``generate`` then calls ``sync_weights()`` to re-push them. False when sleep mode is off."""
+    if gen.mode != "colocate" or not getattr(gen, "enable_sleep_mode", False):
+        return False
+    if not hasattr(gen, "_llm_weights_sleeping"):
+        raise TrlInternalsChanged(f"{type(gen).__name__}._llm_weights_sleeping is gone: with vllm_enable_sleep_mode "
+                                  "the sync schedule lets TRL's re-push of discarded weights through by it")
+    return bool(gen._llm_weights_sleeping)
+
+
+# TRL 1.16's asynchronous GRPO client (``trl.experimental.async_grpo.vllm_client.VLLMClient``) sends every request with
+# the module-level ``requests.get`` / ``requests.post`` (no session, no headers): the control token reaches it only
+# through that module's ``requests`` name.
+_ASYNC_CLIENT_MODULE = "trl.experimental.async_grpo.vllm_client"
+
+
+class _RoutedRequests:
+    """Stands for the ``requests`` module in TRL's async client module: a request to a URL under one of ``routes``'
+    prefixes goes through ``routes[prefix](method, url, kwargs, send)``; everything else is ``requests`` itself."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.routes: dict[str, Callable] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def request(self, method: str, url: str, **kwargs: Any) -> Any:
+        for prefix, route in self.routes.items():
+            if str(url).startswith(prefix):
+                return route(method, url, kwargs, self._real.request)
+        return self._real.request(method, url, **kwargs)
+
+    def get(self, url: str, params: Any = None, **kwargs: Any) -> Any:
+        return self.request("GET", url, params=params, **kwargs)
+
+    def post(self, url: str, data: Any = None, json: Any = None, **kwargs: Any) -> Any:
+        return self.request("POST", url, data=data, json=json, **kwargs)
+
+    def put(self, url: str, data: Any = None, **kwargs: Any) -> Any:
+        return self.request("PUT", url, data=data, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> Any:
+        return self.request("DELETE", url, **kwargs)
+
+
+def route_async_client_requests(base_url: str, route: Callable) -> None:
+    """From now on, every request TRL's asynchronous ``VLLMClient`` sends to ``base_url`` goes through
+    ``route(method, url, kwargs, send)`` (``send(method, url, **kwargs)`` is ``requests.request``): the control token
+    rides on it. Requests to other URLs are untouched."""
+    import importlib
+
+    module = importlib.import_module(_ASYNC_CLIENT_MODULE)
+    current = getattr(module, "requests", None)
+    if not isinstance(current, _RoutedRequests):
+        if not callable(getattr(current, "get", None)) or not callable(getattr(current, "post", None)):
+            raise TrlInternalsChanged(f"{_ASYNC_CLIENT_MODULE} no longer sends its requests through the requests "
+                                      "module: the vLLM server's control token cannot reach TRL's async client")
+        current = _RoutedRequests(current)
+        module.requests = current
+    current.routes[base_url.rstrip("/")] = route

