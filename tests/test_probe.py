@@ -166,3 +166,12 @@ def test_probe_command_end_to_end(tmp_path, capsys):
     assert "per-token KL" in out
     saved = json.load(open(tmp_path / "out" / "probe" / "probe.json"))
     assert saved["tokens"]["count"] > 0 and saved["tokens"]["k3"] > 0
+
+
+def test_the_setup_notes_name_a_sampler_setting_the_trainer_cannot_reproduce(trainer_with):
+    from trl_rollout_corr.probe import configuration_notes
+
+    trainer = trainer_with("none", repetition_penalty=1.3)
+    notes = configuration_notes(trainer)
+    assert any(note.startswith("repetition_penalty=1.3") for note in notes), notes
+    assert not any("changes pi_rollout" in note for note in configuration_notes(trainer_with("none")))

@@ -127,13 +127,11 @@ def configuration_notes(trainer: Any) -> list[str]:
     autocast = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     notes.append(f"trainer parameters {train_dtype}, autocast {autocast or 'off'}"
                  + (f", vLLM dtype {getattr(args, 'vllm_dtype', None) or 'auto'}" if args.use_vllm else ""))
-    if (trainer.repetition_penalty or 1.0) != 1.0:
-        notes.append(f"repetition_penalty={trainer.repetition_penalty}: the trainer does not reproduce it, every "
-                     "repeated token's ratio is biased")
-    gen = args.generation_kwargs or {}
-    for key in ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words"):
-        if gen.get(key):
-            notes.append(f"generation_kwargs[{key!r}] changes pi_rollout in a way the trainer does not reproduce")
+    from .trainer import pi_rollout_modifiers
+
+    for setting in pi_rollout_modifiers(args, trainer.repetition_penalty):
+        notes.append(f"{setting} changes pi_rollout in a way the trainer does not reproduce: the ratios of the "
+                     "tokens it touches are biased")
     return notes
 
 
