@@ -16,7 +16,8 @@ from .core.divergence import parse_divergence_criteria
 from .core.params import CorrectionParams
 from .losses import loss_anchor, weights_advantage
 from .trl_names import TRL_DEFAULT
-from .verl_names import ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_criteria_string, translate_rollout_rs
+from .verl_names import (ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
+                         translate_rollout_rs)
 from .core.rejection import RS_LEVELS
 from .core.weights import IS_BOUNDS, IS_LEVELS
 
@@ -39,7 +40,9 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     Args:
         rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
-        rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none).
+        rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none). verl's ``"lower_upper"``
+            string (``"0.5_5.0"``) means IcePop: C = upper, ``rollout_is_threshold_lower`` = lower and
+            ``rollout_is_bound="mask"``.
         rollout_is_threshold_lower: C_lower, the lower bound of the IS weight (``None``: none).
         rollout_is_bound: what happens to a weight outside [C_lower, C]: ``"truncate"`` clips it to the bound (TIS),
             ``"mask"`` sets it to 0 (masked IS, TRL's ``*_mask`` modes; the token keeps its place in the loss's
@@ -77,7 +80,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     PRESETS: ClassVar[tuple[str, ...]] = (
         "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "trl_default",
+        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "decoupled_token_band_rs", "trl_default",
     )
 
     def __post_init__(self) -> None:
@@ -107,6 +110,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             raise ValueError(f"rollout_is must be a string or None, got {self.rollout_is!r}.")
         self.rollout_is = none_if_unset(self.rollout_is)
         self.rollout_rs = none_if_unset(self.rollout_rs)
+        self._parse_is_threshold_string()
         if is_criteria_string(self.rollout_rs):  # verl's spelling: divergence criteria in rollout_rs
             if self.rollout_rs_criteria is not None or self.rollout_rs_threshold_lower is not None:
                 raise ValueError(f"rollout_rs={self.rollout_rs!r} (verl's criteria spelling) together with "
@@ -163,6 +167,20 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                              "bypass PPO applies no IS weight (its PPO ratio already is pi_theta/pi_rollout), so "
                              "normalizing the weights would change nothing but a metric. Set "
                              "rollout_is_batch_normalize=False, or use_policy_gradient=True.")
+
+    def _parse_is_threshold_string(self) -> None:
+        """verl's string IS threshold: ``"lower_upper"`` is IcePop (mask outside the band), ``"2.0"`` a number."""
+        if not isinstance(self.rollout_is_threshold, str):
+            return
+        band = is_band_string(self.rollout_is_threshold)
+        if band and self.rollout_is_threshold_lower is not None:
+            raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold!r} (verl's 'lower_upper' IcePop band) "
+                             f"together with rollout_is_threshold_lower={self.rollout_is_threshold_lower!r}: use one "
+                             "spelling (the band string, or a number with rollout_is_threshold_lower).")
+        upper, lower = parse_is_threshold(self.rollout_is_threshold)
+        self.rollout_is_threshold = upper
+        if band:
+            self.rollout_is_threshold_lower, self.rollout_is_bound = lower, "mask"
 
     def _validate_is_bound(self) -> None:
         self.rollout_is_bound = none_if_unset(self.rollout_is_bound) or "truncate"
@@ -285,10 +303,20 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                              use_policy_gradient=True), **overrides})
 
     @classmethod
-    def icepop(cls, lower: float = 0.5, upper: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Two-sided token masking ("IcePop"): decoupled PPO, no IS weight, tokens with rho outside [lower, upper]
-        leave the loss."""
-        return cls(**{**ICEPOP, "rollout_rs_threshold": upper, "rollout_rs_threshold_lower": lower, **overrides})
+    def icepop(cls, lower: float = 0.5, upper: float = 5.0, **overrides: Any) -> RolloutCorrectionConfig:
+        """IcePop (Ling Team, Ring-1T, arXiv:2510.18855; verl's ``decoupled_token_icepop``): decoupled PPO with the
+        token weight w_t = rho_t * 1[lower <= rho_t <= upper], rho_t = pi_old / pi_rollout. A token outside the band
+        gets weight 0 and stays in the loss's token count (a weight, not a rejection)."""
+        return cls(**{**ICEPOP, "rollout_is_threshold": upper, "rollout_is_threshold_lower": lower, **overrides})
+
+    @classmethod
+    def decoupled_token_band_rs(cls, lower: float = 0.5, upper: float = 2.0,
+                                **overrides: Any) -> RolloutCorrectionConfig:
+        """Two-sided token rejection (this package's ``icepop`` before IcePop meant the field's IcePop): decoupled
+        PPO, no IS weight, a token with rho_t = pi_old / pi_rollout outside [lower, upper] leaves the loss and its
+        token count."""
+        return cls(**{**dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=upper,
+                             rollout_rs_threshold_lower=lower), **overrides})
 
     @classmethod
     def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> RolloutCorrectionConfig:
