@@ -19,6 +19,7 @@ PRESETS = {
     "disabled": (None, 2.0, False, None, None, None, None, False, False, None, "truncate"),
     "icepop": ("token", 5.0, False, None, None, None, None, False, False, 0.5, "mask"),
     "decoupled_token_band_rs": (None, 2.0, False, "token", 2.0, 0.5, None, False, False, None, "truncate"),
+    "m2po": (None, 2.0, False, None, None, None, None, False, False, None, "truncate"),
     "trl_default": ("sequence", 3.0, False, None, None, None, None, False, False, None, "mask"),
 }
 

@@ -28,7 +28,8 @@ def inputs():
 
 
 @pytest.mark.parametrize("spelling", [
-    dict(preset="icepop"), dict(preset="decoupled_token_icepop"), dict(rollout_is="token", rollout_is_threshold="0.5_5"),
+    dict(preset="icepop"), dict(preset="decoupled_token_icepop"),
+    dict(rollout_is="token", rollout_is_threshold="0.5_5"),
     dict(rollout_is="token", rollout_is_threshold="0.5_5.0", bypass_mode=True, use_policy_gradient=True),
     dict(preset="bypass_pg_token_icepop"),
 ])

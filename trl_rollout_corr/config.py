@@ -19,6 +19,7 @@ from .trl_names import TRL_DEFAULT
 from .verl_names import (ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
                          translate_rollout_rs)
 from .core.rejection import RS_LEVELS
+from .core.second_moment import M2_SCOPES
 from .core.weights import IS_BOUNDS, IS_LEVELS
 
 CONFIG_NAME = "rollout_correction_config.json"
@@ -57,8 +58,13 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             (see :mod:`trl_rollout_corr.core.divergence`).
         rollout_rs_criteria_threshold: one value per criterion, comma-separated: k1 takes ratio bounds
             ``"lower_upper"`` or an upper (lower = 1/upper); k2/k3 take an upper bound.
-        rollout_m2_threshold: tau of the second-moment mask (M2PO-style): the tokens with the largest (log rho)^2 leave
-            the loss until the batch's mean (log rho)^2 of the rest is <= tau (``None`` = off; M2PO uses 0.04).
+        rollout_m2_threshold: tau of the second-moment mask (M2PO, arXiv:2510.01161): the tokens with the largest
+            (log rho)^2 are masked until the batch's mean (log rho)^2 of the rest is <= tau (``None`` = off; M2PO
+            uses 0.04).
+        rollout_m2_scope: which tokens that mask may take: ``"all"`` (AReaL's ``m2_threshold``: any valid token, and
+            a masked token is rejected, out of the loss's token count) or ``"trust_region"`` (M2PO's final
+            Algorithm 1: only tokens on the active side of PPO's trust region, A > 0 with rho > 1 or A < 0 with
+            rho < 1, and a masked token's advantage is set to 0, the token kept in the count).
         bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
         use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
     """
@@ -75,12 +81,14 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     rollout_rs_criteria: str | None = None
     rollout_rs_criteria_threshold: str | None = None
     rollout_m2_threshold: float | None = None
+    rollout_m2_scope: str = "all"
     bypass_mode: bool = False
     use_policy_gradient: bool = False
 
     PRESETS: ClassVar[tuple[str, ...]] = (
         "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "decoupled_token_band_rs", "trl_default",
+        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "decoupled_token_band_rs", "m2po",
+        "trl_default",
     )
 
     def __post_init__(self) -> None:
@@ -156,6 +164,15 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         parse_divergence_criteria(self.rollout_rs_criteria, self.rollout_rs_criteria_threshold)  # raises with the fix
         if self.rollout_m2_threshold is not None:
             _positive("rollout_m2_threshold", self.rollout_m2_threshold, "the bound on the mean (log rho)^2, e.g. 0.04")
+        self.rollout_m2_scope = none_if_unset(self.rollout_m2_scope) or "all"
+        if self.rollout_m2_scope not in M2_SCOPES:
+            raise ValueError(f"rollout_m2_scope must be 'all' (AReaL's second-moment mask: any token, rejected) or "
+                             f"'trust_region' (M2PO's final algorithm: the trust region's active side, advantage set "
+                             f"to 0), got {self.rollout_m2_scope!r}.")
+        if self.rollout_m2_scope != "all" and self.rollout_m2_threshold is None:
+            raise ValueError(f"rollout_m2_scope={self.rollout_m2_scope!r} is set but rollout_m2_threshold is None, so "
+                             "it would be ignored: set rollout_m2_threshold (tau, e.g. 0.04) or leave rollout_m2_scope "
+                             "at 'all'.")
         if self.rollout_token_veto_threshold is not None:
             _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold,
                       "typically 1e-4 .. 1e-6, or None")
@@ -226,14 +243,22 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @property
     def is_enabled(self) -> bool:
-        """Whether anything changes the loss (IS weights applied, RS, divergence criteria or veto)."""
-        return (self.applies_is_weights or self.masks_tokens)
+        """Whether anything changes the loss (IS weights applied, RS, divergence criteria, veto, the M2 mask)."""
+        return (self.applies_is_weights or self.masks_tokens or self.zeroes_advantages)
 
     @property
     def masks_tokens(self) -> bool:
-        """Whether rejection (RS, divergence criteria, the second-moment mask) or the veto can remove tokens."""
+        """Whether rejection (RS, divergence criteria, the all-token second-moment mask) or the veto can remove
+        tokens from the loss and its token count."""
         return (self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
-                or self.rollout_rs_criteria is not None or self.rollout_m2_threshold is not None)
+                or self.rollout_rs_criteria is not None
+                or (self.rollout_m2_threshold is not None and self.rollout_m2_scope == "all"))
+
+    @property
+    def zeroes_advantages(self) -> bool:
+        """Whether M2PO's trust-region mask can set a token's advantage to 0 (the token kept in the loss's count):
+        the trainers then hand the core the advantages."""
+        return self.rollout_m2_threshold is not None and self.rollout_m2_scope == "trust_region"
 
     def params(self) -> CorrectionParams:
         """The frozen view the core reads (:func:`~trl_rollout_corr.core.compute_rollout_correction_stats`), the RS
@@ -247,7 +272,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             rollout_rs_criteria=self.rollout_rs_criteria,
             rollout_rs_criteria_threshold=self.rollout_rs_criteria_threshold,
             rollout_is_threshold_lower=self.rollout_is_threshold_lower, rollout_is_bound=self.rollout_is_bound,
-            rollout_m2_threshold=self.rollout_m2_threshold,
+            rollout_m2_threshold=self.rollout_m2_threshold, rollout_m2_scope=self.rollout_m2_scope,
         )
 
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -317,6 +342,15 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         token count."""
         return cls(**{**dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=upper,
                              rollout_rs_threshold_lower=lower), **overrides})
+
+    @classmethod
+    def m2po(cls, tau: float = 0.04, **overrides: Any) -> RolloutCorrectionConfig:
+        """M2PO's final algorithm (Zheng, Zhao & Chen, arXiv:2510.01161, ICLR 2026, Algorithm 1): decoupled PPO, no
+        IS weight; among the tokens on the active side of PPO's trust region (A > 0 with rho > 1, A < 0 with
+        rho < 1; rho = pi_old / pi_rollout) the largest (log rho)^2 get advantage 0 until the mean (log rho)^2 of the
+        rest of them is <= tau; they stay in the loss's token count (the original denominator)."""
+        return cls(**{**dict(rollout_is=None, rollout_m2_threshold=tau, rollout_m2_scope="trust_region"),
+                      **overrides})
 
     @classmethod
     def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> RolloutCorrectionConfig:

@@ -78,8 +78,12 @@ class RolloutCorrectionFields:
     rollout_rs_criteria_threshold: str | None = field(default=None, metadata={
         "help": "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); k2/k3 upper."})
     rollout_m2_threshold: float | str | None = field(default=None, metadata={
-        "help": "Second-moment mask (M2PO-style): mask the tokens with the largest (log rho)^2 until the batch's mean "
-                "(log rho)^2 is <= this tau (e.g. 0.04); default off."})
+        "help": "Second-moment mask (M2PO): mask the tokens with the largest (log rho)^2 until the batch's mean "
+                "(log rho)^2 is <= this tau (e.g. 0.04); default off. rollout_m2_scope picks the candidates."})
+    rollout_m2_scope: str | None = field(default=None, metadata={
+        "help": "Tokens the second-moment mask may take: all (AReaL's m2_threshold: any token, rejected; default) | "
+                "trust_region (M2PO's final algorithm: A > 0 with rho > 1 or A < 0 with rho < 1, advantage set to 0, "
+                "kept in the loss's token count)."})
     require_rollout_logprobs: bool = field(default=False, metadata={
         "help": "Raise instead of training a sample uncorrected when its sampler's per-token log-probs are missing "
                 "(a mocked, wrapped or remote generate; a rollout_func that returns none)."})
@@ -158,6 +162,9 @@ class RolloutCorrectionFields:
             # verl's IcePop band sets the lower bound and the bound mode itself
             base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
             base["rollout_is_bound"] = explicit.get("rollout_is_bound", "mask")
+        if "rollout_m2_threshold" in explicit and explicit["rollout_m2_threshold"] is None:
+            # switching the mask off also drops the base's scope unless it was set here
+            base["rollout_m2_scope"] = explicit.get("rollout_m2_scope", "all")
         if "rollout_is" in explicit and explicit["rollout_is"] is None:
             # switching IS off also drops the base's IS bound settings unless they were set here
             base["rollout_is_bound"] = explicit.get("rollout_is_bound", "truncate")
