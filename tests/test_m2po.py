@@ -148,3 +148,48 @@ def test_the_trainer_config_carries_the_scope(tmp_path):
     assert args.rollout_correction == Cfg.m2po(tau=0.1) and args.rollout_m2_scope == "trust_region"
     args.rollout_m2_threshold = "none"  # switching the mask off drops the preset's scope with it
     assert args.rollout_correction.rollout_m2_threshold is None and args.rollout_correction.rollout_m2_scope == "all"
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_the_trainer_hands_trl_the_zeroed_advantages(tmp_path, bypass):
+    """Our loss and gradients == TRL's own ``_compute_loss`` (dapo) fed A_t * z_t, z = 0 on the tokens Algorithm 1
+    takes (re-derived here from the batch's pi_train, pi_rollout and A) and the FULL token count as normalizer."""
+    from trl import GRPOTrainer
+
+    from trainer_utils import make_trainer
+    from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
+
+    extra = dict(bypass_mode=True) if bypass else dict(pi_old_source="forward")
+    trainer, _ = make_trainer(tmp_path, preset="m2po", rollout_m2_threshold=1e-4, max_steps=1, loss_type="dapo",
+                              rollout_sampler=EmulatedRolloutEngine("wq3"), **extra)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer inside train()
+    batch = trainer._generate_and_score_completions(trainer.train_dataset.select(range(8)).to_list())
+    mask = batch["completion_mask"]  # (B, T)
+    sampling = batch["sampling_per_token_logps"]  # (B, T)
+    with torch.no_grad():
+        train = trainer._get_per_token_logps_and_entropies(  # pi_old (decoupled) = pi_theta (bypass) here
+            trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], mask], 1), mask.size(1))[0] if bypass else batch["old_per_token_logps"]
+    want = reference_zeroed((train - sampling).double().tolist(), mask.bool().tolist(),
+                            batch["advantages"].double().tolist(), 1e-4)
+    assert any(map(any, want)), "the mask must take some token for this test to mean anything"
+    if not bypass:
+        assert (batch["rc_advantage_mask"] == 0).tolist() == want
+
+    def loss_and_grad(fn, inputs):
+        trainer.model.zero_grad()
+        loss = fn(inputs)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    ours = loss_and_grad(lambda b: trainer.compute_loss(trainer.model, b), batch)
+    trl_batch = {k: v for k, v in batch.items() if not k.startswith("rc_")}
+    trl_batch["advantages"] = batch["advantages"][:, None] * (1.0 - torch.tensor(want, dtype=torch.float32))
+    trl_batch["num_items_in_batch"] = mask.sum()  # the original denominator: every valid token
+    if bypass:
+        trl_batch["old_per_token_logps"] = sampling  # bypass PPO: TRL's ratio is pi_theta / pi_rollout
+    theirs = loss_and_grad(lambda b: GRPOTrainer._compute_loss(trainer, trainer.model, b), trl_batch)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
