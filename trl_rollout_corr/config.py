@@ -65,6 +65,12 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             a masked token is rejected, out of the loss's token count) or ``"trust_region"`` (M2PO's final
             Algorithm 1: only tokens on the active side of PPO's trust region, A > 0 with rho > 1 or A < 0 with
             rho < 1, and a masked token's advantage is set to 0, the token kept in the count).
+        rollout_rs_exclude_from_baseline: leave the samples the correction rejects entirely (no kept token) out of
+            their GRPO group's baseline (mean and std of the rewards) and give them advantage 0, so that "rejected =
+            treated as not drawn" also holds for the advantages of the others. The rejection must be known when the
+            advantages are formed: the trainer then computes the correction at generation time (decoupled mode:
+            one pi_old forward per generation batch; bypass mode: only with one optimizer step per generation
+            batch). Needs a rejection (``rollout_rs``, the criteria, the veto or the all-token M2 mask).
         bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
         use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
     """
@@ -82,6 +88,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     rollout_rs_criteria_threshold: str | None = None
     rollout_m2_threshold: float | None = None
     rollout_m2_scope: str = "all"
+    rollout_rs_exclude_from_baseline: bool = False
     bypass_mode: bool = False
     use_policy_gradient: bool = False
 
@@ -176,6 +183,17 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         if self.rollout_token_veto_threshold is not None:
             _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold,
                       "typically 1e-4 .. 1e-6, or None")
+        if self.rollout_rs_exclude_from_baseline and not self.masks_tokens:
+            raise ValueError("rollout_rs_exclude_from_baseline=True but nothing can reject a sample (rollout_rs, "
+                             "rollout_rs_criteria, rollout_token_veto_threshold and the all-token M2 mask are off; "
+                             "IS masks and M2PO's trust-region mask set weights to 0 and reject nothing), so it would "
+                             "change nothing: set a rejection or rollout_rs_exclude_from_baseline=False.")
+        if self.rollout_rs_exclude_from_baseline and self.zeroes_advantages:
+            raise ValueError("rollout_rs_exclude_from_baseline=True with rollout_m2_scope='trust_region': M2PO's "
+                             "trust region is decided on the sign of the advantages, which leaving the rejected "
+                             "samples out of the baselines changes after the correction ran, so the two cannot both "
+                             "be exact yet. Use one of them (rollout_rs_exclude_from_baseline=False, or "
+                             "rollout_m2_scope='all').")
         if self.use_policy_gradient and not self.bypass_mode:
             raise ValueError("use_policy_gradient=True requires bypass_mode=True (the policy-gradient loss uses "
                              "pi_old := pi_rollout); set bypass_mode=True or use_policy_gradient=False.")

@@ -84,6 +84,9 @@ class RolloutCorrectionFields:
         "help": "Tokens the second-moment mask may take: all (AReaL's m2_threshold: any token, rejected; default) | "
                 "trust_region (M2PO's final algorithm: A > 0 with rho > 1 or A < 0 with rho < 1, advantage set to 0, "
                 "kept in the loss's token count)."})
+    rollout_rs_exclude_from_baseline: bool | None = field(default=None, metadata={
+        "help": "Leave samples the correction rejects entirely out of their GRPO group's baseline (advantage 0 for "
+                "them); computes the correction at generation time."})
     require_rollout_logprobs: bool = field(default=False, metadata={
         "help": "Raise instead of training a sample uncorrected when its sampler's per-token log-probs are missing "
                 "(a mocked, wrapped or remote generate; a rollout_func that returns none)."})

@@ -26,6 +26,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from .core import compute_rollout_correction_stats
+from .core.group_baseline import baseline_stats, fully_rejected, group_advantages
 from .core.pipeline import rollout_usable_mask
 from .core.metric_names import metric
 from .core.stats import STAT_DTYPE, RolloutStats
@@ -106,6 +107,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         self._rc_apply_truncation = (self._rc_truncation is not None
                                      and self.args.truncated_support_correction is not False)
         self._rc_warned_missing = False
+        self._rc_rewards = None  # TRL's rewards of the batch being scored (rollout_rs_exclude_from_baseline)
         if self.accelerator.is_main_process:
             logger.info("Rollout correction: %s", self.correction_plan.describe())
         if self.use_vllm:  # engine dtype log, vllm_sync_interval, CPU server sync (trl_rollout_corr.vllm.engine)
@@ -214,11 +216,45 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
                 if value is not None:
                     output[key] = value  # (B, T)
             output["num_items_in_batch"] = self.accelerator.gather(correction.keep.sum()).sum()  # kept tokens, global
+            if self.rollout_correction.rollout_rs_exclude_from_baseline:
+                output["advantages"] = self._baseline_without_rejected(output["advantages"], correction.keep,
+                                                                       loss_mask)  # (B,)
         elif self.loss_type in KEPT_TOKEN_NORMALIZER_LOSSES:
             # samples with a non-finite pi_rollout leave the count
             usable = rollout_usable_mask(output["sampling_per_token_logps"], loss_mask, output["rc_rollout_seen"])
             output["num_items_in_batch"] = self.accelerator.gather(usable.sum()).sum()
         return output
+
+    def _calculate_rewards(self, *args, **kwargs):
+        """TRL's rewards per function (all processes), kept for :meth:`_baseline_without_rejected`."""
+        self._rc_rewards = trl_grpo.calculate_rewards(self, __class__, args, kwargs)  # (N, F)
+        return self._rc_rewards
+
+    @torch.no_grad()
+    def _baseline_without_rejected(self, advantages: torch.Tensor, keep: torch.Tensor,
+                                   loss_mask: torch.Tensor) -> torch.Tensor:
+        """This process's advantages with every fully rejected sample (all processes) left out of its group's
+        baseline and given advantage 0 (:func:`~trl_rollout_corr.core.group_baseline.group_advantages`).   (B,)
+
+        First checks that TRL's formula, re-applied to TRL's own rewards with nothing left out, gives TRL's
+        advantages (a TRL whose formula changed raises ``TrlInternalsChanged`` instead of training on another one).
+        """
+        rewards, self._rc_rewards = self._rc_rewards, None  # (N, F)
+        if rewards is None:
+            raise TrlInternalsChanged("GRPOTrainer._generate_and_score_completions formed advantages without calling "
+                                      "_calculate_rewards")
+        settings = trl_grpo.advantage_settings(self)
+        start = self.accelerator.process_index * advantages.size(0)
+        local = slice(start, start + advantages.size(0))  # TRL's process slice
+        trl_formula = group_advantages(rewards, **settings)[local]  # (B,)
+        if not torch.allclose(trl_formula, advantages.to(trl_formula.dtype), rtol=1e-5, atol=1e-6):
+            raise TrlInternalsChanged("GRPOTrainer's advantages are not TRL 1.16's group formula re-applied to its "
+                                      "rewards, so rollout_rs_exclude_from_baseline cannot recompute them")
+        rejected = self.accelerator.gather(fully_rejected(keep, loss_mask).to(torch.int32)).bool()  # (N,)
+        once = float(self.accelerator.is_main_process)  # the counts are global already: count them once
+        counts = baseline_stats(rejected)
+        self._rc_stats["train"].update(RolloutStats(sums={k: v * once for k, v in counts.sums.items()}))
+        return group_advantages(rewards, **settings, excluded=rejected)[local].to(advantages.dtype)  # (B,)
 
     @torch.no_grad()
     def _correct_generation_batch(self, output: dict, loss_mask: torch.Tensor) -> Correction:
