@@ -201,6 +201,7 @@ def _emitted_metric_names() -> frozenset[str]:
 
     from trl_rollout_corr.core import compute_rollout_correction_stats, finalize_stats
     from trl_rollout_corr.core.lag import finalize_lag, lag_stats
+    from trl_rollout_corr.core.group_baseline import finalize_baseline
     from trl_rollout_corr.core.truncation import finalize_truncation
 
     torch.manual_seed(0)
@@ -217,6 +218,7 @@ def _emitted_metric_names() -> frozenset[str]:
                                             rollout_m2_scope="trust_region", advantages=torch.tensor([1., -1, 1, -1]))
     names |= set(finalize_stats(m2po.stats))
     names |= set(finalize_truncation({"sum:trunc.n": 0.0}))
+    names |= set(finalize_baseline({"sum:baseline.n": 8.0, "sum:baseline.excluded_n": 1.0}))
     lag = lag_stats(old, rollout, mask, mask.bool(), mask.bool(), torch.tensor([0, 1, 1, 0]), 1, torch.ones(4, 6))
     names |= set(finalize_lag(lag.to_floats()))
     for path in (ROOT / "trl_rollout_corr").rglob("*.py"):
