@@ -497,8 +497,8 @@ def probe_engine(model_dir, out, **overrides):
 @requires_vllm
 def test_probe_on_colocated_vllm_measures_precision_and_separates_top_p(model_dir, tmp_path):
     """A bf16 engine (vLLM's auto dtype) with top_p=0.7 against the fp32 trainer: after renormalizing over vLLM's
-    kept set, what stays is the bf16 gap measured in training (k3 1e-7..1e-5, test_bfloat16_engine_mismatch_is_measured);
-    before, the truncation dominates."""
+    kept set, what stays is the bf16 gap measured in training (k3 1e-7..1e-5, as in
+    test_bfloat16_engine_mismatch_is_measured); before, the truncation dominates."""
     report = probe_engine(model_dir, tmp_path, vllm_dtype=None, top_p=0.7)
     assert report["samples_without_rollout_logprobs"] == 0 and report["tokens"]["count"] > 0
     assert 1e-7 < report["tokens"]["k3"] < 1e-5
