@@ -1,0 +1,675 @@
+"""Estimator map (issue 36, part 1): each correction's policy-gradient estimate against the on-policy gradient, no
+training.
+
+For completion length T x mismatch source x level, a batch of 64 engine samples (8 prompts x 8 completions, GRPO
+advantages from the task reward, computed by TRL) gives each method's gradient; over ``--batches`` batches this
+measures, against g* (the expectation of the same loss's gradient on on-policy samples of the trainer, from
+``--ref_batches`` batches, once per T):
+
+* bias = 1 - cos(mean estimate, g*);  relvar = E||g - Eg||^2 / ||g*||^2;  mse = E||g - g*||^2 / ||g*||^2;
+* cos_batch = E cos(g, g*) (scale-free: Adam largely absorbs a uniform scale); norm_ratio = ||Eg|| / ||g*||;
+* the method's effective per-token weight  w = c_method / c_none  (c = dLoss/d log pi_theta(token)): its token ESS
+  (sum w)^2 / (N sum w^2), range, the fraction of tokens with w = 0 and of sequences with every w = 0;
+* per cell: the measured per-token KL(pi_engine || pi_trainer) (k1 and k3 estimators on the engine's samples), T*KL,
+  the raw sequence weight's ESS and the small-mismatch theory exp(-2 T KL).
+
+The gradient is that of the output layer (``lm_head.weight``, V x d), in closed form from the coefficients:
+d log pi(y_t) / dW = (e_y - p_t) h_t^T, so g = sum_t c_t (e_{y_t} - p_t) h_t^T (one trainer forward per batch
+serves every method; ``tests/test_estimator_map.py`` checks it against autograd).
+
+Methods. ``none`` and TRL's four ``vllm_importance_sampling_mode`` s (C = 3, TRL's default clip_min) are computed by
+TRL's own code: TRL's ``GRPOTrainer`` (its vLLM switch on, the engine replaced by a rollout_func that returns this
+batch's engine samples and log-probs, as ``tests/test_trl_modes.py`` does) computes rewards, advantages and its IS
+ratio in ``_generate_and_score_completions``, and its ``_compute_loss`` gives the loss whose derivative in the
+per-token log-probs is c. The package's presets go through the package's core (``compute_rollout_correction_stats``)
+and ``losses.py`` (the inputs its trainer hands TRL's loss), then TRL's same ``_compute_loss``. The policy forward
+is the fp32 trainer's, with pi_old = pi_theta (one optimizer step per generation): the gradient at the sampled
+policy. TRL's private names are reached here, in a benchmark, as the tests reach them (``tests/test_trl_boundary.py``
+scans the package only).
+
+Run: ``python benchmarks/estimator_map.py --out DIR`` (or ``python benchmarks/mismatch_bench.py --map --out DIR``);
+``--smoke`` for one T, one source, one level, 2 batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+DIGITS = [str(d) for d in range(10)]
+SPECIAL = ["<pad>", "<eos>", "<unk>", "<bos>"]
+N_TAIL = 240  # rarely used tokens: the long low-probability tail of a real vocabulary
+VOCAB = SPECIAL + DIGITS + ["sum", "="] + [f"~{i:03d}" for i in range(N_TAIL)]
+DIGIT0 = len(SPECIAL)
+N_PROMPT_DIGITS = 4
+GROUP, PROMPTS_PER_BATCH = 8, 8
+BATCH = GROUP * PROMPTS_PER_BATCH
+TRL_C = 3.0
+M2_TAU = 0.04
+TARGET_KLS = (3e-4, 3e-3, 3e-2)
+
+
+# ---------------------------------------------------------------- task and model
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   bos_token="<bos>", padding_side="left")
+
+
+def build_model(hidden: int = 64, layers: int = 2, seed: int = 0, max_len: int = 1100):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=max_len, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=3)
+    model = Qwen2ForCausalLM(cfg).eval()
+    return model
+
+
+def prompt_digits(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 10, (n, N_PROMPT_DIGITS), generator=gen)  # (N, 4)
+
+
+def prompt_ids(digits: torch.Tensor) -> torch.Tensor:
+    n = digits.size(0)
+    head = torch.full((n, 1), VOCAB.index("sum"))  # (N, 1)
+    tail = torch.full((n, 1), VOCAB.index("="))  # (N, 1)
+    return torch.cat([head, digits + DIGIT0, tail], dim=1)  # (N, P)
+
+
+def targets(digits: torch.Tensor, T: int) -> torch.Tensor:
+    """Running sums: y_t = (y_{t-1} + x_{t mod 4}) mod 10, y_{-1} = 0 (an early error ruins the rest, as in CoT)."""
+    x = digits.repeat(1, T // N_PROMPT_DIGITS + 1)[:, :T]  # (N, T)
+    return torch.cumsum(x, dim=1) % 10  # (N, T)
+
+
+def reward_from_ids(digits: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+    """Fraction of steps consistent with the rule given the previous token: 1[y_t = (y_{t-1} + x_{t mod 4}) mod 10]
+    (a non-digit token counts as wrong and as 0 for the next step)."""
+    T = completion.size(1)
+    y = completion - DIGIT0  # (N, T)
+    is_digit = (y >= 0) & (y < 10)  # (N, T)
+    y = torch.where(is_digit, y, torch.zeros_like(y))  # (N, T)
+    prev = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)  # (N, T)
+    x = digits.repeat(1, T // N_PROMPT_DIGITS + 1)[:, :T]  # (N, T)
+    ok = is_digit & (y == (prev + x) % 10)  # (N, T)
+    return ok.float().mean(1)  # (N,)
+
+
+def supervised_warmup(model, steps: int, T: int, lr: float = 3e-3, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        d = prompt_digits(64, gen)  # (64, 4)
+        ids = torch.cat([prompt_ids(d), targets(d, T) + DIGIT0], dim=1)  # (64, P+T)
+        labels = ids.clone()
+        labels[:, : N_PROMPT_DIGITS + 2] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+# ---------------------------------------------------------------- engines (mismatch sources)
+def fp8_like(model):
+    """Every Linear weight cast to float8_e4m3fn with a per-tensor scale (amax / 448) and back (FlashRL-like)."""
+    eng = copy.deepcopy(model)
+    with torch.no_grad():
+        for mod in eng.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight
+                scale = w.abs().max().clamp(min=1e-12) / 448.0
+                mod.weight.copy_((w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale)
+    return eng
+
+
+class Engine:
+    """A sampler: a model (another dtype, quantized weights or an older checkpoint) and a logits transform (noise,
+    truncation). Samples T tokens from its own distribution and reports its log-prob of each (the renormalized one
+    for truncation, as vLLM's processed log-probs)."""
+
+    def __init__(self, model, kind: str = "exact", knob: float = 0.0):
+        self.model, self.kind, self.knob = model, kind, knob
+
+    def log_probs(self, logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        z = logits.float().log_softmax(-1)  # (N, V)
+        if self.kind == "heavy":  # dense noise + sparse spikes on low-probability tokens (Liu et al.'s mechanism)
+            noise = torch.randn(z.shape, generator=gen)  # (N, V)
+            spike = (torch.rand(z.shape, generator=gen) < 0.01) & (z < math.log(1e-3))  # (N, V)
+            z = (z + self.knob * (noise + 10.0 * spike)).log_softmax(-1)  # (N, V)
+        elif self.kind == "top_p":
+            p = z.exp()  # (N, V)
+            sp, idx = p.sort(-1, descending=True)  # (N, V)
+            drop_sorted = (sp.cumsum(-1) - sp) >= self.knob  # (N, V) mass before the token already >= top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)  # (N, V)
+            z = z.masked_fill(drop, -math.inf).log_softmax(-1)  # (N, V)
+        elif self.kind == "top_k":
+            kth = z.topk(int(self.knob), dim=-1).values[:, -1:]  # (N, 1)
+            z = z.masked_fill(z < kth, -math.inf).log_softmax(-1)  # (N, V)
+        return z  # (N, V)
+
+    @torch.no_grad()
+    def sample(self, prompts: torch.Tensor, T: int, gen: torch.Generator):
+        """(completions (N, T), engine log-probs (N, T))."""
+        out = self.model(input_ids=prompts, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]  # (N, V)
+        ys, lps = [], []
+        for _ in range(T):
+            z = self.log_probs(logits, gen)  # (N, V)
+            y = torch.multinomial(z.exp(), 1, generator=gen)  # (N, 1)
+            ys.append(y)
+            lps.append(z.gather(1, y))  # (N, 1)
+            out = self.model(input_ids=y, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]  # (N, V)
+        return torch.cat(ys, 1), torch.cat(lps, 1)  # (N, T), (N, T)
+
+
+# ---------------------------------------------------------------- the trainer's forward and the lm_head gradient
+class Forward(SimpleNamespace):
+    logp: torch.Tensor  # (B, T) log pi_theta of the sampled tokens
+    probs: torch.Tensor  # (B*T, V) pi_theta
+    hidden: torch.Tensor  # (B*T, d) lm_head input
+    tokens: torch.Tensor  # (B*T,)
+
+
+@torch.no_grad()
+def trainer_forward(model, prompts: torch.Tensor, completions: torch.Tensor) -> Forward:
+    captured = {}
+    handle = model.lm_head.register_forward_pre_hook(lambda mod, args: captured.__setitem__("h", args[0]))
+    try:
+        ids = torch.cat([prompts, completions], 1)  # (B, P+T)
+        logits = model(input_ids=ids).logits  # (B, P+T, V)
+    finally:
+        handle.remove()
+    P, T = prompts.size(1), completions.size(1)
+    logits = logits[:, P - 1:P - 1 + T].float()  # (B, T, V)
+    logprobs = logits.log_softmax(-1)  # (B, T, V)
+    logp = logprobs.gather(-1, completions.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    hidden = captured["h"][:, P - 1:P - 1 + T].float()  # (B, T, d)
+    return Forward(logp=logp, probs=logprobs.exp().reshape(-1, logits.size(-1)),
+                   hidden=hidden.reshape(-1, hidden.size(-1)), tokens=completions.reshape(-1))
+
+
+def lm_head_grads(fwd: Forward, coefs: torch.Tensor) -> torch.Tensor:
+    """g_m = sum_t c_m,t (e_{y_t} - p_t) h_t^T for M coefficient sets (M, B, T) at once.   (M, V, d)"""
+    M = coefs.size(0)
+    c = coefs.reshape(M, -1).to(fwd.hidden.dtype)  # (M, N)
+    V, d = fwd.probs.size(1), fwd.hidden.size(1)
+    ch = c.unsqueeze(-1) * fwd.hidden.unsqueeze(0)  # (M, N, d)
+    g = torch.zeros(M, V, d, dtype=ch.dtype)  # (M, V, d)
+    g.index_add_(1, fwd.tokens, ch)  # (M, V, d)  sum_t c_t e_{y_t} h_t^T
+    g -= torch.einsum("nv,mnd->mvd", fwd.probs, ch)  # (M, V, d)  - sum_t c_t p_t h_t^T
+    return g  # (M, V, d)
+
+
+# ---------------------------------------------------------------- methods
+def package_methods():
+    """Name -> RolloutCorrectionConfig: the package's presets that apply, IcePop as the field defines it (verl's
+    decoupled_token_icepop / TRL token_mask two-sided: weight 0 outside [0.5, 5], token kept in the count), the
+    package's M2PO-style mask, and TRL's default spelled with the package's fields (a check: equal to TRL's own)."""
+    from trl_rollout_corr import RolloutCorrectionConfig as R
+
+    methods = {
+        "decoupled_token_is": R.decoupled_token_is(),
+        "decoupled_seq_is": R.decoupled_seq_is(),
+        "decoupled_seq_is_rs": R.decoupled_seq_is_rs(),
+        "decoupled_geo_rs": R.decoupled_geo_rs(),
+        "ppo_is_bypass": R.ppo_is_bypass(),
+        "pg_is": R.pg_is(),
+        "pg_rs": R.pg_rs(),
+        "pkg_icepop_0.5_2_reject": R.icepop(),
+        "icepop_0.5_5": R(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold=5.0,
+                          rollout_is_threshold_lower=0.5),
+        "m2_style_0.04": R(rollout_is=None, rollout_m2_threshold=M2_TAU),
+        "pkg_trl_default": R.trl_default(),
+    }
+    methods.update(field_methods())
+    return methods
+
+
+def field_methods():
+    """IcePop / M2PO as the field defines them, once the package has them (branch ``methods``): plugged in by name
+    when ``RolloutCorrectionConfig`` offers the preset, skipped otherwise."""
+    from trl_rollout_corr import RolloutCorrectionConfig as R
+
+    found = {}
+    for name in ("decoupled_token_icepop", "m2po"):
+        if name in R.preset_names():
+            found[name] = R.from_preset(name)
+    return found
+
+
+TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+class TrlLoss:
+    """TRL's GRPOTrainer with its vLLM switch on; the engine is this batch's samples (rollout_func), the policy
+    forward returns the batch's precomputed fp32 log-probs (as a leaf, so dLoss/dlogp is the coefficient c)."""
+
+    def __init__(self, model, T: int, out_dir: str):
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        self.GRPOTrainer = GRPOTrainer
+        self.tok = build_tokenizer()
+        self.batch = None
+        args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+                          num_generations=GROUP, max_completion_length=T, max_steps=1, learning_rate=1e-3,
+                          logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
+                          dataloader_num_workers=0, vllm_importance_sampling_correction=False)
+        rows = [{"prompt": "sum 0 0 0 0 ="}] * BATCH
+
+        def reward(prompts, completions, completion_ids=None, **_):
+            return self.batch["reward"].tolist()
+
+        def rollout_func(prompts, trainer):
+            b = self.batch
+            return {"prompt_ids": b["prompts"].tolist(), "completion_ids": b["completions"].tolist(),
+                    "logprobs": b["engine_logp"].double().tolist()}
+
+        # TRL gets its own copy: its setup wraps the model's forward (a deepcopy of the wrapped model would still run
+        # the original's weights); the policy forward it asks for is stubbed below anyway
+        self.trainer = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward, args=args,
+                                   train_dataset=Dataset.from_list(rows), processing_class=self.tok,
+                                   rollout_func=rollout_func)
+        t = self.trainer
+        t.use_vllm, t._last_loaded_step = True, -1
+        t.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
+        t.vllm_importance_sampling_clip_max, t.vllm_importance_sampling_clip_min = TRL_C, None
+        t.model.train()
+        t.current_gradient_accumulation_steps = 1
+        self.logp = None
+
+        def forward(*args, **kwargs):  # TRL's policy (and pi_old) forward: the batch's fp32 log-probs
+            return self.logp, torch.zeros_like(self.logp), None
+
+        t._get_per_token_logps_and_entropies = forward
+
+    def generate(self, batch: dict, mode: str | None) -> dict:
+        """TRL's generation batch (rewards, advantages, its IS ratio for ``mode``; None: TRL's correction off)."""
+        t = self.trainer
+        self.batch, self.logp = batch, batch["train_logp"]
+        t.vllm_importance_sampling_correction = mode is not None
+        t.vllm_importance_sampling_mode = mode or "sequence_mask"
+        prompts = [{"prompt": " ".join(VOCAB[i] for i in row)} for row in batch["prompts"].tolist()]
+        out = t._generate_and_score_completions(prompts)
+        clear_metrics(t)
+        return out
+
+    def coef(self, inputs: dict) -> torch.Tensor:
+        """c = dLoss/d log pi_theta (B, T) of TRL's ``_compute_loss`` on ``inputs``."""
+        leaf = self.batch["train_logp"].clone().requires_grad_(True)  # (B, T)
+        self.logp = leaf
+        inputs = dict(inputs)
+        inputs.setdefault("num_items_in_batch", (inputs["completion_mask"]).sum().float())
+        self.trainer.vllm_importance_sampling_correction = "importance_sampling_ratio" in inputs
+        loss = self.GRPOTrainer._compute_loss(self.trainer, self.trainer.model, inputs)
+        clear_metrics(self.trainer)
+        (c,) = torch.autograd.grad(loss, leaf)
+        self.logp = self.batch["train_logp"]
+        return c.detach()  # (B, T)
+
+
+def clear_metrics(trainer) -> None:
+    for logged in trainer._metrics.values():  # TRL's per-mode metric lists: kept from growing over many calls
+        logged.clear()
+
+
+def package_inputs(cfg, base: dict, train_logp: torch.Tensor, engine_logp: torch.Tensor) -> dict:
+    """The micro-batch this package's trainer hands TRL's loss (``trainer._correction`` / ``_corrected_inputs``, one
+    generation batch = one micro-batch, pi_old = pi_theta), from the core's weights and mask."""
+    from trl_rollout_corr.core import compute_rollout_correction_stats
+    from trl_rollout_corr.losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor,
+                                         weighted_advantages)
+
+    mask = base["completion_mask"]  # (B, T)
+    result = compute_rollout_correction_stats(train_logp, engine_logp, mask, cfg.params())
+    keep = result.modified_response_mask.to(mask.dtype)  # (B, T)
+    is_weights, anchor = result.is_weights, None
+    if cfg.loss_anchor == PI_ROLLOUT:
+        is_weights, anchor = None, engine_logp
+    elif cfg.loss_anchor != PI_THETA and not cfg.applies_is_weights:
+        is_weights = None
+    if not cfg.applies_is_weights:
+        is_weights = None
+    patched = dict(base)
+    patched["tool_mask"] = corrected_loss_mask(mask, base.get("tool_mask"), keep)  # (B, T)
+    patched["advantages"] = weighted_advantages(base["advantages"], is_weights, cfg.rollout_is == "sequence")
+    kept = mask * keep  # (B, T)
+    if anchor is not None:
+        patched["old_per_token_logps"] = safe_anchor(anchor, train_logp, kept)  # (B, T)
+    else:
+        patched.pop("old_per_token_logps", None)
+    patched.pop("importance_sampling_ratio", None)
+    patched["sampling_per_token_logps"] = engine_logp
+    patched["num_items_in_batch"] = (kept if cfg.masks_tokens else mask).sum().float()
+    return patched
+
+
+def method_coefs(trl: TrlLoss, batch: dict, pkg: dict) -> dict[str, torch.Tensor]:
+    """Every method's coefficient c (B, T) on one batch."""
+    base = trl.generate(batch, None)
+    coefs = {"none": trl.coef(base)}
+    for mode in TRL_MODES:
+        coefs[f"trl_{mode}"] = trl.coef(trl.generate(batch, mode))
+    for name, cfg in pkg.items():
+        coefs[name] = trl.coef(package_inputs(cfg, base, batch["train_logp"], batch["engine_logp"]))
+    return coefs
+
+
+# ---------------------------------------------------------------- the map
+def sample_batches(engine: Engine, trainer_model, T: int, n_batches: int, gen: torch.Generator, chunk: int = 512):
+    """``n_batches`` batches of 8 prompts x 8 completions from ``engine``, sampled together (up to ``chunk`` rows at a
+    time: one step of a small model costs about the same for 64 rows as for 512), each with the trainer's forward."""
+    digits = prompt_digits(n_batches * PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (n*B, 4)
+    prompts = prompt_ids(digits)  # (n*B, P)
+    parts = [engine.sample(prompts[i:i + chunk], T, gen) for i in range(0, prompts.size(0), chunk)]
+    completions = torch.cat([c for c, _ in parts])  # (n*B, T)
+    engine_logp = torch.cat([lp for _, lp in parts])  # (n*B, T)
+    for b in range(n_batches):
+        rows = slice(b * BATCH, (b + 1) * BATCH)
+        fwd = trainer_forward(trainer_model, prompts[rows], completions[rows])
+        yield {"prompts": prompts[rows], "completions": completions[rows], "engine_logp": engine_logp[rows],
+               "train_logp": fwd.logp, "reward": reward_from_ids(digits[rows], completions[rows]), "fwd": fwd}
+
+
+def reference_gradient(trl: TrlLoss, model, T: int, n_batches: int, seed: int):
+    """g* = E[the uncorrected loss's gradient on on-policy batches], and 1 - cos between its two halves."""
+    gen = torch.Generator().manual_seed(seed)
+    halves = []
+    exact = Engine(model)
+    for _ in range(2):
+        acc = None
+        for batch in sample_batches(exact, model, T, n_batches // 2, gen):
+            g = lm_head_grads(batch["fwd"], trl.coef(trl.generate(batch, None)).unsqueeze(0))[0]  # (V, d)
+            acc = g if acc is None else acc + g
+        halves.append(acc / (n_batches // 2))
+    g_star = (halves[0] + halves[1]) / 2  # (V, d)
+    split = 1 - torch.nn.functional.cosine_similarity(halves[0].flatten(), halves[1].flatten(), dim=0).item()
+    return g_star, split
+
+
+def ess(w: torch.Tensor) -> float:
+    """Normalized effective sample size (sum w)^2 / (n sum w^2) in (0, 1] of non-negative weights (any shape)."""
+    w = w.double().flatten()  # (n,)
+    return (w.sum() ** 2 / (w.numel() * w.pow(2).sum())).item()
+
+
+def effective_weights(coefs: dict, name: str) -> torch.Tensor:
+    c0 = coefs["none"]  # (B, T)
+    ok = c0.abs() > 1e-12  # (B, T)
+    return torch.where(ok, coefs[name] / torch.where(ok, c0, 1.0), torch.nan)  # (B, T)
+
+
+def run_cell(trl: TrlLoss, model, engine: Engine, T: int, g_star: torch.Tensor, n_batches: int, pkg: dict,
+             seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    gs2 = g_star.pow(2).sum()
+    acc = defaultdict(lambda: defaultdict(float))
+    names, w_all, lr_all = None, defaultdict(list), []
+    for batch in sample_batches(engine, model, T, n_batches, gen):
+        coefs = method_coefs(trl, batch, pkg)
+        names = list(coefs)
+        grads = lm_head_grads(batch["fwd"], torch.stack([coefs[n] for n in names]))  # (M, V, d)
+        for i, n in enumerate(names):
+            g = grads[i]  # (V, d)
+            a = acc[n]
+            a["sum"] = g if isinstance(a["sum"], float) else a["sum"] + g
+            a["sq"] += g.pow(2).sum().item()
+            a["err"] += (g - g_star).pow(2).sum().item() / gs2.item()
+            a["cos"] += torch.nn.functional.cosine_similarity(g.flatten(), g_star.flatten(), dim=0).item()
+            w_all[n].append(effective_weights(coefs, n))
+        lr_all.append(batch["train_logp"] - batch["engine_logp"])  # (B, T) log rho
+    log_rho = torch.cat(lr_all)  # (n*B, T)
+    k1 = (-log_rho).mean().item()
+    k3 = (log_rho.exp() - 1 - log_rho).mean().item()
+    seq_w = log_rho.sum(1).exp()  # (n*B,) raw sequence weight
+    ess_seq = ess(seq_w)
+    rows = []
+    for n in names:
+        a = acc[n]
+        mean = a["sum"] / n_batches  # (V, d)
+        cos = torch.nn.functional.cosine_similarity(mean.flatten(), g_star.flatten(), dim=0).item()
+        relvar = (a["sq"] / n_batches - mean.pow(2).sum().item()) * n_batches / max(n_batches - 1, 1) / gs2.item()
+        w = torch.cat(w_all[n])  # (n*B, T)
+        valid = ~torch.isnan(w)  # (n*B, T)
+        wv = w[valid]
+        zero = (w == 0) & valid  # (n*B, T)
+        rows.append(dict(
+            method=n, kl_k1=k1, kl_k3=k3, t_kl=T * k3, bias=1 - cos, relvar=relvar, mse=a["err"] / n_batches,
+            cos_batch=a["cos"] / n_batches, norm_ratio=(mean.norm() / g_star.norm()).item(),
+            ess_token=ess(wv) if wv.numel() else float("nan"),
+            masked_tok=zero.sum().item() / max(valid.sum().item(), 1),
+            masked_seq=(zero | ~valid).all(1).float().mean().item(),
+            w_min=wv.min().item() if wv.numel() else float("nan"),
+            w_max=wv.max().item() if wv.numel() else float("nan"),
+            ess_seq_raw=ess_seq, ess_seq_theory=math.exp(-2 * T * k3), max_abs_log_rho=log_rho.abs().max().item(),
+            n_batches=n_batches))
+    return rows
+
+
+def measure_kl(engine: Engine, model, T: int, n: int, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    d = prompt_digits(n, gen)
+    prompts = prompt_ids(d)
+    comp, elp = engine.sample(prompts, T, gen)
+    lr = trainer_forward(model, prompts, comp).logp - elp  # (n, T)
+    return (lr.exp() - 1 - lr).mean().item()
+
+
+def calibrate_heavy(model, targets_kl, T: int = 32, n: int = 64) -> dict[float, float]:
+    """The noise scale s per target per-token KL (k3): KL ~ s^2 at small s, two rounds of s *= sqrt(target/KL)."""
+    out = {}
+    for target in targets_kl:
+        s = 0.1
+        for r in range(2):
+            kl = measure_kl(Engine(model, "heavy", s), model, T, n, seed=11 + r)
+            s *= math.sqrt(target / max(kl, 1e-12))
+        out[target] = s
+    return out
+
+
+def stale_checkpoints(model, steps: int, T: int, target_step_kl: float = 1e-3, seed: int = 5):
+    """A short on-policy training (REINFORCE with GRPO group advantages, Adam), its learning rate chosen by a pilot
+    step so that the per-step policy movement is ~``target_step_kl`` per token; every step's weights are kept."""
+    def train(lr, n_steps, keep):
+        m = copy.deepcopy(model)
+        opt = torch.optim.Adam(m.parameters(), lr=lr)
+        gen = torch.Generator().manual_seed(seed)
+        ckpts = [copy.deepcopy(m.state_dict())] if keep else []
+        for _ in range(n_steps):
+            digits = prompt_digits(PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (B, 4)
+            prompts = prompt_ids(digits)
+            comp, _ = Engine(m).sample(prompts, T, gen)  # (B, T)
+            r = reward_from_ids(digits, comp).view(-1, GROUP)  # (8, 8)
+            adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # (B, 1)
+            m.train()
+            logits = m(input_ids=torch.cat([prompts, comp], 1)).logits[:, prompts.size(1) - 1:-1]  # (B, T, V)
+            logp = logits.log_softmax(-1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)  # (B, T)
+            loss = -(adv * logp).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            m.eval()
+            if keep:
+                ckpts.append(copy.deepcopy(m.state_dict()))
+        return m, ckpts
+
+    def step_kl(a, b):
+        return measure_kl(Engine(a), b, T, 64, seed=17)
+
+    lr = 1e-4
+    moved, _ = train(lr, 1, keep=False)
+    kl = step_kl(moved, model)
+    lr *= math.sqrt(target_step_kl / max(kl, 1e-12))
+    _, ckpts = train(lr, steps, keep=True)
+    return lr, ckpts
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    keys = list(rows[0])
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def markdown(rows: list[dict]) -> str:
+    """Per cell: KL, T*KL, ESS and the lowest-MSE method; then every method's MSE (and bias) per cell."""
+    cells = []
+    for r in rows:
+        key = (r["T"], r["source"], r["level"])
+        if key not in cells:
+            cells.append(key)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["T"], r["source"], r["level"], r["method"]): r for r in rows}
+    lines = ["| T | source | level | KL k3 | KL k1 | T*KL | seq ESS (theory) | lowest MSE | best cos | "
+             + " | ".join(methods) + " |",
+             "|" + "---|" * (9 + len(methods))]
+    for key in cells:
+        first = by[(*key, methods[0])]
+        best = min(methods, key=lambda m: by[(*key, m)]["mse"] if (*key, m) in by else math.inf)
+        best_cos = max(methods, key=lambda m: by[(*key, m)]["cos_batch"] if (*key, m) in by else -math.inf)
+        vals = []
+        for m in methods:
+            r = by.get((*key, m))
+            vals.append("" if r is None else f"{r['mse']:.3g} ({r['bias']:.2g})")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {first['kl_k3']:.2g} | {first['kl_k1']:.2g} | "
+                     f"{first['t_kl']:.3g} | {first['ess_seq_raw']:.2g} ({first['ess_seq_theory']:.2g}) | {best} | "
+                     f"{best_cos} | "
+                     + " | ".join(vals) + " |")
+    return ("Each method cell: relative MSE E||g - g*||^2/||g*||^2 (bias 1 - cos(E g, g*)); best cos: the highest "
+            "mean per-batch cos(g, g*) (scale-free).\n\n" + "\n".join(lines)
+            + "\n")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for m in methods:
+        rs = sorted((r for r in rows if r["method"] == m and r["t_kl"] > 0), key=lambda r: r["t_kl"])
+        if not rs:
+            continue
+        x = [r["t_kl"] for r in rs]
+        axes[0].plot(x, [max(r["bias"], 1e-6) for r in rs], ".", label=m)
+        axes[1].plot(x, [r["mse"] for r in rs], ".", label=m)
+    for ax, name in zip(axes, ("bias = 1 - cos(E g, g*)", "relative MSE")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("T * per-token KL (k3)")
+        ax.set_title(name)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False):
+    model = build_model(hidden=32, layers=1, seed=seed) if small else build_model(seed=seed)
+    supervised_warmup(model, warmup_steps, T=32, seed=seed)
+    return model
+
+
+def sources(model, ckpts, heavy_scales, smoke: bool):
+    """(source, level label, engine) triples, in the issue's priority order."""
+    if smoke:
+        yield "heavy", f"s={heavy_scales[TARGET_KLS[-1]]:.3g}", Engine(model, "heavy", heavy_scales[TARGET_KLS[-1]])
+        return
+    yield "exact", "-", Engine(model)
+    yield "precision", "bf16", Engine(copy.deepcopy(model).to(torch.bfloat16))
+    yield "precision", "fp16", Engine(copy.deepcopy(model).to(torch.float16))
+    for target, s in heavy_scales.items():
+        yield "heavy", f"~{target:g}", Engine(model, "heavy", s)
+    yield "fp8", "e4m3", Engine(fp8_like(model))
+    last = len(ckpts) - 1
+    for lag in (1, 4, 16, 64):
+        if lag <= last:
+            stale = copy.deepcopy(model)
+            stale.load_state_dict(ckpts[last - lag])
+            yield "stale", f"lag{lag}", Engine(stale.eval())
+    yield "truncation", "top_p0.95", Engine(model, "top_p", 0.95)
+    yield "truncation", "top_p0.9", Engine(model, "top_p", 0.9)
+    yield "truncation", "top_k8", Engine(model, "top_k", 8)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="outputs/estimator_map")
+    p.add_argument("--lengths", default="8,64,256", help="completion lengths T")
+    p.add_argument("--batches", default="16,16,8", help="batches of 64 per cell, per T (one value: every T)")
+    p.add_argument("--ref_batches", default="64,64,32", help="on-policy batches of 64 for g*, per T")
+    p.add_argument("--sources", default=None, help="comma-separated subset of the sources (default: all)")
+    p.add_argument("--warmup_steps", type=int, default=150)
+    p.add_argument("--stale_steps", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="one T (8), one source, one level, 2 batches")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core machine)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.smoke:
+        a.lengths, a.batches, a.ref_batches, a.warmup_steps, a.stale_steps = "8", "2", "2", 5, 0
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    model = build_trainer_model(a.warmup_steps, small=a.smoke)
+    ckpts, stale_lr = [], float("nan")
+    if a.stale_steps:
+        stale_lr, ckpts = stale_checkpoints(model, a.stale_steps, T=32)
+        model.load_state_dict(ckpts[-1])  # the trainer is the end of the short on-policy training
+    heavy = calibrate_heavy(model, TARGET_KLS if not a.smoke else TARGET_KLS[-1:], n=16 if a.smoke else 64)
+    print(f"setup {time.time() - t0:.0f} s; stale lr {stale_lr:.3g}; heavy scales {heavy}", flush=True)
+    pkg = package_methods()
+    rows = []
+    lengths = [int(x) for x in a.lengths.split(",")]
+    per_t = lambda text: dict(zip(lengths, [int(x) for x in text.split(",")] * len(lengths)  # noqa: E731
+                                  if "," not in text else [int(x) for x in text.split(",")]))
+    batches, ref_batches = per_t(a.batches), per_t(a.ref_batches)
+    wanted = a.sources.split(",") if a.sources else None
+    for T in lengths:
+        trl = TrlLoss(model, T, os.path.join(a.out, "trl"))
+        t1 = time.time()
+        g_star, split = reference_gradient(trl, model, T, ref_batches[T], seed=1000 + T)
+        print(f"T={T}: g* from {ref_batches[T]} batches in {time.time() - t1:.0f} s, 1-cos(halves) {split:.3g}",
+              flush=True)
+        for i, (source, level, engine) in enumerate(sources(model, ckpts, heavy, a.smoke)):
+            if wanted and source not in wanted:
+                continue
+            t1 = time.time()
+            cell = run_cell(trl, model, engine, T, g_star, batches[T], pkg, seed=T * 100 + i)
+            for r in cell:
+                rows.append(dict(T=T, source=source, level=level, **r, ref_split=split))
+            print(f"T={T} {source} {level}: KL k3 {cell[0]['kl_k3']:.3g} T*KL {cell[0]['t_kl']:.3g} "
+                  f"({time.time() - t1:.0f} s)", flush=True)
+            write_csv(rows, os.path.join(a.out, "estimator_map.csv"))
+    with open(os.path.join(a.out, "estimator_map.md"), "w") as f:
+        f.write(markdown(rows))
+    if not a.smoke:
+        plot(rows, os.path.join(a.out, "estimator_map.png"))
+    print(f"total {time.time() - t0:.0f} s")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
