@@ -91,3 +91,12 @@ def test_ess_formula_and_the_small_mismatch_theory():
     log_rho = -kl + math.sqrt(2 * kl) * torch.randn(150_000, T, generator=gen, dtype=torch.float64)  # (n, T)
     assert (-log_rho).mean().item() == pytest.approx(kl, rel=0.01)
     assert em.ess(log_rho.sum(1).exp()) == pytest.approx(math.exp(-2 * T * kl), rel=0.05)
+
+
+def test_mismatch_bench_map_dispatches_to_the_estimator_map(monkeypatch):
+    import mismatch_bench
+
+    seen = []
+    monkeypatch.setattr(em, "main", seen.append)
+    mismatch_bench.main(["--map", "--smoke", "--out", "DIR"])
+    assert seen == [["--smoke", "--out", "DIR"]]
