@@ -3,11 +3,16 @@ training.
 
 For completion length T x mismatch source x level, a batch of 64 engine samples (8 prompts x 8 completions, GRPO
 advantages from the task reward, computed by TRL) gives each method's gradient; over ``--batches`` batches this
-measures, against g* (the expectation of the same loss's gradient on on-policy samples of the trainer, from
-``--ref_batches`` batches, once per T):
+measures, against g* (the expectation of the uncorrected loss's gradient on on-policy samples of the trainer):
 
-* bias = 1 - cos(mean estimate, g*);  relvar = E||g - Eg||^2 / ||g*||^2;  mse = E||g - g*||^2 / ||g*||^2;
-* cos_batch = E cos(g, g*) (scale-free: Adam largely absorbs a uniform scale); norm_ratio = ||Eg|| / ||g*||;
+* bias: every engine batch comes with the trainer's own samples for the same prompts, drawn with the same Gumbel
+  noise (each keeps its exact distribution; the two agree wherever the distributions are close), so
+  E[g(engine batch) - g_none(its on-policy batch)] = E g - g* is measured with far less noise than either mean (a
+  batch of 64 gives a gradient whose noise is many times its signal). g* and V_on (the per-batch noise of the
+  uncorrected estimator on on-policy batches) come from every coupled on-policy batch of the T: a large on-policy
+  sample, once per T. bias2 = ||E g - g*||^2 / V_on (unbiased; negative: within noise), relvar = E||g - Eg||^2 /
+  V_on, mse = relvar + bias2 (1 for the uncorrected estimator on on-policy batches), bias_rel = ||E g - g*|| /
+  ||g*||, breakeven_batch = 64 relvar / bias2 (the batch size above which bias outweighs variance);
 * the method's effective per-token weight  w = c_method / c_none  (c = dLoss/d log pi_theta(token)): its token ESS
   (sum w)^2 / (N sum w^2), range, the fraction of tokens with w = 0 and of sequences with every w = 0;
 * per cell: the measured per-token KL(pi_engine || pi_trainer) (k1 and k3 estimators on the engine's samples), T*KL,
@@ -168,19 +173,45 @@ class Engine:
         return z  # (N, V)
 
     @torch.no_grad()
-    def sample(self, prompts: torch.Tensor, T: int, gen: torch.Generator):
-        """(completions (N, T), engine log-probs (N, T))."""
-        out = self.model(input_ids=prompts, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]  # (N, V)
-        ys, lps = [], []
+    def sample(self, prompts: torch.Tensor, T: int, gen: torch.Generator, partner: Engine | None = None):
+        """(completions (N, T), engine log-probs (N, T), the partner's completions (N, T) or None).
+
+        Gumbel-max sampling, y = argmax(log p + G). With a ``partner`` (the trainer's own policy) both sample in
+        lockstep with the same Gumbel noise G at every step: each keeps its exact distribution, and the two agree
+        wherever their distributions are close (a coupling: E[g(engine) - g(policy)] = E g - g*, the bias, is
+        measured with far less noise than either mean)."""
+        N = prompts.size(0)
+        shared = partner is not None and partner.model is self.model
+        models = [self.model] if partner is None or shared else [self.model, partner.model]
+        start = torch.cat([prompts, prompts]) if shared else prompts  # (N or 2N, P)
+        state = []
+        for m in models:
+            out = m(input_ids=start, use_cache=True)
+            state.append([out.past_key_values, out.logits[:, -1]])  # (rows, V)
+        ys, lps, pys = [], [], []
         for _ in range(T):
-            z = self.log_probs(logits, gen)  # (N, V)
-            y = torch.multinomial(z.exp(), 1, generator=gen)  # (N, 1)
+            if shared:
+                logits_e, logits_p = state[0][1][:N], state[0][1][N:]  # (N, V) each
+            else:
+                logits_e, logits_p = state[0][1], (state[1][1] if partner is not None else None)
+            z = self.log_probs(logits_e, gen)  # (N, V)
+            u = torch.rand(z.shape, generator=gen).clamp_(min=1e-20)  # (N, V)
+            gumbel = -torch.log(-torch.log(u))  # (N, V)
+            y = (z + gumbel).argmax(-1, keepdim=True)  # (N, 1)
             ys.append(y)
             lps.append(z.gather(1, y))  # (N, 1)
-            out = self.model(input_ids=y, past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1]  # (N, V)
-        return torch.cat(ys, 1), torch.cat(lps, 1)  # (N, T), (N, T)
+            if partner is not None:
+                zp = partner.log_probs(logits_p, gen)  # (N, V)
+                pys.append((zp + gumbel).argmax(-1, keepdim=True))  # (N, 1)
+            if shared:
+                nxt = [torch.cat([y, pys[-1]])]  # (2N, 1)
+            else:
+                nxt = [y] + ([pys[-1]] if partner is not None else [])
+            for st, m, tok in zip(state, models, nxt):
+                out = m(input_ids=tok, past_key_values=st[0], use_cache=True)
+                st[0], st[1] = out.past_key_values, out.logits[:, -1]  # (rows, V)
+        partner_ys = torch.cat(pys, 1) if partner is not None else None  # (N, T)
+        return torch.cat(ys, 1), torch.cat(lps, 1), partner_ys  # (N, T), (N, T), (N, T)
 
 
 # ---------------------------------------------------------------- the trainer's forward and the lm_head gradient
@@ -377,35 +408,30 @@ def method_coefs(trl: TrlLoss, batch: dict, pkg: dict) -> dict[str, torch.Tensor
 
 
 # ---------------------------------------------------------------- the map
-def sample_batches(engine: Engine, trainer_model, T: int, n_batches: int, gen: torch.Generator, chunk: int = 512):
+def sample_batches(engine: Engine, trainer_model, T: int, n_batches: int, gen: torch.Generator, chunk: int = 512,
+                   coupled: bool = False):
     """``n_batches`` batches of 8 prompts x 8 completions from ``engine``, sampled together (up to ``chunk`` rows at a
-    time: one step of a small model costs about the same for 64 rows as for 512), each with the trainer's forward."""
+    time: one step of a small model costs about the same for 64 rows as for 512), each with the trainer's forward.
+    ``coupled``: each batch also carries ``"policy"``, the trainer's own samples for the same prompts, coupled to the
+    engine's (:meth:`Engine.sample`)."""
     digits = prompt_digits(n_batches * PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (n*B, 4)
     prompts = prompt_ids(digits)  # (n*B, P)
-    parts = [engine.sample(prompts[i:i + chunk], T, gen) for i in range(0, prompts.size(0), chunk)]
-    completions = torch.cat([c for c, _ in parts])  # (n*B, T)
-    engine_logp = torch.cat([lp for _, lp in parts])  # (n*B, T)
+    partner = Engine(trainer_model) if coupled else None
+    parts = [engine.sample(prompts[i:i + chunk], T, gen, partner) for i in range(0, prompts.size(0), chunk)]
+    completions = torch.cat([c for c, _, _ in parts])  # (n*B, T)
+    engine_logp = torch.cat([lp for _, lp, _ in parts])  # (n*B, T)
+    policy = torch.cat([p for _, _, p in parts]) if coupled else None  # (n*B, T)
     for b in range(n_batches):
         rows = slice(b * BATCH, (b + 1) * BATCH)
         fwd = trainer_forward(trainer_model, prompts[rows], completions[rows])
-        yield {"prompts": prompts[rows], "completions": completions[rows], "engine_logp": engine_logp[rows],
-               "train_logp": fwd.logp, "reward": reward_from_ids(digits[rows], completions[rows]), "fwd": fwd}
-
-
-def reference_gradient(trl: TrlLoss, model, T: int, n_batches: int, seed: int):
-    """g* = E[the uncorrected loss's gradient on on-policy batches], and 1 - cos between its two halves."""
-    gen = torch.Generator().manual_seed(seed)
-    halves = []
-    exact = Engine(model)
-    for _ in range(2):
-        acc = None
-        for batch in sample_batches(exact, model, T, n_batches // 2, gen):
-            g = lm_head_grads(batch["fwd"], trl.coef(trl.generate(batch, None)).unsqueeze(0))[0]  # (V, d)
-            acc = g if acc is None else acc + g
-        halves.append(acc / (n_batches // 2))
-    g_star = (halves[0] + halves[1]) / 2  # (V, d)
-    split = 1 - torch.nn.functional.cosine_similarity(halves[0].flatten(), halves[1].flatten(), dim=0).item()
-    return g_star, split
+        batch = {"prompts": prompts[rows], "completions": completions[rows], "engine_logp": engine_logp[rows],
+                 "train_logp": fwd.logp, "reward": reward_from_ids(digits[rows], completions[rows]), "fwd": fwd}
+        if coupled:
+            pf = trainer_forward(trainer_model, prompts[rows], policy[rows])
+            batch["policy"] = {"prompts": prompts[rows], "completions": policy[rows], "engine_logp": pf.logp,
+                               "train_logp": pf.logp, "reward": reward_from_ids(digits[rows], policy[rows]),
+                               "fwd": pf}
+        yield batch
 
 
 def ess(w: torch.Tensor) -> float:
@@ -420,58 +446,104 @@ def effective_weights(coefs: dict, name: str) -> torch.Tensor:
     return torch.where(ok, coefs[name] / torch.where(ok, c0, 1.0), torch.nan)  # (B, T)
 
 
-def run_cell(trl: TrlLoss, model, engine: Engine, T: int, g_star: torch.Tensor, n_batches: int, pkg: dict,
-             seed: int) -> list[dict]:
+class OnPolicy:
+    """The on-policy gradient g* of one T, pooled over every cell's coupled policy batches (a large on-policy sample),
+    and V_on = E||g_on - g*||^2, the per-batch noise of the uncorrected estimator on on-policy batches of 64: the unit
+    of the map's variances, biases and MSEs."""
+
+    def __init__(self):
+        self.sum, self.sq, self.n = None, 0.0, 0
+
+    def add(self, g: torch.Tensor) -> None:
+        self.sum = g.clone() if self.sum is None else self.sum + g
+        self.sq += g.pow(2).sum().item()
+        self.n += 1
+
+    def finish(self) -> dict:
+        mean = self.sum / self.n  # (V, d)
+        var = (self.sq / self.n - mean.pow(2).sum().item()) * self.n / (self.n - 1)  # V_on
+        g2 = mean.pow(2).sum().item() - var / self.n  # ||g*||^2, unbiased
+        return {"v_on": var, "g_star_sq": g2, "n_on": self.n}
+
+
+def run_cell(trl: TrlLoss, model, engine: Engine, T: int, n_batches: int, pkg: dict, seed: int,
+             on_policy: OnPolicy) -> list[dict]:
+    """Every method's raw measures on one (T, source, level) cell (:func:`finish_rows` scales them by V_on)."""
     gen = torch.Generator().manual_seed(seed)
-    gs2 = g_star.pow(2).sum()
     acc = defaultdict(lambda: defaultdict(float))
-    names, w_all, lr_all = None, defaultdict(list), []
-    for batch in sample_batches(engine, model, T, n_batches, gen):
+    names, w_all, lr_all, same = None, defaultdict(list), [], []
+    for batch in sample_batches(engine, model, T, n_batches, gen, coupled=True):
         coefs = method_coefs(trl, batch, pkg)
         names = list(coefs)
         grads = lm_head_grads(batch["fwd"], torch.stack([coefs[n] for n in names]))  # (M, V, d)
+        pol = batch["policy"]
+        g_on = lm_head_grads(pol["fwd"], trl.coef(trl.generate(pol, None)).unsqueeze(0))[0]  # (V, d)
+        on_policy.add(g_on)
+        same.append((pol["completions"] == batch["completions"]).float().mean().item())
         for i, n in enumerate(names):
             g = grads[i]  # (V, d)
+            d = g - g_on  # (V, d) this batch's error against its coupled on-policy batch
             a = acc[n]
-            a["sum"] = g if isinstance(a["sum"], float) else a["sum"] + g
+            a["sum"] = g.clone() if isinstance(a["sum"], float) else a["sum"] + g
+            a["dsum"] = d.clone() if isinstance(a["dsum"], float) else a["dsum"] + d
             a["sq"] += g.pow(2).sum().item()
-            a["err"] += (g - g_star).pow(2).sum().item() / gs2.item()
-            a["cos"] += torch.nn.functional.cosine_similarity(g.flatten(), g_star.flatten(), dim=0).item()
+            a["dsq"] += d.pow(2).sum().item()
             w_all[n].append(effective_weights(coefs, n))
         lr_all.append(batch["train_logp"] - batch["engine_logp"])  # (B, T) log rho
     log_rho = torch.cat(lr_all)  # (n*B, T)
     k1 = (-log_rho).mean().item()
     k3 = (log_rho.exp() - 1 - log_rho).mean().item()
-    seq_w = log_rho.sum(1).exp()  # (n*B,) raw sequence weight
-    ess_seq = ess(seq_w)
+    ess_seq = ess(log_rho.sum(1).exp())  # the raw sequence weight prod_t rho_t
     rows = []
+    unbias = n_batches / max(n_batches - 1, 1)
     for n in names:
         a = acc[n]
         mean = a["sum"] / n_batches  # (V, d)
-        cos = torch.nn.functional.cosine_similarity(mean.flatten(), g_star.flatten(), dim=0).item()
-        relvar = (a["sq"] / n_batches - mean.pow(2).sum().item()) * n_batches / max(n_batches - 1, 1) / gs2.item()
+        dmean = a["dsum"] / n_batches  # (V, d)
+        var = (a["sq"] / n_batches - mean.pow(2).sum().item()) * unbias  # E||g - Eg||^2
+        dvar = (a["dsq"] / n_batches - dmean.pow(2).sum().item()) * unbias
+        d2 = dmean.pow(2).sum().item()
         w = torch.cat(w_all[n])  # (n*B, T)
         valid = ~torch.isnan(w)  # (n*B, T)
         wv = w[valid]
         zero = (w == 0) & valid  # (n*B, T)
         rows.append(dict(
-            method=n, kl_k1=k1, kl_k3=k3, t_kl=T * k3, bias=1 - cos, relvar=relvar, mse=a["err"] / n_batches,
-            cos_batch=a["cos"] / n_batches, norm_ratio=(mean.norm() / g_star.norm()).item(),
+            method=n, kl_k1=k1, kl_k3=k3, t_kl=T * k3,
+            var=var, bias2=d2 - dvar / n_batches,  # ||E g - g*||^2, unbiased (coupled differences)
+            bias2_se=math.sqrt(max(4 * d2 * dvar / n_batches + 2 * (dvar / n_batches) ** 2, 0.0)),
+            mean_sq=mean.pow(2).sum().item() - var / n_batches,  # ||E g||^2, unbiased
             ess_token=ess(wv) if wv.numel() else float("nan"),
             masked_tok=zero.sum().item() / max(valid.sum().item(), 1),
             masked_seq=(zero | ~valid).all(1).float().mean().item(),
             w_min=wv.min().item() if wv.numel() else float("nan"),
             w_max=wv.max().item() if wv.numel() else float("nan"),
             ess_seq_raw=ess_seq, ess_seq_theory=math.exp(-2 * T * k3), max_abs_log_rho=log_rho.abs().max().item(),
-            n_batches=n_batches))
+            coupled_same=sum(same) / len(same), n_batches=n_batches))
     return rows
+
+
+def finish_rows(rows: list[dict], on: dict) -> None:
+    """Scale one T's rows by the on-policy per-batch noise V_on (in place): relvar = V / V_on, bias2 = B^2 / V_on,
+    mse = relvar + bias2 (the uncorrected estimator on on-policy batches has mse 1); bias_rel = B / ||g*|| and
+    norm_ratio = ||E g|| / ||g*|| where g* is resolved (snr_on = ||g*||^2 / V_on > 0); breakeven_batch = 64 V / B^2,
+    the batch size above which the method's bias outweighs its variance (inf: bias within 2 standard errors of 0)."""
+    v_on, g2 = on["v_on"], on["g_star_sq"]
+    for r in rows:
+        r["relvar"] = r.pop("var") / v_on
+        b2, se = r.pop("bias2"), r.pop("bias2_se")
+        r["bias2"], r["bias2_se"] = b2 / v_on, se / v_on
+        r["mse"] = r["relvar"] + r["bias2"]
+        r["bias_rel"] = math.sqrt(max(b2, 0.0) / g2) if g2 > 0 else float("nan")
+        r["norm_ratio"] = math.sqrt(max(r.pop("mean_sq"), 0.0) / g2) if g2 > 0 else float("nan")
+        r["breakeven_batch"] = BATCH * r["relvar"] / r["bias2"] if r["bias2"] > 2 * r["bias2_se"] else math.inf
+        r["snr_on"], r["n_on"] = g2 / v_on, on["n_on"]
 
 
 def measure_kl(engine: Engine, model, T: int, n: int, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
     d = prompt_digits(n, gen)
     prompts = prompt_ids(d)
-    comp, elp = engine.sample(prompts, T, gen)
+    comp, elp, _ = engine.sample(prompts, T, gen)
     lr = trainer_forward(model, prompts, comp).logp - elp  # (n, T)
     return (lr.exp() - 1 - lr).mean().item()
 
@@ -499,7 +571,7 @@ def stale_checkpoints(model, steps: int, T: int, target_step_kl: float = 1e-3, s
         for _ in range(n_steps):
             digits = prompt_digits(PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (B, 4)
             prompts = prompt_ids(digits)
-            comp, _ = Engine(m).sample(prompts, T, gen)  # (B, T)
+            comp, _, _ = Engine(m).sample(prompts, T, gen)  # (B, T)
             r = reward_from_ids(digits, comp).view(-1, GROUP)  # (8, 8)
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # (B, 1)
             m.train()
@@ -534,33 +606,62 @@ def write_csv(rows: list[dict], path: str) -> None:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def markdown(rows: list[dict]) -> str:
-    """Per cell: KL, T*KL, ESS and the lowest-MSE method; then every method's MSE (and bias) per cell."""
-    cells = []
+def read_csv(path: str) -> list[dict]:
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
     for r in rows:
-        key = (r["T"], r["source"], r["level"])
-        if key not in cells:
-            cells.append(key)
+        for k, v in r.items():
+            if k not in ("source", "level", "method"):
+                r[k] = float(v)
+    return rows
+
+
+def _table(rows: list[dict], cells: list, methods: list[str], value) -> list[str]:
+    by = {(r["T"], r["source"], r["level"], r["method"]): r for r in rows}
+    lines = ["| T | source | level | T*KL " + "".join(f"| {m} " for m in methods) + "|",
+             "|---" * (4 + len(methods)) + "|"]
+    for key in cells:
+        first = next(by[(*key, m)] for m in methods if (*key, m) in by)
+        vals = [value(by[(*key, m)]) if (*key, m) in by else "" for m in methods]
+        lines.append(f"| {key[0]:g} | {key[1]} | {key[2]} | {first['t_kl']:.3g} | " + " | ".join(vals) + " |")
+    return lines
+
+
+def markdown(rows: list[dict]) -> str:
+    """The cells (KL, T*KL, ESS against theory, the best methods), then one table per measure, method by method."""
+    cells = list(dict.fromkeys((r["T"], r["source"], r["level"]) for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["T"], r["source"], r["level"], r["method"]): r for r in rows}
-    lines = ["| T | source | level | KL k3 | KL k1 | T*KL | seq ESS (theory) | lowest MSE | best cos | "
-             + " | ".join(methods) + " |",
-             "|" + "---|" * (9 + len(methods))]
+    out = ["### Cells", "",
+           "| T | source | level | KL k3 | KL k1 | T*KL | max abs log rho | raw seq-weight ESS | exp(-2 T KL) | "
+           "coupled tokens equal | on-policy SNR | lowest MSE | highest bias^2 |", "|---" * 13 + "|"]
     for key in cells:
-        first = by[(*key, methods[0])]
-        best = min(methods, key=lambda m: by[(*key, m)]["mse"] if (*key, m) in by else math.inf)
-        best_cos = max(methods, key=lambda m: by[(*key, m)]["cos_batch"] if (*key, m) in by else -math.inf)
-        vals = []
-        for m in methods:
-            r = by.get((*key, m))
-            vals.append("" if r is None else f"{r['mse']:.3g} ({r['bias']:.2g})")
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {first['kl_k3']:.2g} | {first['kl_k1']:.2g} | "
-                     f"{first['t_kl']:.3g} | {first['ess_seq_raw']:.2g} ({first['ess_seq_theory']:.2g}) | {best} | "
-                     f"{best_cos} | "
-                     + " | ".join(vals) + " |")
-    return ("Each method cell: relative MSE E||g - g*||^2/||g*||^2 (bias 1 - cos(E g, g*)); best cos: the highest "
-            "mean per-batch cos(g, g*) (scale-free).\n\n" + "\n".join(lines)
-            + "\n")
+        rs = [by[(*key, m)] for m in methods if (*key, m) in by]
+        r0 = rs[0]
+        best = min(rs, key=lambda r: r["mse"])
+        worst = max(rs, key=lambda r: r["bias2"])
+        out.append(f"| {key[0]:g} | {key[1]} | {key[2]} | {r0['kl_k3']:.2g} | {r0['kl_k1']:.2g} | {r0['t_kl']:.3g} | "
+                   f"{r0['max_abs_log_rho']:.2g} | {r0['ess_seq_raw']:.3g} | {r0['ess_seq_theory']:.3g} | "
+                   f"{r0['coupled_same']:.3g} | {r0['snr_on']:.2g} | {best['method']} ({best['mse']:.3g}) | "
+                   f"{worst['method']} ({worst['bias2']:.2g}) |")
+    measures = [
+        ("MSE E||g - g*||^2 / V_on (= relvar + bias^2; the uncorrected estimator on on-policy batches: 1)",
+         lambda r: f"{r['mse']:.3g}"),
+        ("Squared bias ||E g - g*||^2 / V_on (coupled batches; one standard error in brackets)",
+         lambda r: f"{r['bias2']:.2g} ({r['bias2_se']:.1g})"),
+        ("Variance E||g - E g||^2 / V_on", lambda r: f"{r['relvar']:.3g}"),
+        ("Relative bias ||E g - g*|| / ||g*|| and norm ratio ||E g|| / ||g*||",
+         lambda r: f"{r['bias_rel']:.2g} / {r['norm_ratio']:.2g}"),
+        ("Masked tokens / masked sequences (effective weight 0)",
+         lambda r: f"{r['masked_tok']:.2g} / {r['masked_seq']:.2g}"),
+        ("Token ESS of the effective weight c / c_none [its range]",
+         lambda r: f"{r['ess_token']:.2g} [{r['w_min']:.2g}, {r['w_max']:.2g}]"),
+        ("Batch size above which bias^2 exceeds the variance (64 V / B^2; inf: bias not resolved)",
+         lambda r: f"{r['breakeven_batch']:.3g}"),
+    ]
+    for title, value in measures:
+        out += ["", f"### {title}", ""] + _table(rows, cells, methods, value)
+    return "\n".join(out) + "\n"
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -570,22 +671,28 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for m in methods:
-        rs = sorted((r for r in rows if r["method"] == m and r["t_kl"] > 0), key=lambda r: r["t_kl"])
-        if not rs:
-            continue
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    markers = "os^vD<>ph*xP+1234"
+    for i, m in enumerate(methods):
+        rs = sorted((r for r in rows if r["method"] == m and r["source"] != "exact"), key=lambda r: r["t_kl"])
         x = [r["t_kl"] for r in rs]
-        axes[0].plot(x, [max(r["bias"], 1e-6) for r in rs], ".", label=m)
-        axes[1].plot(x, [r["mse"] for r in rs], ".", label=m)
-    for ax, name in zip(axes, ("bias = 1 - cos(E g, g*)", "relative MSE")):
+        axes[0].plot(x, [r["bias2"] for r in rs], markers[i % len(markers)], ms=4, label=m, alpha=0.7)
+        axes[1].plot(x, [r["mse"] for r in rs], markers[i % len(markers)], ms=4, label=m, alpha=0.7)
+    for ax, name in zip(axes, ("squared bias ||E g - g*||^2 / V_on", "MSE E||g - g*||^2 / V_on")):
         ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("T * per-token KL (k3)")
+        ax.set_yscale("symlog", linthresh=1e-2)
+        ax.set_xlabel("T x per-token KL (k3)")
         ax.set_title(name)
     axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def summarize(rows: list[dict], out: str, plot_too: bool) -> None:
+    with open(os.path.join(out, "estimator_map.md"), "w") as f:
+        f.write(markdown(rows))
+    if plot_too:
+        plot(rows, os.path.join(out, "estimator_map.png"))
 
 
 def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False):
@@ -620,17 +727,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/estimator_map")
     p.add_argument("--lengths", default="8,64,256", help="completion lengths T")
-    p.add_argument("--batches", default="16,16,8", help="batches of 64 per cell, per T (one value: every T)")
-    p.add_argument("--ref_batches", default="64,64,32", help="on-policy batches of 64 for g*, per T")
+    p.add_argument("--batches", default="16,12,6", help="batches of 64 per cell, per T (one value: every T)")
     p.add_argument("--sources", default=None, help="comma-separated subset of the sources (default: all)")
     p.add_argument("--warmup_steps", type=int, default=150)
     p.add_argument("--stale_steps", type=int, default=64)
     p.add_argument("--smoke", action="store_true", help="one T (8), one source, one level, 2 batches")
+    p.add_argument("--summarize", action="store_true", help="only rewrite the tables and the plot from OUT's CSV")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core machine)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.summarize:
+        rows = read_csv(os.path.join(a.out, "estimator_map.csv"))
+        summarize(rows, a.out, plot_too=True)
+        return rows
     if a.smoke:
-        a.lengths, a.batches, a.ref_batches, a.warmup_steps, a.stale_steps = "8", "2", "2", 5, 0
+        a.lengths, a.batches, a.warmup_steps, a.stale_steps = "8", "2", 5, 0
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     model = build_trainer_model(a.warmup_steps, small=a.smoke)
@@ -643,30 +754,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pkg = package_methods()
     rows = []
     lengths = [int(x) for x in a.lengths.split(",")]
-    per_t = lambda text: dict(zip(lengths, [int(x) for x in text.split(",")] * len(lengths)  # noqa: E731
-                                  if "," not in text else [int(x) for x in text.split(",")]))
-    batches, ref_batches = per_t(a.batches), per_t(a.ref_batches)
+    counts = [int(x) for x in a.batches.split(",")]
+    batches = dict(zip(lengths, counts if len(counts) == len(lengths) else counts[:1] * len(lengths)))
     wanted = a.sources.split(",") if a.sources else None
     for T in lengths:
         trl = TrlLoss(model, T, os.path.join(a.out, "trl"))
-        t1 = time.time()
-        g_star, split = reference_gradient(trl, model, T, ref_batches[T], seed=1000 + T)
-        print(f"T={T}: g* from {ref_batches[T]} batches in {time.time() - t1:.0f} s, 1-cos(halves) {split:.3g}",
-              flush=True)
+        on_policy, t_rows, t_start = OnPolicy(), [], time.time()
         for i, (source, level, engine) in enumerate(sources(model, ckpts, heavy, a.smoke)):
             if wanted and source not in wanted:
                 continue
             t1 = time.time()
-            cell = run_cell(trl, model, engine, T, g_star, batches[T], pkg, seed=T * 100 + i)
-            for r in cell:
-                rows.append(dict(T=T, source=source, level=level, **r, ref_split=split))
+            cell = run_cell(trl, model, engine, T, batches[T], pkg, T * 100 + i, on_policy)
+            t_rows += [dict(T=T, source=source, level=level, **r) for r in cell]
             print(f"T={T} {source} {level}: KL k3 {cell[0]['kl_k3']:.3g} T*KL {cell[0]['t_kl']:.3g} "
                   f"({time.time() - t1:.0f} s)", flush=True)
-            write_csv(rows, os.path.join(a.out, "estimator_map.csv"))
-    with open(os.path.join(a.out, "estimator_map.md"), "w") as f:
-        f.write(markdown(rows))
-    if not a.smoke:
-        plot(rows, os.path.join(a.out, "estimator_map.png"))
+        on = on_policy.finish()
+        finish_rows(t_rows, on)
+        rows += t_rows
+        print(f"T={T}: {time.time() - t_start:.0f} s; on-policy ||g*||^2 / V_on = {on['g_star_sq'] / on['v_on']:.3g}"
+              f" from {on['n_on']} batches", flush=True)
+        write_csv(rows, os.path.join(a.out, "estimator_map.csv"))
+    summarize(rows, a.out, plot_too=not a.smoke)
     print(f"total {time.time() - t0:.0f} s")
     return rows
 
