@@ -548,12 +548,12 @@ def measure_kl(engine: Engine, model, T: int, n: int, seed: int) -> float:
     return (lr.exp() - 1 - lr).mean().item()
 
 
-def calibrate_heavy(model, targets_kl, T: int = 32, n: int = 64) -> dict[float, float]:
+def calibrate_heavy(model, targets_kl, T: int = 32, n: int = 64, rounds: int = 2) -> dict[float, float]:
     """The noise scale s per target per-token KL (k3): KL ~ s^2 at small s, two rounds of s *= sqrt(target/KL)."""
     out = {}
     for target in targets_kl:
         s = 0.1
-        for r in range(2):
+        for r in range(rounds):
             kl = measure_kl(Engine(model, "heavy", s), model, T, n, seed=11 + r)
             s *= math.sqrt(target / max(kl, 1e-12))
         out[target] = s
@@ -749,7 +749,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.stale_steps:
         stale_lr, ckpts = stale_checkpoints(model, a.stale_steps, T=32)
         model.load_state_dict(ckpts[-1])  # the trainer is the end of the short on-policy training
-    heavy = calibrate_heavy(model, TARGET_KLS if not a.smoke else TARGET_KLS[-1:], n=16 if a.smoke else 64)
+    heavy = (calibrate_heavy(model, TARGET_KLS[-1:], T=8, n=16, rounds=1) if a.smoke
+             else calibrate_heavy(model, TARGET_KLS))
     print(f"setup {time.time() - t0:.0f} s; stale lr {stale_lr:.3g}; heavy scales {heavy}", flush=True)
     pkg = package_methods()
     rows = []

@@ -35,8 +35,10 @@ def test_smoke_run_writes_every_method_and_trls_default_equals_the_packages_spel
             "decoupled_token_is", "ppo_is_bypass", "pg_is", "icepop_0.5_5"} <= methods
     by = {r["method"]: r for r in rows}
     assert by["none"]["kl_k3"] > 0 and all(math.isfinite(r["mse"]) for r in rows)
-    for key in ("bias", "mse", "relvar", "cos_batch", "masked_tok", "masked_seq"):  # TRL's code = the package's
-        assert by["pkg_trl_default"][key] == pytest.approx(by["trl_sequence_mask"][key], rel=1e-5, abs=1e-7), key
+    assert 0 < by["none"]["coupled_same"] < 1  # coupled: the engine's and the policy's samples mostly agree
+    for key in ("bias2", "mse", "relvar", "masked_tok", "masked_seq", "ess_token"):  # TRL's code = the package's
+        assert by["pkg_trl_default"][key] == pytest.approx(by["trl_sequence_mask"][key], rel=1e-5, abs=1e-9), key
+        assert by["decoupled_token_is"][key] != by["trl_sequence_mask"][key] or key.startswith("masked"), key
     assert (tmp_path / "estimator_map.md").read_text().count("\n") >= 3
 
 
@@ -88,9 +90,9 @@ def test_ess_formula_and_the_small_mismatch_theory():
     # per-token log rho ~ N(-kl, 2 kl) (E rho = 1, KL(pi_e || pi) = kl): the sequence weight's ESS -> exp(-2 T kl)
     gen = torch.Generator().manual_seed(0)
     T, kl = 64, 0.004
-    log_rho = -kl + math.sqrt(2 * kl) * torch.randn(150_000, T, generator=gen, dtype=torch.float64)  # (n, T)
+    log_rho = -kl + math.sqrt(2 * kl) * torch.randn(80_000, T, generator=gen, dtype=torch.float64)  # (n, T)
     assert (-log_rho).mean().item() == pytest.approx(kl, rel=0.01)
-    assert em.ess(log_rho.sum(1).exp()) == pytest.approx(math.exp(-2 * T * kl), rel=0.05)
+    assert em.ess(log_rho.sum(1).exp()) == pytest.approx(math.exp(-2 * T * kl), rel=0.06)
 
 
 def test_mismatch_bench_map_dispatches_to_the_estimator_map(monkeypatch):
@@ -100,3 +102,31 @@ def test_mismatch_bench_map_dispatches_to_the_estimator_map(monkeypatch):
     monkeypatch.setattr(em, "main", seen.append)
     mismatch_bench.main(["--map", "--smoke", "--out", "DIR"])
     assert seen == [["--smoke", "--out", "DIR"]]
+
+
+def test_coupled_sampling_keeps_each_distribution_and_the_bias_units():
+    """The coupling leaves each sampler's distribution exact (token frequencies of a coupled engine = its own
+    distribution, on a 3-token case) while agreeing more often than independent draws, and finish_rows scales by
+    V_on as documented."""
+    gen = torch.Generator().manual_seed(0)
+
+    class Fixed:  # a "model" whose next-token logits are fixed: p = (0.7, 0.2, 0.1), q = (0.2, 0.3, 0.5)
+        def __init__(self, p):
+            self.logits = torch.tensor(p).log()
+
+        def __call__(self, input_ids, past_key_values=None, use_cache=True):
+            n = input_ids.size(0)
+            return type("Out", (), {"past_key_values": None, "logits": self.logits.expand(n, 1, 3)})()
+
+    engine, policy = em.Engine(Fixed([0.2, 0.3, 0.5])), em.Engine(Fixed([0.7, 0.2, 0.1]))
+    ys, lps, pys = engine.sample(torch.zeros(20000, 1, dtype=torch.long), 1, gen, partner=policy)
+    freq_e = torch.bincount(ys.flatten(), minlength=3) / ys.numel()  # (3,)
+    freq_p = torch.bincount(pys.flatten(), minlength=3) / pys.numel()  # (3,)
+    torch.testing.assert_close(freq_e, torch.tensor([0.2, 0.3, 0.5]), atol=0.015, rtol=0)
+    torch.testing.assert_close(freq_p, torch.tensor([0.7, 0.2, 0.1]), atol=0.015, rtol=0)
+    torch.testing.assert_close(lps.flatten(), torch.tensor([0.2, 0.3, 0.5]).log()[ys.flatten()])
+    assert 0.3 < (ys == pys).float().mean().item() < 1.0  # coupled: independent draws agree 25% of the time
+    row = dict(var=4.0, bias2=1.0, bias2_se=0.1, mean_sq=9.0)
+    em.finish_rows([row], {"v_on": 2.0, "g_star_sq": 4.0, "n_on": 10})
+    assert (row["relvar"], row["bias2"], row["mse"], row["bias_rel"], row["norm_ratio"]) == (2.0, 0.5, 2.5, 0.5, 1.5)
+    assert row["breakeven_batch"] == em.BATCH * 2.0 / 0.5 and row["snr_on"] == 2.0
