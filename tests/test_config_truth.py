@@ -228,7 +228,7 @@ def test_push_to_hub_uploads_the_config_and_from_pretrained_reads_it_back(tmp_pa
     assert requested == dict(repo_id="me/rc-icepop", filename=CONFIG_NAME, revision="exp")
     # a recipe naming the Hub repo resolves it the same way
     args = grpo_args(tmp_path, rollout_correction_config="me/rc-icepop")
-    assert args.rollout_correction == config and args.rollout_rs_threshold_lower == 0.4
+    assert args.rollout_correction == config and args.rollout_is_threshold_lower == 0.4
 
     FakeHubApi.uploads = []
     config.save_pretrained(tmp_path / "rc-local", push_to_hub=True, push_to_hub_kwargs=dict(private=True))

@@ -91,6 +91,12 @@ CASES = {
     "token_mask_two_sided_bn": dict(preset="trl_default", rollout_is="token", rollout_is_threshold=2.0,
                                     rollout_is_threshold_lower=0.5, rollout_is_batch_normalize=True),
     "second_moment_mask_grpo": dict(preset="decoupled_token_is", rollout_m2_threshold=0.02, loss_type="grpo"),
+    "icepop_dapo": dict(preset="icepop", rollout_is_threshold=1.5, rollout_is_threshold_lower=0.7),
+    "m2po_trust_region_dapo": dict(preset="m2po", rollout_m2_threshold=0.02),
+    "m2po_trust_region_token_is_grpo": dict(preset="m2po", rollout_is="token", rollout_m2_threshold=0.02,
+                                            loss_type="grpo"),
+    "seq_rs_out_of_baseline_dapo": dict(preset="decoupled_seq_is_rs", rollout_rs_threshold=3.0,
+                                        rollout_rs_threshold_lower=0.5, rollout_rs_exclude_from_baseline=True),
 }
 
 
@@ -156,7 +162,7 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
         # the pi_old forward runs only where pi_theta detached cannot give the generation batch's statistics
         plan = trainer.correction_plan
         assert no_grad_forwards == (split[1] if plan.at_generation else 0), split  # 8 rows in chunks of per_device
-        assert plan.at_generation == (bool(plan.batch_scope) and split[1] > 1), (split, plan)
+        assert plan.at_generation == (bool(plan.batch_scope) and (split[1] > 1 or "baseline" in case)), (split, plan)
     if "rs" in case or "veto" in case:
         assert 0 < metrics["rollout_corr/rejected_token_fraction"] < 1, metrics  # the masks really act
     if "nan" in case:
@@ -165,10 +171,20 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
         assert 0 < metrics["rollout_corr/missing_rollout_logprobs_fraction"] < 1
     if "bn" in case:
         assert not math.isclose(metrics["rollout_corr/rollout_is_batch_norm_factor"], 1.0, abs_tol=1e-3)
+    if "icepop" in case:  # weights zeroed, nothing rejected (the tokens stay in the count)
+        assert metrics["rollout_corr/rollout_is_masked_fraction"] > 0
+        assert metrics["rollout_corr/rejected_token_fraction"] == 0
+    if "baseline" in case:  # some samples, not all, left out of their group's baseline
+        assert 0 < metrics["rollout_corr/rollout_rs_baseline_excluded_fraction"] < 1
+    if "m2po" in case:  # advantages zeroed on the trust region's active side, nothing rejected
+        assert 0 < metrics["rollout_corr/rollout_m2_masked_fraction"] < metrics[
+            "rollout_corr/rollout_m2_trust_region_fraction"]
+        assert metrics["rollout_corr/rejected_token_fraction"] == 0
 
 
 TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", "bypass_pg_rs_dapo",
-                     "missing_rollout_bn_rs", "token_mask_two_sided_bn", "second_moment_mask_grpo"]
+                     "missing_rollout_bn_rs", "token_mask_two_sided_bn", "second_moment_mask_grpo",
+                     "m2po_trust_region_token_is_grpo", "seq_rs_out_of_baseline_dapo"]
 
 
 def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:
@@ -212,7 +228,9 @@ def test_two_processes_give_the_one_process_step(tmp_path):
         assert set(results[case]) == {"4x1", "2x2", "1x4"}
         assert all("MULTI_CPU" in run["distributed_type"] for run in results[case].values())
         # a generation-batch statistic over 4 samples per process needs the forward once they are split
-        assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == [False, True, True]
+        # (leaving rejected samples out of the baselines needs the correction at generation time in every split)
+        assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == (
+            [True] * 3 if "baseline" in case else [False, True, True])
         assert_same_step(case, tmp_path, results[case])
 
 

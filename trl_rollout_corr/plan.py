@@ -16,6 +16,11 @@ the scope of a whole **generation batch** (across processes) instead:
 * the kept-token count that ``dapo`` / ``cispo`` / ``vespo`` divide by, when RS or the veto can reject tokens;
 * the second-moment mask's threshold (``rollout_m2_threshold``): which tokens it masks depends on the whole batch.
 
+One more needs the correction at generation time whatever the split: ``rollout_rs_exclude_from_baseline`` (the
+rejected samples leave their GRPO group's baseline), because TRL forms the advantages once per generation batch,
+before any loss runs; it is exact wherever the rejection is known then (decoupled mode; bypass mode with one
+optimizer step per generation batch) and refused elsewhere.
+
 A micro-batch holds the whole generation batch only when ``steps_per_generation == 1``. Otherwise a batch-scope
 statistic is computed at generation time, for every sample at once, from a no-grad forward of the policy; the
 weights and masks then travel with the samples through TRL's buffering. A result therefore never depends on how a
@@ -77,6 +82,8 @@ def batch_scope_statistics(cfg: RolloutCorrectionConfig, loss_type: str,
         scope.append("the second-moment mask's threshold (rollout_m2_threshold)")
     if cfg.masks_tokens and loss_type in kept_token_normalizer_losses:
         scope.append(f"the kept-token count {loss_type} divides by (RS/veto reject tokens)")
+    if cfg.rollout_rs_exclude_from_baseline:
+        scope.append("the group baselines without the rejected samples (rollout_rs_exclude_from_baseline)")
     return tuple(scope)
 
 
@@ -105,7 +112,8 @@ def plan_correction(
                                                        num_iterations)
     whole_batch = steps_per_generation == 1  # each micro-batch is the whole (local) generation batch
     scope = batch_scope_statistics(cfg, loss_type, kept_token_normalizer_losses)
-    loss_time_exact = not scope or whole_batch
+    # the advantages are formed at generation time: a rejection that shapes them must be known then
+    loss_time_exact = (not scope or whole_batch) and not cfg.rollout_rs_exclude_from_baseline
 
     if cfg.bypass_mode:
         if pi_old_source != "auto":
@@ -113,6 +121,14 @@ def plan_correction(
                              "pi_rollout, so there is no pi_old to compute. Leave pi_old_source='auto'.")
         if loss_time_exact:
             return CorrectionPlan("pi_rollout", at_generation=False, batch_scope=scope)
+        if cfg.rollout_rs_exclude_from_baseline and not one_step:
+            raise ValueError(
+                f"rollout_rs_exclude_from_baseline=True with bypass_mode=True and {shape}: TRL forms the advantages "
+                "once per generation batch, but the bypass rejection is decided on pi_theta/pi_rollout, and pi_theta "
+                "moves at every optimizer step within the generation batch, so which samples are rejected is not "
+                "known when the baselines are formed. Use decoupled mode (bypass_mode=False: the rejection is decided "
+                "on pi_old, fixed per generation batch), one optimizer step per generation batch (num_iterations=1, "
+                "steps_per_generation <= gradient_accumulation_steps), or rollout_rs_exclude_from_baseline=False.")
         if one_step:  # pi_theta at generation time = pi_theta at every micro-batch's loss
             return CorrectionPlan("pi_rollout", at_generation=True, batch_scope=scope)
         raise ValueError(
@@ -126,6 +142,12 @@ def plan_correction(
     if pi_old_source == "forward":
         return CorrectionPlan("forward", at_generation=True, batch_scope=scope)
     if pi_old_source == "free":
+        if cfg.rollout_rs_exclude_from_baseline:
+            raise ValueError(
+                "pi_old_source='free' with rollout_rs_exclude_from_baseline=True: the rejected samples leave the "
+                "group baselines TRL forms at generation time, so the rejection (decided on pi_old) must be computed "
+                "then, from a pi_old forward. Use pi_old_source='auto' (or 'forward'), or "
+                "rollout_rs_exclude_from_baseline=False.")
         if not one_step:
             raise ValueError(
                 f"pi_old_source='free' with {shape}: a generation batch feeds several optimizer steps, so pi_theta "

@@ -26,6 +26,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from .core import compute_rollout_correction_stats
+from .core.group_baseline import baseline_stats, fully_rejected, group_advantages
 from .core.pipeline import rollout_usable_mask
 from .core.metric_names import metric
 from .core.stats import STAT_DTYPE, RolloutStats
@@ -33,7 +34,7 @@ from .core.truncation import SamplingTruncation, truncated_support_logprobs, tru
 from .correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
 from .grpo_config import RolloutCorrGRPOConfig
 from .losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor, vespo_sampler_ratio,
-                     weighted_advantages)
+                     weighted_advantages, zeroed_advantages)
 from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from .rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from .rollout.logprobs import check_rollout_logprobs
@@ -55,6 +56,7 @@ class Correction(NamedTuple):
     is_weights: torch.Tensor | None  # multiplies A (None: no IS weight applied)
     anchor: torch.Tensor | None  # old_per_token_logps for TRL (None: pi_theta detached)
     sampler_ratio: torch.Tensor | None  # VESPO's importance_sampling_ratio (decoupled mode only)
+    advantage_mask: torch.Tensor | None = None  # 0/1, multiplies A in every mode, token kept in the count (M2PO)
 
 
 def _checked_rollout_func(rollout_func):
@@ -105,6 +107,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         self._rc_apply_truncation = (self._rc_truncation is not None
                                      and self.args.truncated_support_correction is not False)
         self._rc_warned_missing = False
+        self._rc_rewards = None  # TRL's rewards of the batch being scored (rollout_rs_exclude_from_baseline)
         if self.accelerator.is_main_process:
             logger.info("Rollout correction: %s", self.correction_plan.describe())
         if self.use_vllm:  # engine dtype log, vllm_sync_interval, CPU server sync (trl_rollout_corr.vllm.engine)
@@ -208,15 +211,50 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             correction = self._correct_generation_batch(output, loss_mask)
             output["rc_keep_mask"] = correction.keep  # (B, T)
             for key, value in (("rc_is_weights", correction.is_weights), ("old_per_token_logps", correction.anchor),
-                               ("rc_sampler_ratio", correction.sampler_ratio)):
+                               ("rc_sampler_ratio", correction.sampler_ratio),
+                               ("rc_advantage_mask", correction.advantage_mask)):
                 if value is not None:
                     output[key] = value  # (B, T)
             output["num_items_in_batch"] = self.accelerator.gather(correction.keep.sum()).sum()  # kept tokens, global
+            if self.rollout_correction.rollout_rs_exclude_from_baseline:
+                output["advantages"] = self._baseline_without_rejected(output["advantages"], correction.keep,
+                                                                       loss_mask)  # (B,)
         elif self.loss_type in KEPT_TOKEN_NORMALIZER_LOSSES:
             # samples with a non-finite pi_rollout leave the count
             usable = rollout_usable_mask(output["sampling_per_token_logps"], loss_mask, output["rc_rollout_seen"])
             output["num_items_in_batch"] = self.accelerator.gather(usable.sum()).sum()
         return output
+
+    def _calculate_rewards(self, *args, **kwargs):
+        """TRL's rewards per function (all processes), kept for :meth:`_baseline_without_rejected`."""
+        self._rc_rewards = trl_grpo.calculate_rewards(self, __class__, args, kwargs)  # (N, F)
+        return self._rc_rewards
+
+    @torch.no_grad()
+    def _baseline_without_rejected(self, advantages: torch.Tensor, keep: torch.Tensor,
+                                   loss_mask: torch.Tensor) -> torch.Tensor:
+        """This process's advantages with every fully rejected sample (all processes) left out of its group's
+        baseline and given advantage 0 (:func:`~trl_rollout_corr.core.group_baseline.group_advantages`).   (B,)
+
+        First checks that TRL's formula, re-applied to TRL's own rewards with nothing left out, gives TRL's
+        advantages (a TRL whose formula changed raises ``TrlInternalsChanged`` instead of training on another one).
+        """
+        rewards, self._rc_rewards = self._rc_rewards, None  # (N, F)
+        if rewards is None:
+            raise TrlInternalsChanged("GRPOTrainer._generate_and_score_completions formed advantages without calling "
+                                      "_calculate_rewards")
+        settings = trl_grpo.advantage_settings(self)
+        start = self.accelerator.process_index * advantages.size(0)
+        local = slice(start, start + advantages.size(0))  # TRL's process slice
+        trl_formula = group_advantages(rewards, **settings)[local]  # (B,)
+        if not torch.allclose(trl_formula, advantages.to(trl_formula.dtype), rtol=1e-5, atol=1e-6):
+            raise TrlInternalsChanged("GRPOTrainer's advantages are not TRL 1.16's group formula re-applied to its "
+                                      "rewards, so rollout_rs_exclude_from_baseline cannot recompute them")
+        rejected = self.accelerator.gather(fully_rejected(keep, loss_mask).to(torch.int32)).bool()  # (N,)
+        once = float(self.accelerator.is_main_process)  # the counts are global already: count them once
+        counts = baseline_stats(rejected)
+        self._rc_stats["train"].update(RolloutStats(sums={k: v * once for k, v in counts.sums.items()}))
+        return group_advantages(rewards, **settings, excluded=rejected)[local].to(advantages.dtype)  # (B,)
 
     @torch.no_grad()
     def _correct_generation_batch(self, output: dict, loss_mask: torch.Tensor) -> Correction:
@@ -257,19 +295,22 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             self._rc_stats[mode].update(truncation_stats(log_mass, in_support, loss_mask))
             if self._rc_apply_truncation:
                 ratio_logps = truncated_support_logprobs(train_logps, log_mass, in_support)  # (B, T)
+        advantages = batch["advantages"] if cfg.zeroes_advantages else None  # (B,) M2PO's trust region reads A
         result = compute_rollout_correction_stats(ratio_logps, rollout, loss_mask, cfg.params(),
-                                                  reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"))
+                                                  reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"),
+                                                  advantages=advantages)
         self._rc_stats[mode].update(result.stats)
         keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
+        zero = result.advantage_mask  # (B, T) or None: applies in every mode
         if cfg.loss_anchor == PI_ROLLOUT:  # bypass PPO: the IS weight feeds the metrics only
-            return Correction(keep, None, rollout + (train_logps - ratio_logps), None)
+            return Correction(keep, None, rollout + (train_logps - ratio_logps), None, zero)
         if cfg.loss_anchor == PI_THETA:  # bypass policy gradient
-            return Correction(keep, result.is_weights, None, None)
+            return Correction(keep, result.is_weights, None, None, zero)
         # decoupled: pi_old from the plan's forward, else pi_theta detached (None)
         anchor = train_logps if self.correction_plan.pi_old == "forward" and mode == "train" else None
         if self.loss_type == "vespo" and result.is_weights is not None:  # phi consumes the ratio; A is not weighted
-            return Correction(keep, None, anchor, vespo_sampler_ratio(result.is_weights, keep))
-        return Correction(keep, result.is_weights, anchor, None)
+            return Correction(keep, None, anchor, vespo_sampler_ratio(result.is_weights, keep), zero)
+        return Correction(keep, result.is_weights, anchor, None, zero)
 
     # ------------------------------------------------------------------ 3. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -298,7 +339,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         loss_mask = inputs["completion_mask"] if tool_mask is None else inputs["completion_mask"] * tool_mask  # (B, T)
         if carried:
             correction = Correction(inputs["rc_keep_mask"], inputs.get("rc_is_weights"),
-                                    inputs.get("old_per_token_logps"), inputs.get("rc_sampler_ratio"))
+                                    inputs.get("old_per_token_logps"), inputs.get("rc_sampler_ratio"),
+                                    inputs.get("rc_advantage_mask"))
         else:
             correction = self._correction(logps.detach(), inputs, loss_mask, support, mode)
         patched = self._corrected_inputs(inputs, correction, logps, loss_mask, tool_mask, whole_batch=not carried)
@@ -314,8 +356,9 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         patched = dict(inputs)
         kept_mask = loss_mask * correction.keep.to(loss_mask.dtype)  # (B, T)
         patched["tool_mask"] = corrected_loss_mask(inputs["completion_mask"], tool_mask, correction.keep)  # (B, T)
-        patched["advantages"] = weighted_advantages(inputs["advantages"], correction.is_weights,
-                                                    cfg.rollout_is == "sequence")
+        patched["advantages"] = zeroed_advantages(
+            weighted_advantages(inputs["advantages"], correction.is_weights, cfg.rollout_is == "sequence"),
+            correction.advantage_mask)  # (B,), (B, 1) or (B, T)
         if correction.anchor is not None:
             patched["old_per_token_logps"] = safe_anchor(correction.anchor, logps, kept_mask)  # (B, T)
         else:

@@ -48,4 +48,11 @@ class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, VllmServerFields, Asyn
 
     def _check_resolved(self, resolved: RolloutCorrectionConfig) -> None:
         """Every correction the synchronous trainer computes is exact here (one micro-batch per sample), so only the
-        RolloutCorrectionConfig's own checks apply."""
+        RolloutCorrectionConfig's own checks apply, but for the one that needs the rejection before the advantages
+        exist (``rollout_rs_exclude_from_baseline``)."""
+        if resolved.rollout_rs_exclude_from_baseline:
+            raise ValueError(
+                "rollout_rs_exclude_from_baseline=True is not supported by RolloutCorrAsyncGRPOTrainer: TRL's "
+                "AsyncGRPOTrainer forms the advantages on its rollout worker, before the trainer sees a sample, and "
+                "the rejection is decided in the loss (on pi_theta), so a rejected sample's group baseline is already "
+                "fixed. Set rollout_rs_exclude_from_baseline=False, or use RolloutCorrGRPOTrainer (decoupled mode).")

@@ -5,8 +5,8 @@ Code outside the core's finalizers never spells a full key by hand: it asks :fun
 is defined (usually at import), not silently at run time by finding nothing in the logs.
 
 The names are the core's tuples (``core/metrics.py``, ``core/lag.py``, ``core/divergence.py``,
-``core/truncation.py``) and the one the trainers add themselves; ``tests/test_docs.py`` checks that they are exactly
-the names the core emits and docs/metrics.md lists. Pure: no TRL import.
+``core/truncation.py``, ``core/group_baseline.py``) and the one the trainers add themselves; ``tests/test_docs.py``
+checks that they are exactly the names the core emits and docs/metrics.md lists. Pure: no TRL import.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from __future__ import annotations
 import re
 
 from .divergence import DIVERGENCE_CRITERIA, DIVERGENCE_METRICS
+from .group_baseline import BASELINE_METRICS
 from .lag import LAG_METRICS, LAG_SUMMARY_METRICS
 from .metrics import (
     ALWAYS_METRICS,
     BATCH_NORM_METRICS,
     IS_MASK_METRICS,
     M2_METRICS,
+    M2_TRUST_REGION_METRICS,
     OFFPOLICY_METRICS,
     RS_MASK_METRICS,
     VETO_METRICS,
@@ -34,8 +36,9 @@ TRAINER_METRICS = ("all_rejected_micro_batches",)
 
 METRIC_NAMES: frozenset[str] = frozenset((
     *(f"{family}_{name}" for family in WEIGHT_FAMILIES for name in WEIGHT_FAMILY_METRICS),
-    *OFFPOLICY_METRICS, *VETO_METRICS, *RS_MASK_METRICS, *IS_MASK_METRICS, *M2_METRICS, *ALWAYS_METRICS,
-    *BATCH_NORM_METRICS, *TRUNCATION_METRICS, *LAG_SUMMARY_METRICS, *TRAINER_METRICS,
+    *OFFPOLICY_METRICS, *VETO_METRICS, *RS_MASK_METRICS, *IS_MASK_METRICS, *M2_METRICS, *M2_TRUST_REGION_METRICS,
+    *ALWAYS_METRICS,
+    *BATCH_NORM_METRICS, *TRUNCATION_METRICS, *LAG_SUMMARY_METRICS, *TRAINER_METRICS, *BASELINE_METRICS,
     *(f"rollout_rs_{criterion}_{name}" for criterion in DIVERGENCE_CRITERIA for name in DIVERGENCE_METRICS),
 ))
 """Every name (without the prefix) but the per-lag ones, ``lag_<k>/<name>`` (see :func:`is_metric`)."""

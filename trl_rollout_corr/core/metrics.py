@@ -18,6 +18,7 @@ import torch
 from .stats import METRIC_PREFIX as PREFIX
 from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
 from .divergence import finalize_divergence
+from .group_baseline import finalize_baseline
 from .lag import finalize_lag
 from .truncation import finalize_truncation
 from .weights import SAFETY_BOUND, sequence_log_ratio
@@ -35,6 +36,10 @@ VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fract
 RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
 IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
 M2_METRICS = ("rollout_m2", "rollout_m2_kept", "rollout_m2_masked_fraction")
+M2_TRUST_REGION_METRICS = ("rollout_m2_trust_region_fraction", "rollout_m2_trust_region",
+                           "rollout_m2_trust_region_kept")
+"""``rollout_m2_scope="trust_region"`` only: the share of valid tokens on the trust region's active side, and their
+mean (log rho)^2 before and after the mask (the bound applies to the latter)."""
 ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction", "missing_rollout_logprobs_fraction")
 BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
 WEIGHT_FAMILIES = ("rollout_is", "rollout_rs")
@@ -237,6 +242,7 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
         metrics[PREFIX + "rollout_is_batch_norm_factor"] = _div(s("rollout_is.norm_mean_sum"), s("rollout_is.norm_n"))
     metrics.update(finalize_truncation(f))
     metrics.update(finalize_lag(f))
+    metrics.update(finalize_baseline(f))
     if "sum:mask.tok_n" in f:
         tok_n, seq_n = s("mask.tok_n"), s("mask.seq_n")
         metrics.update(finalize_divergence(f, tok_n, seq_n))
@@ -253,6 +259,12 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
             metrics[PREFIX + "rollout_m2"] = _div(s("m2.v_sum"), tok_n)
             metrics[PREFIX + "rollout_m2_kept"] = _div(s("m2.v_kept_sum"), tok_n - s("mask.m2_masked_tok_n"))
             metrics[PREFIX + "rollout_m2_masked_fraction"] = _div(s("mask.m2_masked_tok_n"), tok_n)
+        if "sum:m2.region_tok_n" in f:  # M2PO's trust-region scope: the candidates' share and mean before / after
+            region_n = s("m2.region_tok_n")
+            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = _div(region_n, tok_n)
+            metrics[PREFIX + "rollout_m2_trust_region"] = _div(s("m2.region_v_sum"), region_n)
+            metrics[PREFIX + "rollout_m2_trust_region_kept"] = _div(s("m2.region_v_kept_sum"),
+                                                                    region_n - s("mask.m2_masked_tok_n"))
         if "sum:mask.rs_rejected_tok_n" in f:
             metrics[PREFIX + "rollout_rs_masked_fraction"] = _div(s("mask.rs_rejected_tok_n"), tok_n)
             metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = _div(s("mask.rs_rejected_seq_n"), seq_n)

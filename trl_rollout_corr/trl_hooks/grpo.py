@@ -50,7 +50,7 @@ _FORWARD_NAMED = 5  # self, model, input_ids, attention_mask, logits_to_keep: na
 _SINGLE_TURN_PARAMS = ("self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")
 # the private GRPOTrainer (and transformers.Trainer) methods RolloutCorrGRPOTrainer overrides
 OVERRIDDEN_HOOKS = ("_generate_single_turn", "_generate", "_get_per_token_logps_and_entropies",
-                    "_generate_and_score_completions", "_save_checkpoint")
+                    "_generate_and_score_completions", "_save_checkpoint", "_calculate_rewards")
 
 KEPT_TOKEN_NORMALIZER_LOSSES = ("cispo", "dapo", "vespo")
 """The loss types whose ``GRPOTrainer._compute_loss`` divides by ``inputs["num_items_in_batch"]``.
@@ -154,6 +154,30 @@ def generate(trainer: Any, owner: type, prompts: list) -> dict[str, Any]:
 def generate_and_score(trainer: Any, owner: type, inputs: list) -> dict[str, Any]:
     """``GRPOTrainer._generate_and_score_completions(inputs)``: the scored generation batch."""
     return super(owner, trainer)._generate_and_score_completions(inputs)
+
+
+def calculate_rewards(trainer: Any, owner: type, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``GRPOTrainer._calculate_rewards(...)``: the rewards per reward function of the generation batch, gathered over
+    every process, (N, F) (NaN: unscorable); checked to be a 2-D tensor."""
+    import torch
+
+    rewards = super(owner, trainer)._calculate_rewards(*args, **kwargs)
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2:
+        raise TrlInternalsChanged(f"GRPOTrainer._calculate_rewards returned {type(rewards).__name__}"
+                                  f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else ''}, expected the "
+                                  "(N, F) tensor of rewards per function gathered over processes")
+    return rewards
+
+
+def advantage_settings(trainer: Any) -> dict[str, Any]:
+    """What TRL 1.16's advantage formula reads (``_generate_and_score_completions``, training): the reward weights,
+    the group size and the two modes, as :func:`trl_rollout_corr.core.group_baseline.group_advantages` takes them."""
+    try:
+        return dict(reward_weights=trainer.reward_weights, num_generations=trainer.num_generations,
+                    scale_rewards=trainer.scale_rewards, aggregation=trainer.multi_objective_aggregation)
+    except AttributeError as error:
+        raise TrlInternalsChanged(f"GRPOTrainer no longer has {error.name!r}, which its advantage formula read in "
+                                  "TRL 1.16") from None
 
 
 def save_checkpoint(trainer: Any, owner: type, model: Any, trial: Any) -> None:
