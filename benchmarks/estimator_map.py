@@ -254,39 +254,22 @@ def lm_head_grads(fwd: Forward, coefs: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- methods
 def package_methods():
-    """Name -> RolloutCorrectionConfig: the package's presets that apply, IcePop as the field defines it (verl's
-    decoupled_token_icepop / TRL token_mask two-sided: weight 0 outside [0.5, 5], token kept in the count), the
-    package's M2PO-style mask, and TRL's default spelled with the package's fields (a check: equal to TRL's own)."""
+    """Name -> RolloutCorrectionConfig: the package's presets that apply (IcePop and M2PO as the field defines them
+    among them: ``icepop``, weight 0 outside [0.5, 5] with the token kept in the count, verl's
+    ``decoupled_token_icepop``; ``m2po``, M2PO's final Algorithm 1), the all-token second-moment mask (AReaL's
+    ``m2_threshold``), and TRL's default spelled with the package's fields (a check: equal to TRL's own)."""
     from trl_rollout_corr import RolloutCorrectionConfig as R
 
-    methods = {
-        "decoupled_token_is": R.decoupled_token_is(),
-        "decoupled_seq_is": R.decoupled_seq_is(),
-        "decoupled_seq_is_rs": R.decoupled_seq_is_rs(),
-        "decoupled_geo_rs": R.decoupled_geo_rs(),
-        "ppo_is_bypass": R.ppo_is_bypass(),
-        "pg_is": R.pg_is(),
-        "pg_rs": R.pg_rs(),
-        "pkg_icepop_0.5_2_reject": R.icepop(),
-        "icepop_0.5_5": R(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold=5.0,
-                          rollout_is_threshold_lower=0.5),
-        "m2_style_0.04": R(rollout_is=None, rollout_m2_threshold=M2_TAU),
-        "pkg_trl_default": R.trl_default(),
-    }
-    methods.update(field_methods())
+    names = ["decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass",
+             "pg_is", "pg_rs", "icepop", "decoupled_token_band_rs", "m2po", "trl_default"]
+    methods = {n: R.from_preset(n) for n in names if n in R.preset_names()}
+    methods["m2_all_tokens_0.04"] = R(rollout_is=None, rollout_m2_threshold=M2_TAU)
+    if "decoupled_token_band_rs" not in methods:  # before branch methods: icepop was the [0.5, 2] token rejection
+        methods["decoupled_token_band_rs"] = methods.pop("icepop")
+        methods["icepop"] = R(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold=5.0,
+                              rollout_is_threshold_lower=0.5)
+    methods["pkg_trl_default"] = methods.pop("trl_default")
     return methods
-
-
-def field_methods():
-    """IcePop / M2PO as the field defines them, once the package has them (branch ``methods``): plugged in by name
-    when ``RolloutCorrectionConfig`` offers the preset, skipped otherwise."""
-    from trl_rollout_corr import RolloutCorrectionConfig as R
-
-    found = {}
-    for name in ("decoupled_token_icepop", "m2po"):
-        if name in R.preset_names():
-            found[name] = R.from_preset(name)
-    return found
 
 
 TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -369,22 +352,25 @@ def package_inputs(cfg, base: dict, train_logp: torch.Tensor, engine_logp: torch
     """The micro-batch this package's trainer hands TRL's loss (``trainer._correction`` / ``_corrected_inputs``, one
     generation batch = one micro-batch, pi_old = pi_theta), from the core's weights and mask."""
     from trl_rollout_corr.core import compute_rollout_correction_stats
-    from trl_rollout_corr.losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor,
-                                         weighted_advantages)
+    from trl_rollout_corr.losses import PI_ROLLOUT, corrected_loss_mask, safe_anchor, weighted_advantages
 
     mask = base["completion_mask"]  # (B, T)
-    result = compute_rollout_correction_stats(train_logp, engine_logp, mask, cfg.params())
+    m2po = getattr(cfg, "zeroes_advantages", False)  # M2PO's trust region reads the advantages' signs
+    extra = {"advantages": base["advantages"]} if m2po else {}
+    result = compute_rollout_correction_stats(train_logp, engine_logp, mask, cfg.params(), **extra)
     keep = result.modified_response_mask.to(mask.dtype)  # (B, T)
     is_weights, anchor = result.is_weights, None
-    if cfg.loss_anchor == PI_ROLLOUT:
-        is_weights, anchor = None, engine_logp
-    elif cfg.loss_anchor != PI_THETA and not cfg.applies_is_weights:
-        is_weights = None
+    if cfg.loss_anchor == PI_ROLLOUT:  # bypass PPO: TRL's ratio pi_theta / pi_rollout is rho; w feeds metrics only
+        anchor = engine_logp
     if not cfg.applies_is_weights:
         is_weights = None
     patched = dict(base)
     patched["tool_mask"] = corrected_loss_mask(mask, base.get("tool_mask"), keep)  # (B, T)
     patched["advantages"] = weighted_advantages(base["advantages"], is_weights, cfg.rollout_is == "sequence")
+    if m2po and result.advantage_mask is not None:  # losses.zeroed_advantages: A = 0, token kept in the count
+        from trl_rollout_corr.losses import zeroed_advantages
+
+        patched["advantages"] = zeroed_advantages(patched["advantages"], result.advantage_mask)  # (B, T)
     kept = mask * keep  # (B, T)
     if anchor is not None:
         patched["old_per_token_logps"] = safe_anchor(anchor, train_logp, kept)  # (B, T)

@@ -32,7 +32,7 @@ def test_smoke_run_writes_every_method_and_trls_default_equals_the_packages_spel
     assert len(written) == len(rows)
     methods = {r["method"] for r in rows}
     assert {"none", "trl_token_truncate", "trl_token_mask", "trl_sequence_truncate", "trl_sequence_mask",
-            "decoupled_token_is", "ppo_is_bypass", "pg_is", "icepop_0.5_5"} <= methods
+            "decoupled_token_is", "ppo_is_bypass", "pg_is", "icepop", "m2po", "decoupled_token_band_rs"} <= methods
     by = {r["method"]: r for r in rows}
     assert by["none"]["kl_k3"] > 0 and all(math.isfinite(r["mse"]) for r in rows)
     assert 0 < by["none"]["coupled_same"] < 1  # coupled: the engine's and the policy's samples mostly agree
@@ -51,9 +51,10 @@ def test_one_cell_against_an_independent_float64_gradient(tmp_path, one_thread):
     gen = torch.Generator().manual_seed(3)
     batch = next(em.sample_batches(em.Engine(model, "heavy", 0.6), model, 8, 1, gen))
     trl = em.TrlLoss(model, 8, str(tmp_path))
-    coefs = em.method_coefs(trl, batch, {"decoupled_token_is": RolloutCorrectionConfig.decoupled_token_is()})
-    names = ["none", "trl_token_truncate", "trl_sequence_mask", "decoupled_token_is"]
-    grads = em.lm_head_grads(batch["fwd"], torch.stack([coefs[n] for n in names]))  # (4, V, d)
+    coefs = em.method_coefs(trl, batch, {"decoupled_token_is": RolloutCorrectionConfig.decoupled_token_is(),
+                                         "icepop": RolloutCorrectionConfig.from_preset("icepop")})
+    names = ["none", "trl_token_truncate", "trl_sequence_mask", "decoupled_token_is", "icepop"]
+    grads = em.lm_head_grads(batch["fwd"], torch.stack([coefs[n] for n in names]))  # (5, V, d)
 
     double = em.build_model(hidden=32, layers=1)
     double.load_state_dict(model.state_dict())
@@ -71,8 +72,9 @@ def test_one_cell_against_an_independent_float64_gradient(tmp_path, one_thread):
     by_hand = {"none": -adv.expand(-1, T) / n_tokens,
                "trl_token_truncate": -adv * rho.clamp(max=3.0) / n_tokens,
                "trl_sequence_mask": -adv * (seq * (seq <= 3.0)).expand(-1, T) / n_tokens,
-               "decoupled_token_is": -adv * rho.clamp(max=2.0) / n_tokens}
-    assert (rho > 3).any() and (seq > 3).any()  # the bounds bite on this batch
+               "decoupled_token_is": -adv * rho.clamp(max=2.0) / n_tokens,
+               "icepop": -adv * rho * ((rho >= 0.5) & (rho <= 5.0)) / n_tokens}  # IcePop: weight 0, count kept
+    assert (rho > 5).any() and (rho < 0.5).any() and (seq > 3).any()  # the bounds bite on this batch
     for i, name in enumerate(names):
         torch.testing.assert_close(coefs[name].double(), by_hand[name], rtol=1e-4, atol=1e-9, msg=name)
         double.zero_grad()
@@ -91,7 +93,7 @@ def test_ess_formula_and_the_small_mismatch_theory():
     gen = torch.Generator().manual_seed(0)
     T, kl = 64, 0.004
     log_rho = -kl + math.sqrt(2 * kl) * torch.randn(80_000, T, generator=gen, dtype=torch.float64)  # (n, T)
-    assert (-log_rho).mean().item() == pytest.approx(kl, rel=0.01)
+    assert (-log_rho).mean().item() == pytest.approx(kl, rel=0.03)
     assert em.ess(log_rho.sum(1).exp()) == pytest.approx(math.exp(-2 * T * kl), rel=0.06)
 
 
