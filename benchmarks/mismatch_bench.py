@@ -4,6 +4,7 @@ One command, resumable (each finished run is a JSON file that a re-run skips), t
 
     python benchmarks/mismatch_bench.py                                   # every scenario, every method, 5 seeds
     python benchmarks/mismatch_bench.py --scenarios vllm_sync8,wq3 --seeds 0,1,2 --methods uncorrected,trl_default
+    python benchmarks/mismatch_bench.py --map --out DIR                   # the estimator map (estimator_map.py)
 
 Task and model: the demo's (reverse 6 digits, a tiny Qwen2-style model built locally and warmed up with 90
 supervised steps, ``--steps`` GRPO steps of 8 prompts x 8 completions, dapo, lr 3e-4, T=1). Score: the **policy's
@@ -475,6 +476,12 @@ def export_trace(output_dir: str, scenario: str, method: str, seed: int, path: s
 
 
 def main(argv: list[str]) -> None:
+    if "--map" in argv:  # issue 36 part 1, no training: benchmarks/estimator_map.py takes the other arguments
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from estimator_map import main as estimator_map
+
+        estimator_map([x for x in argv if x != "--map"])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ", ".join(SCENARIOS))
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))

@@ -1,0 +1,770 @@
+"""Estimator map (issue 36, part 1): each correction's policy-gradient estimate against the on-policy gradient, no
+training.
+
+For completion length T x mismatch source x level, a batch of 64 engine samples (8 prompts x 8 completions, GRPO
+advantages from the task reward, computed by TRL) gives each method's gradient; over ``--batches`` batches this
+measures, against g* (the expectation of the uncorrected loss's gradient on on-policy samples of the trainer):
+
+* bias: every engine batch comes with the trainer's own samples for the same prompts, drawn with the same Gumbel
+  noise (each keeps its exact distribution; the two agree wherever the distributions are close), so
+  E[g(engine batch) - g_none(its on-policy batch)] = E g - g* is measured with far less noise than either mean (a
+  batch of 64 gives a gradient whose noise is many times its signal). g* and V_on (the per-batch noise of the
+  uncorrected estimator on on-policy batches) come from every coupled on-policy batch of the T: a large on-policy
+  sample, once per T. bias2 = ||E g - g*||^2 / V_on (unbiased; negative: within noise), relvar = E||g - Eg||^2 /
+  V_on, mse = relvar + bias2 (1 for the uncorrected estimator on on-policy batches), bias_rel = ||E g - g*|| /
+  ||g*||, breakeven_batch = 64 relvar / bias2 (the batch size above which bias outweighs variance);
+* the method's effective per-token weight  w = c_method / c_none  (c = dLoss/d log pi_theta(token)): its token ESS
+  (sum w)^2 / (N sum w^2), range, the fraction of tokens with w = 0 and of sequences with every w = 0;
+* per cell: the measured per-token KL(pi_engine || pi_trainer) (k1 and k3 estimators on the engine's samples), T*KL,
+  the raw sequence weight's ESS and the small-mismatch theory exp(-2 T KL).
+
+The gradient is that of the output layer (``lm_head.weight``, V x d), in closed form from the coefficients:
+d log pi(y_t) / dW = (e_y - p_t) h_t^T, so g = sum_t c_t (e_{y_t} - p_t) h_t^T (one trainer forward per batch
+serves every method; ``tests/test_estimator_map.py`` checks it against autograd).
+
+Methods. ``none`` and TRL's four ``vllm_importance_sampling_mode`` s (C = 3, TRL's default clip_min) are computed by
+TRL's own code: TRL's ``GRPOTrainer`` (its vLLM switch on, the engine replaced by a rollout_func that returns this
+batch's engine samples and log-probs, as ``tests/test_trl_modes.py`` does) computes rewards, advantages and its IS
+ratio in ``_generate_and_score_completions``, and its ``_compute_loss`` gives the loss whose derivative in the
+per-token log-probs is c. The package's presets go through the package's core (``compute_rollout_correction_stats``)
+and ``losses.py`` (the inputs its trainer hands TRL's loss), then TRL's same ``_compute_loss``. The policy forward
+is the fp32 trainer's, with pi_old = pi_theta (one optimizer step per generation): the gradient at the sampled
+policy. TRL's private names are reached here, in a benchmark, as the tests reach them (``tests/test_trl_boundary.py``
+scans the package only).
+
+Run: ``python benchmarks/estimator_map.py --out DIR`` (or ``python benchmarks/mismatch_bench.py --map --out DIR``);
+``--smoke`` for one T, one source, one level, 2 batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+DIGITS = [str(d) for d in range(10)]
+SPECIAL = ["<pad>", "<eos>", "<unk>", "<bos>"]
+N_TAIL = 240  # rarely used tokens: the long low-probability tail of a real vocabulary
+VOCAB = SPECIAL + DIGITS + ["sum", "="] + [f"~{i:03d}" for i in range(N_TAIL)]
+DIGIT0 = len(SPECIAL)
+N_PROMPT_DIGITS = 4
+GROUP, PROMPTS_PER_BATCH = 8, 8
+BATCH = GROUP * PROMPTS_PER_BATCH
+TRL_C = 3.0
+M2_TAU = 0.04
+TARGET_KLS = (3e-4, 3e-3, 3e-2)
+
+
+# ---------------------------------------------------------------- task and model
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   bos_token="<bos>", padding_side="left")
+
+
+def build_model(hidden: int = 64, layers: int = 2, seed: int = 0, max_len: int = 1100):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=max_len, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=3)
+    model = Qwen2ForCausalLM(cfg).eval()
+    return model
+
+
+def prompt_digits(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 10, (n, N_PROMPT_DIGITS), generator=gen)  # (N, 4)
+
+
+def prompt_ids(digits: torch.Tensor) -> torch.Tensor:
+    n = digits.size(0)
+    head = torch.full((n, 1), VOCAB.index("sum"))  # (N, 1)
+    tail = torch.full((n, 1), VOCAB.index("="))  # (N, 1)
+    return torch.cat([head, digits + DIGIT0, tail], dim=1)  # (N, P)
+
+
+def targets(digits: torch.Tensor, T: int) -> torch.Tensor:
+    """Running sums: y_t = (y_{t-1} + x_{t mod 4}) mod 10, y_{-1} = 0 (an early error ruins the rest, as in CoT)."""
+    x = digits.repeat(1, T // N_PROMPT_DIGITS + 1)[:, :T]  # (N, T)
+    return torch.cumsum(x, dim=1) % 10  # (N, T)
+
+
+def reward_from_ids(digits: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+    """Fraction of steps consistent with the rule given the previous token: 1[y_t = (y_{t-1} + x_{t mod 4}) mod 10]
+    (a non-digit token counts as wrong and as 0 for the next step)."""
+    T = completion.size(1)
+    y = completion - DIGIT0  # (N, T)
+    is_digit = (y >= 0) & (y < 10)  # (N, T)
+    y = torch.where(is_digit, y, torch.zeros_like(y))  # (N, T)
+    prev = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)  # (N, T)
+    x = digits.repeat(1, T // N_PROMPT_DIGITS + 1)[:, :T]  # (N, T)
+    ok = is_digit & (y == (prev + x) % 10)  # (N, T)
+    return ok.float().mean(1)  # (N,)
+
+
+def supervised_warmup(model, steps: int, T: int, lr: float = 3e-3, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        d = prompt_digits(64, gen)  # (64, 4)
+        ids = torch.cat([prompt_ids(d), targets(d, T) + DIGIT0], dim=1)  # (64, P+T)
+        labels = ids.clone()
+        labels[:, : N_PROMPT_DIGITS + 2] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+# ---------------------------------------------------------------- engines (mismatch sources)
+def fp8_like(model):
+    """Every Linear weight cast to float8_e4m3fn with a per-tensor scale (amax / 448) and back (FlashRL-like)."""
+    eng = copy.deepcopy(model)
+    with torch.no_grad():
+        for mod in eng.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight
+                scale = w.abs().max().clamp(min=1e-12) / 448.0
+                mod.weight.copy_((w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale)
+    return eng
+
+
+class Engine:
+    """A sampler: a model (another dtype, quantized weights or an older checkpoint) and a logits transform (noise,
+    truncation). Samples T tokens from its own distribution and reports its log-prob of each (the renormalized one
+    for truncation, as vLLM's processed log-probs)."""
+
+    def __init__(self, model, kind: str = "exact", knob: float = 0.0):
+        self.model, self.kind, self.knob = model, kind, knob
+
+    def log_probs(self, logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        z = logits.float().log_softmax(-1)  # (N, V)
+        if self.kind == "heavy":  # dense noise + sparse spikes on low-probability tokens (Liu et al.'s mechanism)
+            noise = torch.randn(z.shape, generator=gen)  # (N, V)
+            spike = (torch.rand(z.shape, generator=gen) < 0.01) & (z < math.log(1e-3))  # (N, V)
+            z = (z + self.knob * (noise + 10.0 * spike)).log_softmax(-1)  # (N, V)
+        elif self.kind == "top_p":
+            p = z.exp()  # (N, V)
+            sp, idx = p.sort(-1, descending=True)  # (N, V)
+            drop_sorted = (sp.cumsum(-1) - sp) >= self.knob  # (N, V) mass before the token already >= top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)  # (N, V)
+            z = z.masked_fill(drop, -math.inf).log_softmax(-1)  # (N, V)
+        elif self.kind == "top_k":
+            kth = z.topk(int(self.knob), dim=-1).values[:, -1:]  # (N, 1)
+            z = z.masked_fill(z < kth, -math.inf).log_softmax(-1)  # (N, V)
+        return z  # (N, V)
+
+    @torch.no_grad()
+    def sample(self, prompts: torch.Tensor, T: int, gen: torch.Generator, partner: Engine | None = None):
+        """(completions (N, T), engine log-probs (N, T), the partner's completions (N, T) or None).
+
+        Gumbel-max sampling, y = argmax(log p + G). With a ``partner`` (the trainer's own policy) both sample in
+        lockstep with the same Gumbel noise G at every step: each keeps its exact distribution, and the two agree
+        wherever their distributions are close (a coupling: E[g(engine) - g(policy)] = E g - g*, the bias, is
+        measured with far less noise than either mean)."""
+        N = prompts.size(0)
+        shared = partner is not None and partner.model is self.model
+        models = [self.model] if partner is None or shared else [self.model, partner.model]
+        start = torch.cat([prompts, prompts]) if shared else prompts  # (N or 2N, P)
+        state = []
+        for m in models:
+            out = m(input_ids=start, use_cache=True)
+            state.append([out.past_key_values, out.logits[:, -1]])  # (rows, V)
+        ys, lps, pys = [], [], []
+        for _ in range(T):
+            if shared:
+                logits_e, logits_p = state[0][1][:N], state[0][1][N:]  # (N, V) each
+            else:
+                logits_e, logits_p = state[0][1], (state[1][1] if partner is not None else None)
+            z = self.log_probs(logits_e, gen)  # (N, V)
+            u = torch.rand(z.shape, generator=gen).clamp_(min=1e-20)  # (N, V)
+            gumbel = -torch.log(-torch.log(u))  # (N, V)
+            y = (z + gumbel).argmax(-1, keepdim=True)  # (N, 1)
+            ys.append(y)
+            lps.append(z.gather(1, y))  # (N, 1)
+            if partner is not None:
+                zp = partner.log_probs(logits_p, gen)  # (N, V)
+                pys.append((zp + gumbel).argmax(-1, keepdim=True))  # (N, 1)
+            if shared:
+                nxt = [torch.cat([y, pys[-1]])]  # (2N, 1)
+            else:
+                nxt = [y] + ([pys[-1]] if partner is not None else [])
+            for st, m, tok in zip(state, models, nxt):
+                out = m(input_ids=tok, past_key_values=st[0], use_cache=True)
+                st[0], st[1] = out.past_key_values, out.logits[:, -1]  # (rows, V)
+        partner_ys = torch.cat(pys, 1) if partner is not None else None  # (N, T)
+        return torch.cat(ys, 1), torch.cat(lps, 1), partner_ys  # (N, T), (N, T), (N, T)
+
+
+# ---------------------------------------------------------------- the trainer's forward and the lm_head gradient
+class Forward(SimpleNamespace):
+    logp: torch.Tensor  # (B, T) log pi_theta of the sampled tokens
+    probs: torch.Tensor  # (B*T, V) pi_theta
+    hidden: torch.Tensor  # (B*T, d) lm_head input
+    tokens: torch.Tensor  # (B*T,)
+
+
+@torch.no_grad()
+def trainer_forward(model, prompts: torch.Tensor, completions: torch.Tensor) -> Forward:
+    captured = {}
+    handle = model.lm_head.register_forward_pre_hook(lambda mod, args: captured.__setitem__("h", args[0]))
+    try:
+        ids = torch.cat([prompts, completions], 1)  # (B, P+T)
+        logits = model(input_ids=ids).logits  # (B, P+T, V)
+    finally:
+        handle.remove()
+    P, T = prompts.size(1), completions.size(1)
+    logits = logits[:, P - 1:P - 1 + T].float()  # (B, T, V)
+    logprobs = logits.log_softmax(-1)  # (B, T, V)
+    logp = logprobs.gather(-1, completions.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    hidden = captured["h"][:, P - 1:P - 1 + T].float()  # (B, T, d)
+    return Forward(logp=logp, probs=logprobs.exp().reshape(-1, logits.size(-1)),
+                   hidden=hidden.reshape(-1, hidden.size(-1)), tokens=completions.reshape(-1))
+
+
+def lm_head_grads(fwd: Forward, coefs: torch.Tensor) -> torch.Tensor:
+    """g_m = sum_t c_m,t (e_{y_t} - p_t) h_t^T for M coefficient sets (M, B, T) at once.   (M, V, d)"""
+    M = coefs.size(0)
+    c = coefs.reshape(M, -1).to(fwd.hidden.dtype)  # (M, N)
+    V, d = fwd.probs.size(1), fwd.hidden.size(1)
+    ch = c.unsqueeze(-1) * fwd.hidden.unsqueeze(0)  # (M, N, d)
+    g = torch.zeros(M, V, d, dtype=ch.dtype)  # (M, V, d)
+    g.index_add_(1, fwd.tokens, ch)  # (M, V, d)  sum_t c_t e_{y_t} h_t^T
+    g -= torch.einsum("nv,mnd->mvd", fwd.probs, ch)  # (M, V, d)  - sum_t c_t p_t h_t^T
+    return g  # (M, V, d)
+
+
+# ---------------------------------------------------------------- methods
+def package_methods():
+    """Name -> RolloutCorrectionConfig: the package's presets that apply (IcePop and M2PO as the field defines them
+    among them: ``icepop``, weight 0 outside [0.5, 5] with the token kept in the count, verl's
+    ``decoupled_token_icepop``; ``m2po``, M2PO's final Algorithm 1), the all-token second-moment mask (AReaL's
+    ``m2_threshold``), and TRL's default spelled with the package's fields (a check: equal to TRL's own)."""
+    from trl_rollout_corr import RolloutCorrectionConfig as R
+
+    names = ["decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass",
+             "pg_is", "pg_rs", "icepop", "decoupled_token_band_rs", "m2po", "trl_default"]
+    methods = {n: R.from_preset(n) for n in names if n in R.preset_names()}
+    methods["m2_all_tokens_0.04"] = R(rollout_is=None, rollout_m2_threshold=M2_TAU)
+    if "decoupled_token_band_rs" not in methods:  # before branch methods: icepop was the [0.5, 2] token rejection
+        methods["decoupled_token_band_rs"] = methods.pop("icepop")
+        methods["icepop"] = R(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold=5.0,
+                              rollout_is_threshold_lower=0.5)
+    methods["pkg_trl_default"] = methods.pop("trl_default")
+    return methods
+
+
+TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+class TrlLoss:
+    """TRL's GRPOTrainer with its vLLM switch on; the engine is this batch's samples (rollout_func), the policy
+    forward returns the batch's precomputed fp32 log-probs (as a leaf, so dLoss/dlogp is the coefficient c)."""
+
+    def __init__(self, model, T: int, out_dir: str):
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        self.GRPOTrainer = GRPOTrainer
+        self.tok = build_tokenizer()
+        self.batch = None
+        args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+                          num_generations=GROUP, max_completion_length=T, max_steps=1, learning_rate=1e-3,
+                          logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
+                          dataloader_num_workers=0, vllm_importance_sampling_correction=False)
+        rows = [{"prompt": "sum 0 0 0 0 ="}] * BATCH
+
+        def reward(prompts, completions, completion_ids=None, **_):
+            return self.batch["reward"].tolist()
+
+        def rollout_func(prompts, trainer):
+            b = self.batch
+            return {"prompt_ids": b["prompts"].tolist(), "completion_ids": b["completions"].tolist(),
+                    "logprobs": b["engine_logp"].double().tolist()}
+
+        # TRL gets its own copy: its setup wraps the model's forward (a deepcopy of the wrapped model would still run
+        # the original's weights); the policy forward it asks for is stubbed below anyway
+        self.trainer = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward, args=args,
+                                   train_dataset=Dataset.from_list(rows), processing_class=self.tok,
+                                   rollout_func=rollout_func)
+        t = self.trainer
+        t.use_vllm, t._last_loaded_step = True, -1
+        t.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
+        t.vllm_importance_sampling_clip_max, t.vllm_importance_sampling_clip_min = TRL_C, None
+        t.model.train()
+        t.current_gradient_accumulation_steps = 1
+        self.logp = None
+
+        def forward(*args, **kwargs):  # TRL's policy (and pi_old) forward: the batch's fp32 log-probs
+            return self.logp, torch.zeros_like(self.logp), None
+
+        t._get_per_token_logps_and_entropies = forward
+
+    def generate(self, batch: dict, mode: str | None) -> dict:
+        """TRL's generation batch (rewards, advantages, its IS ratio for ``mode``; None: TRL's correction off)."""
+        t = self.trainer
+        self.batch, self.logp = batch, batch["train_logp"]
+        t.vllm_importance_sampling_correction = mode is not None
+        t.vllm_importance_sampling_mode = mode or "sequence_mask"
+        prompts = [{"prompt": " ".join(VOCAB[i] for i in row)} for row in batch["prompts"].tolist()]
+        out = t._generate_and_score_completions(prompts)
+        clear_metrics(t)
+        return out
+
+    def coef(self, inputs: dict) -> torch.Tensor:
+        """c = dLoss/d log pi_theta (B, T) of TRL's ``_compute_loss`` on ``inputs``."""
+        leaf = self.batch["train_logp"].clone().requires_grad_(True)  # (B, T)
+        self.logp = leaf
+        inputs = dict(inputs)
+        inputs.setdefault("num_items_in_batch", (inputs["completion_mask"]).sum().float())
+        self.trainer.vllm_importance_sampling_correction = "importance_sampling_ratio" in inputs
+        loss = self.GRPOTrainer._compute_loss(self.trainer, self.trainer.model, inputs)
+        clear_metrics(self.trainer)
+        (c,) = torch.autograd.grad(loss, leaf)
+        self.logp = self.batch["train_logp"]
+        return c.detach()  # (B, T)
+
+
+def clear_metrics(trainer) -> None:
+    for logged in trainer._metrics.values():  # TRL's per-mode metric lists: kept from growing over many calls
+        logged.clear()
+
+
+def package_inputs(cfg, base: dict, train_logp: torch.Tensor, engine_logp: torch.Tensor) -> dict:
+    """The micro-batch this package's trainer hands TRL's loss (``trainer._correction`` / ``_corrected_inputs``, one
+    generation batch = one micro-batch, pi_old = pi_theta), from the core's weights and mask."""
+    from trl_rollout_corr.core import compute_rollout_correction_stats
+    from trl_rollout_corr.losses import PI_ROLLOUT, corrected_loss_mask, safe_anchor, weighted_advantages
+
+    mask = base["completion_mask"]  # (B, T)
+    m2po = getattr(cfg, "zeroes_advantages", False)  # M2PO's trust region reads the advantages' signs
+    extra = {"advantages": base["advantages"]} if m2po else {}
+    result = compute_rollout_correction_stats(train_logp, engine_logp, mask, cfg.params(), **extra)
+    keep = result.modified_response_mask.to(mask.dtype)  # (B, T)
+    is_weights, anchor = result.is_weights, None
+    if cfg.loss_anchor == PI_ROLLOUT:  # bypass PPO: TRL's ratio pi_theta / pi_rollout is rho; w feeds metrics only
+        anchor = engine_logp
+    if not cfg.applies_is_weights:
+        is_weights = None
+    patched = dict(base)
+    patched["tool_mask"] = corrected_loss_mask(mask, base.get("tool_mask"), keep)  # (B, T)
+    patched["advantages"] = weighted_advantages(base["advantages"], is_weights, cfg.rollout_is == "sequence")
+    if m2po and result.advantage_mask is not None:  # losses.zeroed_advantages: A = 0, token kept in the count
+        from trl_rollout_corr.losses import zeroed_advantages
+
+        patched["advantages"] = zeroed_advantages(patched["advantages"], result.advantage_mask)  # (B, T)
+    kept = mask * keep  # (B, T)
+    if anchor is not None:
+        patched["old_per_token_logps"] = safe_anchor(anchor, train_logp, kept)  # (B, T)
+    else:
+        patched.pop("old_per_token_logps", None)
+    patched.pop("importance_sampling_ratio", None)
+    patched["sampling_per_token_logps"] = engine_logp
+    patched["num_items_in_batch"] = (kept if cfg.masks_tokens else mask).sum().float()
+    return patched
+
+
+def method_coefs(trl: TrlLoss, batch: dict, pkg: dict) -> dict[str, torch.Tensor]:
+    """Every method's coefficient c (B, T) on one batch."""
+    base = trl.generate(batch, None)
+    coefs = {"none": trl.coef(base)}
+    for mode in TRL_MODES:
+        coefs[f"trl_{mode}"] = trl.coef(trl.generate(batch, mode))
+    for name, cfg in pkg.items():
+        coefs[name] = trl.coef(package_inputs(cfg, base, batch["train_logp"], batch["engine_logp"]))
+    return coefs
+
+
+# ---------------------------------------------------------------- the map
+def sample_batches(engine: Engine, trainer_model, T: int, n_batches: int, gen: torch.Generator, chunk: int = 512,
+                   coupled: bool = False):
+    """``n_batches`` batches of 8 prompts x 8 completions from ``engine``, sampled together (up to ``chunk`` rows at a
+    time: one step of a small model costs about the same for 64 rows as for 512), each with the trainer's forward.
+    ``coupled``: each batch also carries ``"policy"``, the trainer's own samples for the same prompts, coupled to the
+    engine's (:meth:`Engine.sample`)."""
+    digits = prompt_digits(n_batches * PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (n*B, 4)
+    prompts = prompt_ids(digits)  # (n*B, P)
+    partner = Engine(trainer_model) if coupled else None
+    parts = [engine.sample(prompts[i:i + chunk], T, gen, partner) for i in range(0, prompts.size(0), chunk)]
+    completions = torch.cat([c for c, _, _ in parts])  # (n*B, T)
+    engine_logp = torch.cat([lp for _, lp, _ in parts])  # (n*B, T)
+    policy = torch.cat([p for _, _, p in parts]) if coupled else None  # (n*B, T)
+    for b in range(n_batches):
+        rows = slice(b * BATCH, (b + 1) * BATCH)
+        fwd = trainer_forward(trainer_model, prompts[rows], completions[rows])
+        batch = {"prompts": prompts[rows], "completions": completions[rows], "engine_logp": engine_logp[rows],
+                 "train_logp": fwd.logp, "reward": reward_from_ids(digits[rows], completions[rows]), "fwd": fwd}
+        if coupled:
+            pf = trainer_forward(trainer_model, prompts[rows], policy[rows])
+            batch["policy"] = {"prompts": prompts[rows], "completions": policy[rows], "engine_logp": pf.logp,
+                               "train_logp": pf.logp, "reward": reward_from_ids(digits[rows], policy[rows]),
+                               "fwd": pf}
+        yield batch
+
+
+def ess(w: torch.Tensor) -> float:
+    """Normalized effective sample size (sum w)^2 / (n sum w^2) in (0, 1] of non-negative weights (any shape)."""
+    w = w.double().flatten()  # (n,)
+    return (w.sum() ** 2 / (w.numel() * w.pow(2).sum())).item()
+
+
+def effective_weights(coefs: dict, name: str) -> torch.Tensor:
+    c0 = coefs["none"]  # (B, T)
+    ok = c0.abs() > 1e-12  # (B, T)
+    return torch.where(ok, coefs[name] / torch.where(ok, c0, 1.0), torch.nan)  # (B, T)
+
+
+class OnPolicy:
+    """The on-policy gradient g* of one T, pooled over every cell's coupled policy batches (a large on-policy sample),
+    and V_on = E||g_on - g*||^2, the per-batch noise of the uncorrected estimator on on-policy batches of 64: the unit
+    of the map's variances, biases and MSEs."""
+
+    def __init__(self):
+        self.sum, self.sq, self.n = None, 0.0, 0
+
+    def add(self, g: torch.Tensor) -> None:
+        self.sum = g.clone() if self.sum is None else self.sum + g
+        self.sq += g.pow(2).sum().item()
+        self.n += 1
+
+    def finish(self) -> dict:
+        mean = self.sum / self.n  # (V, d)
+        var = (self.sq / self.n - mean.pow(2).sum().item()) * self.n / (self.n - 1)  # V_on
+        g2 = mean.pow(2).sum().item() - var / self.n  # ||g*||^2, unbiased
+        return {"v_on": var, "g_star_sq": g2, "n_on": self.n}
+
+
+def run_cell(trl: TrlLoss, model, engine: Engine, T: int, n_batches: int, pkg: dict, seed: int,
+             on_policy: OnPolicy) -> list[dict]:
+    """Every method's raw measures on one (T, source, level) cell (:func:`finish_rows` scales them by V_on)."""
+    gen = torch.Generator().manual_seed(seed)
+    acc = defaultdict(lambda: defaultdict(float))
+    names, w_all, lr_all, same = None, defaultdict(list), [], []
+    for batch in sample_batches(engine, model, T, n_batches, gen, coupled=True):
+        coefs = method_coefs(trl, batch, pkg)
+        names = list(coefs)
+        grads = lm_head_grads(batch["fwd"], torch.stack([coefs[n] for n in names]))  # (M, V, d)
+        pol = batch["policy"]
+        g_on = lm_head_grads(pol["fwd"], trl.coef(trl.generate(pol, None)).unsqueeze(0))[0]  # (V, d)
+        on_policy.add(g_on)
+        same.append((pol["completions"] == batch["completions"]).float().mean().item())
+        for i, n in enumerate(names):
+            g = grads[i]  # (V, d)
+            d = g - g_on  # (V, d) this batch's error against its coupled on-policy batch
+            a = acc[n]
+            a["sum"] = g.clone() if isinstance(a["sum"], float) else a["sum"] + g
+            a["dsum"] = d.clone() if isinstance(a["dsum"], float) else a["dsum"] + d
+            a["sq"] += g.pow(2).sum().item()
+            a["dsq"] += d.pow(2).sum().item()
+            w_all[n].append(effective_weights(coefs, n))
+        lr_all.append(batch["train_logp"] - batch["engine_logp"])  # (B, T) log rho
+    log_rho = torch.cat(lr_all)  # (n*B, T)
+    k1 = (-log_rho).mean().item()
+    k3 = (log_rho.exp() - 1 - log_rho).mean().item()
+    ess_seq = ess(log_rho.sum(1).exp())  # the raw sequence weight prod_t rho_t
+    rows = []
+    unbias = n_batches / max(n_batches - 1, 1)
+    for n in names:
+        a = acc[n]
+        mean = a["sum"] / n_batches  # (V, d)
+        dmean = a["dsum"] / n_batches  # (V, d)
+        var = (a["sq"] / n_batches - mean.pow(2).sum().item()) * unbias  # E||g - Eg||^2
+        dvar = (a["dsq"] / n_batches - dmean.pow(2).sum().item()) * unbias
+        d2 = dmean.pow(2).sum().item()
+        w = torch.cat(w_all[n])  # (n*B, T)
+        valid = ~torch.isnan(w)  # (n*B, T)
+        wv = w[valid]
+        zero = (w == 0) & valid  # (n*B, T)
+        rows.append(dict(
+            method=n, kl_k1=k1, kl_k3=k3, t_kl=T * k3,
+            var=var, bias2=d2 - dvar / n_batches,  # ||E g - g*||^2, unbiased (coupled differences)
+            bias2_se=math.sqrt(max(4 * d2 * dvar / n_batches + 2 * (dvar / n_batches) ** 2, 0.0)),
+            mean_sq=mean.pow(2).sum().item() - var / n_batches,  # ||E g||^2, unbiased
+            ess_token=ess(wv) if wv.numel() else float("nan"),
+            masked_tok=zero.sum().item() / max(valid.sum().item(), 1),
+            masked_seq=(zero | ~valid).all(1).float().mean().item(),
+            w_min=wv.min().item() if wv.numel() else float("nan"),
+            w_max=wv.max().item() if wv.numel() else float("nan"),
+            ess_seq_raw=ess_seq, ess_seq_theory=math.exp(-2 * T * k3), max_abs_log_rho=log_rho.abs().max().item(),
+            coupled_same=sum(same) / len(same), n_batches=n_batches))
+    return rows
+
+
+def finish_rows(rows: list[dict], on: dict) -> None:
+    """Scale one T's rows by the on-policy per-batch noise V_on (in place): relvar = V / V_on, bias2 = B^2 / V_on,
+    mse = relvar + bias2 (the uncorrected estimator on on-policy batches has mse 1); bias_rel = B / ||g*|| and
+    norm_ratio = ||E g|| / ||g*|| where g* is resolved (snr_on = ||g*||^2 / V_on > 0); breakeven_batch = 64 V / B^2,
+    the batch size above which the method's bias outweighs its variance (inf: bias within 2 standard errors of 0)."""
+    v_on, g2 = on["v_on"], on["g_star_sq"]
+    for r in rows:
+        r["relvar"] = r.pop("var") / v_on
+        b2, se = r.pop("bias2"), r.pop("bias2_se")
+        r["bias2"], r["bias2_se"] = b2 / v_on, se / v_on
+        r["mse"] = r["relvar"] + r["bias2"]
+        r["bias_rel"] = math.sqrt(max(b2, 0.0) / g2) if g2 > 0 else float("nan")
+        r["norm_ratio"] = math.sqrt(max(r.pop("mean_sq"), 0.0) / g2) if g2 > 0 else float("nan")
+        r["breakeven_batch"] = BATCH * r["relvar"] / r["bias2"] if r["bias2"] > 2 * r["bias2_se"] else math.inf
+        r["snr_on"], r["n_on"] = g2 / v_on, on["n_on"]
+
+
+def measure_kl(engine: Engine, model, T: int, n: int, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    d = prompt_digits(n, gen)
+    prompts = prompt_ids(d)
+    comp, elp, _ = engine.sample(prompts, T, gen)
+    lr = trainer_forward(model, prompts, comp).logp - elp  # (n, T)
+    return (lr.exp() - 1 - lr).mean().item()
+
+
+def calibrate_heavy(model, targets_kl, T: int = 32, n: int = 64, rounds: int = 2) -> dict[float, float]:
+    """The noise scale s per target per-token KL (k3): KL ~ s^2 at small s, two rounds of s *= sqrt(target/KL)."""
+    out = {}
+    for target in targets_kl:
+        s = 0.1
+        for r in range(rounds):
+            kl = measure_kl(Engine(model, "heavy", s), model, T, n, seed=11 + r)
+            s *= math.sqrt(target / max(kl, 1e-12))
+        out[target] = s
+    return out
+
+
+def stale_checkpoints(model, steps: int, T: int, target_step_kl: float = 1e-3, seed: int = 5):
+    """A short on-policy training (REINFORCE with GRPO group advantages, Adam), its learning rate chosen by a pilot
+    step so that the per-step policy movement is ~``target_step_kl`` per token; every step's weights are kept."""
+    def train(lr, n_steps, keep):
+        m = copy.deepcopy(model)
+        opt = torch.optim.Adam(m.parameters(), lr=lr)
+        gen = torch.Generator().manual_seed(seed)
+        ckpts = [copy.deepcopy(m.state_dict())] if keep else []
+        for _ in range(n_steps):
+            digits = prompt_digits(PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (B, 4)
+            prompts = prompt_ids(digits)
+            comp, _, _ = Engine(m).sample(prompts, T, gen)  # (B, T)
+            r = reward_from_ids(digits, comp).view(-1, GROUP)  # (8, 8)
+            adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # (B, 1)
+            m.train()
+            logits = m(input_ids=torch.cat([prompts, comp], 1)).logits[:, prompts.size(1) - 1:-1]  # (B, T, V)
+            logp = logits.log_softmax(-1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)  # (B, T)
+            loss = -(adv * logp).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            m.eval()
+            if keep:
+                ckpts.append(copy.deepcopy(m.state_dict()))
+        return m, ckpts
+
+    def step_kl(a, b):
+        return measure_kl(Engine(a), b, T, 64, seed=17)
+
+    lr = 1e-4
+    moved, _ = train(lr, 1, keep=False)
+    kl = step_kl(moved, model)
+    lr *= math.sqrt(target_step_kl / max(kl, 1e-12))
+    _, ckpts = train(lr, steps, keep=True)
+    return lr, ckpts
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    keys = list(rows[0])
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def read_csv(path: str) -> list[dict]:
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k, v in r.items():
+            if k not in ("source", "level", "method"):
+                r[k] = float(v)
+    return rows
+
+
+def _table(rows: list[dict], cells: list, methods: list[str], value) -> list[str]:
+    by = {(r["T"], r["source"], r["level"], r["method"]): r for r in rows}
+    lines = ["| T | source | level | T*KL " + "".join(f"| {m} " for m in methods) + "|",
+             "|---" * (4 + len(methods)) + "|"]
+    for key in cells:
+        first = next(by[(*key, m)] for m in methods if (*key, m) in by)
+        vals = [value(by[(*key, m)]) if (*key, m) in by else "" for m in methods]
+        lines.append(f"| {key[0]:g} | {key[1]} | {key[2]} | {first['t_kl']:.3g} | " + " | ".join(vals) + " |")
+    return lines
+
+
+def markdown(rows: list[dict]) -> str:
+    """The cells (KL, T*KL, ESS against theory, the best methods), then one table per measure, method by method."""
+    cells = list(dict.fromkeys((r["T"], r["source"], r["level"]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["T"], r["source"], r["level"], r["method"]): r for r in rows}
+    out = ["### Cells", "",
+           "| T | source | level | KL k3 | KL k1 | T*KL | max abs log rho | raw seq-weight ESS | exp(-2 T KL) | "
+           "coupled tokens equal | on-policy SNR | lowest MSE | highest bias^2 |", "|---" * 13 + "|"]
+    for key in cells:
+        rs = [by[(*key, m)] for m in methods if (*key, m) in by]
+        r0 = rs[0]
+        best = min(rs, key=lambda r: r["mse"])
+        worst = max(rs, key=lambda r: r["bias2"])
+        out.append(f"| {key[0]:g} | {key[1]} | {key[2]} | {r0['kl_k3']:.2g} | {r0['kl_k1']:.2g} | {r0['t_kl']:.3g} | "
+                   f"{r0['max_abs_log_rho']:.2g} | {r0['ess_seq_raw']:.3g} | {r0['ess_seq_theory']:.3g} | "
+                   f"{r0['coupled_same']:.3g} | {r0['snr_on']:.2g} | {best['method']} ({best['mse']:.3g}) | "
+                   f"{worst['method']} ({worst['bias2']:.2g}) |")
+    measures = [
+        ("MSE E||g - g*||^2 / V_on (= relvar + bias^2; the uncorrected estimator on on-policy batches: 1)",
+         lambda r: f"{r['mse']:.3g}"),
+        ("Squared bias ||E g - g*||^2 / V_on (coupled batches; one standard error in brackets)",
+         lambda r: f"{r['bias2']:.2g} ({r['bias2_se']:.1g})"),
+        ("Variance E||g - E g||^2 / V_on", lambda r: f"{r['relvar']:.3g}"),
+        ("Relative bias ||E g - g*|| / ||g*|| and norm ratio ||E g|| / ||g*||",
+         lambda r: f"{r['bias_rel']:.2g} / {r['norm_ratio']:.2g}"),
+        ("Masked tokens / masked sequences (effective weight 0)",
+         lambda r: f"{r['masked_tok']:.2g} / {r['masked_seq']:.2g}"),
+        ("Token ESS of the effective weight c / c_none [its range]",
+         lambda r: f"{r['ess_token']:.2g} [{r['w_min']:.2g}, {r['w_max']:.2g}]"),
+        ("Batch size above which bias^2 exceeds the variance (64 V / B^2; inf: bias not resolved)",
+         lambda r: f"{r['breakeven_batch']:.3g}"),
+    ]
+    for title, value in measures:
+        out += ["", f"### {title}", ""] + _table(rows, cells, methods, value)
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    markers = "os^vD<>ph*xP+1234"
+    for i, m in enumerate(methods):
+        rs = sorted((r for r in rows if r["method"] == m and r["source"] != "exact"), key=lambda r: r["t_kl"])
+        x = [r["t_kl"] for r in rs]
+        axes[0].plot(x, [r["bias2"] for r in rs], markers[i % len(markers)], ms=4, label=m, alpha=0.7)
+        axes[1].plot(x, [r["mse"] for r in rs], markers[i % len(markers)], ms=4, label=m, alpha=0.7)
+    for ax, name in zip(axes, ("squared bias ||E g - g*||^2 / V_on", "MSE E||g - g*||^2 / V_on")):
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1e-2)
+        ax.set_xlabel("T x per-token KL (k3)")
+        ax.set_title(name)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summarize(rows: list[dict], out: str, plot_too: bool) -> None:
+    with open(os.path.join(out, "estimator_map.md"), "w") as f:
+        f.write(markdown(rows))
+    if plot_too:
+        plot(rows, os.path.join(out, "estimator_map.png"))
+
+
+def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False):
+    model = build_model(hidden=32, layers=1, seed=seed) if small else build_model(seed=seed)
+    supervised_warmup(model, warmup_steps, T=32, seed=seed)
+    return model
+
+
+def sources(model, ckpts, heavy_scales, smoke: bool):
+    """(source, level label, engine) triples, in the issue's priority order."""
+    if smoke:
+        yield "heavy", f"s={heavy_scales[TARGET_KLS[-1]]:.3g}", Engine(model, "heavy", heavy_scales[TARGET_KLS[-1]])
+        return
+    yield "exact", "-", Engine(model)
+    yield "precision", "bf16", Engine(copy.deepcopy(model).to(torch.bfloat16))
+    yield "precision", "fp16", Engine(copy.deepcopy(model).to(torch.float16))
+    for target, s in heavy_scales.items():
+        yield "heavy", f"~{target:g}", Engine(model, "heavy", s)
+    yield "fp8", "e4m3", Engine(fp8_like(model))
+    last = len(ckpts) - 1
+    for lag in (1, 4, 16, 64):
+        if lag <= last:
+            stale = copy.deepcopy(model)
+            stale.load_state_dict(ckpts[last - lag])
+            yield "stale", f"lag{lag}", Engine(stale.eval())
+    yield "truncation", "top_p0.95", Engine(model, "top_p", 0.95)
+    yield "truncation", "top_p0.9", Engine(model, "top_p", 0.9)
+    yield "truncation", "top_k8", Engine(model, "top_k", 8)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="outputs/estimator_map")
+    p.add_argument("--lengths", default="8,64,256", help="completion lengths T")
+    p.add_argument("--batches", default="16,12,6", help="batches of 64 per cell, per T (one value: every T)")
+    p.add_argument("--sources", default=None, help="comma-separated subset of the sources (default: all)")
+    p.add_argument("--warmup_steps", type=int, default=150)
+    p.add_argument("--stale_steps", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="one T (8), one source, one level, 2 batches")
+    p.add_argument("--summarize", action="store_true", help="only rewrite the tables and the plot from OUT's CSV")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core machine)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.summarize:
+        rows = read_csv(os.path.join(a.out, "estimator_map.csv"))
+        summarize(rows, a.out, plot_too=True)
+        return rows
+    if a.smoke:
+        a.lengths, a.batches, a.warmup_steps, a.stale_steps = "8", "2", 5, 0
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    model = build_trainer_model(a.warmup_steps, small=a.smoke)
+    ckpts, stale_lr = [], float("nan")
+    if a.stale_steps:
+        stale_lr, ckpts = stale_checkpoints(model, a.stale_steps, T=32)
+        model.load_state_dict(ckpts[-1])  # the trainer is the end of the short on-policy training
+    heavy = (calibrate_heavy(model, TARGET_KLS[-1:], T=8, n=16, rounds=1) if a.smoke
+             else calibrate_heavy(model, TARGET_KLS))
+    print(f"setup {time.time() - t0:.0f} s; stale lr {stale_lr:.3g}; heavy scales {heavy}", flush=True)
+    pkg = package_methods()
+    rows = []
+    lengths = [int(x) for x in a.lengths.split(",")]
+    counts = [int(x) for x in a.batches.split(",")]
+    batches = dict(zip(lengths, counts if len(counts) == len(lengths) else counts[:1] * len(lengths)))
+    wanted = a.sources.split(",") if a.sources else None
+    for T in lengths:
+        trl = TrlLoss(model, T, os.path.join(a.out, "trl"))
+        on_policy, t_rows, t_start = OnPolicy(), [], time.time()
+        for i, (source, level, engine) in enumerate(sources(model, ckpts, heavy, a.smoke)):
+            if wanted and source not in wanted:
+                continue
+            t1 = time.time()
+            cell = run_cell(trl, model, engine, T, batches[T], pkg, T * 100 + i, on_policy)
+            t_rows += [dict(T=T, source=source, level=level, **r) for r in cell]
+            print(f"T={T} {source} {level}: KL k3 {cell[0]['kl_k3']:.3g} T*KL {cell[0]['t_kl']:.3g} "
+                  f"({time.time() - t1:.0f} s)", flush=True)
+        on = on_policy.finish()
+        finish_rows(t_rows, on)
+        rows += t_rows
+        print(f"T={T}: {time.time() - t_start:.0f} s; on-policy ||g*||^2 / V_on = {on['g_star_sq'] / on['v_on']:.3g}"
+              f" from {on['n_on']} batches", flush=True)
+        write_csv(rows, os.path.join(a.out, "estimator_map.csv"))
+    summarize(rows, a.out, plot_too=not a.smoke)
+    print(f"total {time.time() - t0:.0f} s")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,134 @@
+"""The estimator map (``benchmarks/estimator_map.py``): its smoke run, one cell's gradients against an independent
+float64 computation, and the ESS formula against the small-mismatch theory on a synthetic case."""
+
+from __future__ import annotations
+
+import csv
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import estimator_map as em  # noqa: E402
+
+from trl_rollout_corr import RolloutCorrectionConfig  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_smoke_run_writes_every_method_and_trls_default_equals_the_packages_spelling(tmp_path, one_thread):
+    rows = em.main(["--smoke", "--out", str(tmp_path)])
+    with open(tmp_path / "estimator_map.csv") as f:
+        written = list(csv.DictReader(f))
+    assert len(written) == len(rows)
+    methods = {r["method"] for r in rows}
+    assert {"none", "trl_token_truncate", "trl_token_mask", "trl_sequence_truncate", "trl_sequence_mask",
+            "decoupled_token_is", "ppo_is_bypass", "pg_is", "icepop", "m2po", "decoupled_token_band_rs"} <= methods
+    by = {r["method"]: r for r in rows}
+    assert by["none"]["kl_k3"] > 0 and all(math.isfinite(r["mse"]) for r in rows)
+    assert 0 < by["none"]["coupled_same"] < 1  # coupled: the engine's and the policy's samples mostly agree
+    for key in ("bias2", "mse", "relvar", "masked_tok", "masked_seq", "ess_token"):  # TRL's code = the package's
+        assert by["pkg_trl_default"][key] == pytest.approx(by["trl_sequence_mask"][key], rel=1e-5, abs=1e-9), key
+        assert by["decoupled_token_is"][key] != by["trl_sequence_mask"][key] or key.startswith("masked"), key
+    assert (tmp_path / "estimator_map.md").read_text().count("\n") >= 3
+
+
+def test_one_cell_against_an_independent_float64_gradient(tmp_path, one_thread):
+    """Coefficients by hand in float64 from the batch's rewards and log-probs (GRPO group advantages, TRL's dapo
+    token normalizer, the weights' definitions), the lm_head gradient by float64 autograd through a double copy of
+    the model; the map's TRL-computed coefficients and closed-form gradients must agree."""
+    model = em.build_model(hidden=32, layers=1)
+    em.supervised_warmup(model, 3, T=8)
+    gen = torch.Generator().manual_seed(3)
+    batch = next(em.sample_batches(em.Engine(model, "heavy", 0.6), model, 8, 1, gen))
+    trl = em.TrlLoss(model, 8, str(tmp_path))
+    coefs = em.method_coefs(trl, batch, {"decoupled_token_is": RolloutCorrectionConfig.decoupled_token_is(),
+                                         "icepop": RolloutCorrectionConfig.from_preset("icepop")})
+    names = ["none", "trl_token_truncate", "trl_sequence_mask", "decoupled_token_is", "icepop"]
+    grads = em.lm_head_grads(batch["fwd"], torch.stack([coefs[n] for n in names]))  # (5, V, d)
+
+    double = em.build_model(hidden=32, layers=1)
+    double.load_state_dict(model.state_dict())
+    double = double.double()
+    ids = torch.cat([batch["prompts"], batch["completions"]], 1)  # (B, P+T)
+    P, T = batch["prompts"].size(1), batch["completions"].size(1)
+    r = batch["reward"].double().view(-1, em.GROUP)  # (8, 8)
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # (B, 1)
+    n_tokens = ids.size(0) * T
+    with torch.no_grad():
+        logp64 = double(input_ids=ids).logits[:, P - 1:-1].log_softmax(-1)  # (B, T, V)
+        logp64 = logp64.gather(-1, batch["completions"].unsqueeze(-1)).squeeze(-1)  # (B, T)
+    rho = (logp64 - batch["engine_logp"].double()).exp()  # (B, T)
+    seq = rho.prod(1, keepdim=True)  # (B, 1)
+    by_hand = {"none": -adv.expand(-1, T) / n_tokens,
+               "trl_token_truncate": -adv * rho.clamp(max=3.0) / n_tokens,
+               "trl_sequence_mask": -adv * (seq * (seq <= 3.0)).expand(-1, T) / n_tokens,
+               "decoupled_token_is": -adv * rho.clamp(max=2.0) / n_tokens,
+               "icepop": -adv * rho * ((rho >= 0.5) & (rho <= 5.0)) / n_tokens}  # IcePop: weight 0, count kept
+    assert (rho > 5).any() and (rho < 0.5).any() and (seq > 3).any()  # the bounds bite on this batch
+    for i, name in enumerate(names):
+        torch.testing.assert_close(coefs[name].double(), by_hand[name], rtol=1e-4, atol=1e-9, msg=name)
+        double.zero_grad()
+        out = double(input_ids=ids).logits[:, P - 1:-1].log_softmax(-1)  # (B, T, V)
+        lp = out.gather(-1, batch["completions"].unsqueeze(-1)).squeeze(-1)  # (B, T)
+        (by_hand[name] * lp).sum().backward()
+        expected = double.lm_head.weight.grad  # (V, d)
+        torch.testing.assert_close(grads[i].double(), expected, rtol=1e-3, atol=1e-7, msg=name)
+
+
+def test_ess_formula_and_the_small_mismatch_theory():
+    assert em.ess(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
+    assert em.ess(torch.full((7,), 3.0)) == pytest.approx(1.0)
+    assert em.ess(torch.tensor([1.0, 3.0])) == pytest.approx(16 / 20)
+    # per-token log rho ~ N(-kl, 2 kl) (E rho = 1, KL(pi_e || pi) = kl): the sequence weight's ESS -> exp(-2 T kl)
+    gen = torch.Generator().manual_seed(0)
+    T, kl = 64, 0.004
+    log_rho = -kl + math.sqrt(2 * kl) * torch.randn(80_000, T, generator=gen, dtype=torch.float64)  # (n, T)
+    assert (-log_rho).mean().item() == pytest.approx(kl, rel=0.03)
+    assert em.ess(log_rho.sum(1).exp()) == pytest.approx(math.exp(-2 * T * kl), rel=0.06)
+
+
+def test_mismatch_bench_map_dispatches_to_the_estimator_map(monkeypatch):
+    import mismatch_bench
+
+    seen = []
+    monkeypatch.setattr(em, "main", seen.append)
+    mismatch_bench.main(["--map", "--smoke", "--out", "DIR"])
+    assert seen == [["--smoke", "--out", "DIR"]]
+
+
+def test_coupled_sampling_keeps_each_distribution_and_the_bias_units():
+    """The coupling leaves each sampler's distribution exact (token frequencies of a coupled engine = its own
+    distribution, on a 3-token case) while agreeing more often than independent draws, and finish_rows scales by
+    V_on as documented."""
+    gen = torch.Generator().manual_seed(0)
+
+    class Fixed:  # a "model" whose next-token logits are fixed: p = (0.7, 0.2, 0.1), q = (0.2, 0.3, 0.5)
+        def __init__(self, p):
+            self.logits = torch.tensor(p).log()
+
+        def __call__(self, input_ids, past_key_values=None, use_cache=True):
+            n = input_ids.size(0)
+            return type("Out", (), {"past_key_values": None, "logits": self.logits.expand(n, 1, 3)})()
+
+    engine, policy = em.Engine(Fixed([0.2, 0.3, 0.5])), em.Engine(Fixed([0.7, 0.2, 0.1]))
+    ys, lps, pys = engine.sample(torch.zeros(20000, 1, dtype=torch.long), 1, gen, partner=policy)
+    freq_e = torch.bincount(ys.flatten(), minlength=3) / ys.numel()  # (3,)
+    freq_p = torch.bincount(pys.flatten(), minlength=3) / pys.numel()  # (3,)
+    torch.testing.assert_close(freq_e, torch.tensor([0.2, 0.3, 0.5]), atol=0.015, rtol=0)
+    torch.testing.assert_close(freq_p, torch.tensor([0.7, 0.2, 0.1]), atol=0.015, rtol=0)
+    torch.testing.assert_close(lps.flatten(), torch.tensor([0.2, 0.3, 0.5]).log()[ys.flatten()])
+    assert 0.3 < (ys == pys).float().mean().item() < 1.0  # coupled: independent draws agree 25% of the time
+    row = dict(var=4.0, bias2=1.0, bias2_se=0.1, mean_sq=9.0)
+    em.finish_rows([row], {"v_on": 2.0, "g_star_sq": 4.0, "n_on": 10})
+    assert (row["relvar"], row["bias2"], row["mse"], row["bias_rel"], row["norm_ratio"]) == (2.0, 0.5, 2.5, 0.5, 1.5)
+    assert row["breakeven_batch"] == em.BATCH * 2.0 / 0.5 and row["snr_on"] == 2.0
