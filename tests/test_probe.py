@@ -175,3 +175,24 @@ def test_the_setup_notes_name_a_sampler_setting_the_trainer_cannot_reproduce(tra
     notes = configuration_notes(trainer)
     assert any(note.startswith("repetition_penalty=1.3") for note in notes), notes
     assert not any("changes pi_rollout" in note for note in configuration_notes(trainer_with("none")))
+
+
+def test_the_nearest_estimator_map_cell(tmp_path):
+    """Nearest by |log T - log T_u| + |log T*KL - log T*KL_u| over a two-cell map written here."""
+    from trl_rollout_corr.probe import format_map_cell, nearest_map_cell
+
+    path = tmp_path / "map.csv"
+    header = "T,source,level,method,kl_k3,t_kl,mse,bias2,bias2_se,relvar,ess_token,masked_seq\n"
+    rows = ["64,heavy,a,none,0.01,0.64,1.2,0.5,0.2,0.7,1,0\n", "64,heavy,a,trl_sequence_mask,0.01,0.64,0.3,0.1,0.1,"
+            "0.2,0.9,0.4\n", "256,stale,b,none,0.02,5.1,9,8,1,1,1,0\n"]
+    path.write_text(header + "".join(rows))
+    # T 100, T*KL 1: cell 1 is |log(64/100)| + |log(0.64/1)| = 0.45 + 0.45 = 0.89 away, cell 2 1.25 + 1.63
+    cell = nearest_map_cell({"T": 100, "T_times_kl": 1.0}, str(path))
+    assert (cell["T"], cell["source"]) == (64, "heavy") and set(cell["methods"]) == {"none", "trl_sequence_mask"}
+    text = "\n".join(format_map_cell(cell))
+    assert text.index("trl_sequence_mask") < text.index("none ")  # ranked by MSE
+    assert "bias resolved (>= 2 s.e.) for: none." in text  # the method `none`: 0.5 >= 2 x 0.2; 0.1 < 2 x 0.1
+    cell["methods"]["none"]["bias2"] = 0.3
+    assert "bias resolved (>= 2 s.e.) for: no method." in "\n".join(format_map_cell(cell))
+    assert nearest_map_cell({"T": 100, "T_times_kl": 1.0}, str(tmp_path / "absent.csv")) is None
+    assert "not in this installation" in format_map_cell(None)[0]

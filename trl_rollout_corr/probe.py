@@ -143,6 +143,7 @@ def probe(trainer: Any, batches: int = 2, methods: tuple[str, ...] = DEFAULT_MET
     data = collect(trainer, batches)
     report = analyse(data, methods)
     report["configuration"] = configuration_notes(trainer)
+    report["map_cell"] = nearest_map_cell(report["regime"])
     report["seconds"] = time.perf_counter() - start
     report["_log_rho"] = _log_rho_by_bucket(data)
     return report
@@ -164,6 +165,57 @@ def _log_rho_by_bucket(data: dict[str, Any]) -> dict[str, list[float]]:
         if values.numel():
             out[bucket_label(lower, upper)] = values.tolist()
     return out
+
+
+#: the estimator map's committed results (a checkout of the repository; not in an installed wheel)
+MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                       "estimator_map", "estimator_map.csv")
+
+
+def nearest_map_cell(regime: dict[str, float], path: str = MAP_CSV) -> dict[str, Any] | None:
+    """The estimator map's cell nearest to the user's regime: the smallest |log T - log T_u| + |log T*KL - log
+    T*KL_u| over the map's (T, source, level) cells (benchmarks/estimator_map.py; docs/benchmarks.md, "Estimator
+    map"). Returns the cell's regime and each method's row, or None when the map's CSV is not there."""
+    import csv
+
+    if not os.path.isfile(path) or not regime.get("T") or not regime.get("T_times_kl"):
+        return None
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    cells: dict[tuple, list[dict]] = {}
+    for row in rows:
+        cells.setdefault((row["T"], row["source"], row["level"]), []).append(row)
+    floor = 1e-9
+
+    def distance(key):
+        first = cells[key][0]
+        return (abs(math.log(float(key[0]) / regime["T"]))
+                + abs(math.log(max(float(first["t_kl"]), floor) / max(regime["T_times_kl"], floor))))
+
+    key = min(cells, key=distance)
+    first = cells[key][0]
+    methods = {r["method"]: {k: float(r[k]) for k in ("mse", "bias2", "bias2_se", "relvar", "ess_token", "masked_seq")}
+               for r in cells[key]}
+    return {"T": int(key[0]), "source": key[1], "level": key[2], "per_token_kl": float(first["kl_k3"]),
+            "T_times_kl": float(first["t_kl"]), "methods": methods, "csv": path}
+
+
+def format_map_cell(cell: dict[str, Any] | None) -> list[str]:
+    if cell is None:
+        return ["The estimator map's results are not in this installation: see docs/benchmarks.md (\"Estimator map\")."]
+    ranked = sorted(cell["methods"].items(), key=lambda kv: kv[1]["mse"])
+    resolved = [name for name, m in ranked if m["bias2_se"] > 0 and m["bias2"] >= 2 * m["bias2_se"]]
+    lines = [f"Nearest estimator-map cell: T {cell['T']}, source {cell['source']} {cell['level']}, per-token KL "
+             f"{cell['per_token_kl']:.2g}, T*KL {cell['T_times_kl']:.2g} (output-layer gradient, batch 64, a ~0.1M "
+             "model; MSE in units of the on-policy gradient's batch noise):",
+             f"  {'method':26} {'MSE':>7} {'bias^2':>12} {'variance':>8} {'masked seq':>10}"]
+    for name, m in ranked[:6]:
+        lines.append(f"  {name:26} {m['mse']:>7.3g} {m['bias2']:>6.2g}+-{m['bias2_se']:<5.2g} {m['relvar']:>8.3g} "
+                     f"{m['masked_seq']:>10.1%}")
+    lines.append("  bias resolved (>= 2 s.e.) for: " + (", ".join(resolved) if resolved else "no method")
+                 + ". The map ranks estimators on one batch; whether that trains better is the training "
+                 "benchmark's question (docs/benchmarks.md).")
+    return lines
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -201,8 +253,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{g('rollout_rs_seq_masked_fraction', '.2%'):>12}")
     r = report["regime"]
     lines += ["", f"Your regime: T ~ {r['T']:.0f} tokens, per-token KL ~ {r['per_token_kl']:.2g}, T*KL ~ "
-              f"{r['T_times_kl']:.2g}. Look it up in docs/benchmarks.md (\"Estimator map\") for which estimator "
-              "the measurements favour there."]
+              f"{r['T_times_kl']:.2g}."]
+    lines += format_map_cell(report.get("map_cell"))
     return "\n".join(lines)
 
 
