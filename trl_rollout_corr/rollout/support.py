@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..core.truncation import DEFAULT_CHUNK_ELEMENTS, SamplingTruncation, log_kept_mass
 
@@ -100,7 +101,7 @@ class KeptMassProbe:
         else:
             compute_dtype = flat_hidden.dtype
         weight, bias = head.weight, head.bias  # (V, H), (V,)
-        if isinstance(weight, DTensor):  # FSDP2: the sharded head as one tensor on every rank (a collective)
+        if _is_dtensor(weight):  # FSDP2: the sharded head as one tensor on every rank (a collective)
             weight = weight.full_tensor()  # (V, H)
             if bias is not None:
                 bias = bias.full_tensor()  # (V,)
@@ -128,6 +129,12 @@ class KeptMassProbe:
         if not self._log_mass:
             raise RuntimeError("KeptMassProbe saw no forward pass of the model's backbone.")
         return torch.cat(self._log_mass), torch.cat(self._in_support)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """An FSDP2 ``DTensor`` (its module is loaded whenever one exists: importing it here would cost ~1.5 s)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def probe_chunk_elements(device: torch.device) -> int:
