@@ -7,7 +7,7 @@ On a GPU, every call that hands a device value to Python blocks until the device
 ``trl_rollout_corr`` (TRL's and transformers' own syncs are not ours to remove):
 
 * ``Tensor.item``/``cpu``/``numpy``/``tolist``/``__bool__``/``__int__``/``__float__``/``__index__``/``nonzero``/
-  ``equal``/``allclose``/``masked_select``/``unique``, ``Tensor.to`` to the CPU;
+  ``equal``/``allclose``/``masked_select``/``unique``;
 * ``torch.equal``/``nonzero``/``allclose``/``masked_select``/``unique``/``argwhere``, ``torch.where`` with one
   argument;
 * indexing with a boolean mask (``x[mask]``, a ``nonzero`` inside), and assigning a tensor through one.
@@ -20,7 +20,9 @@ the total to compare with TRL's own trainer.
 
 What it cannot see: syncs inside C++ operators called from Python (``bincount`` without ``minlength`` and
 ``repeat_interleave`` without ``output_size`` on CUDA, ``masked_scatter``, allocator retries), a torch function bound
-before the counter opened (``from torch import equal``), and whether a CPU tensor would be on the device on a GPU.
+before the counter opened (``from torch import equal``), ``x.to("cpu")`` (on a CPU machine it cannot be told from
+``x.to(device)``, which is no sync on a GPU: use ``x.cpu()``), and whether a CPU tensor would be on the device on a
+GPU (``tolist`` of a CPU tensor is not counted).
 On a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` sees every real sync.
 """
 
@@ -49,17 +51,10 @@ def _bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
-def _to_cpu(args, kwargs) -> bool:
-    device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
-    return device is not None and torch.device(device).type == "cpu"
-
-
 def _blocks(name: str, tensor, args, kwargs) -> bool:
     """Whether this call of ``name`` hands a device value to the host."""
     if name == "tolist":
         return isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu"
-    if name == "to":
-        return _to_cpu(args, kwargs)
     if name == "__getitem__":
         return _bool_index(args[0])
     if name == "__setitem__":
@@ -84,7 +79,7 @@ def count_host_syncs(everywhere: bool = False) -> Iterator[Counter]:
     Only calls from this package's code unless ``everywhere``; then other callers' keys start with ``ext:``.
     """
     counts: Counter = Counter()
-    patched = [(torch.Tensor, name) for name in (*_METHODS, "to", "__getitem__", "__setitem__")]
+    patched = [(torch.Tensor, name) for name in (*_METHODS, "__getitem__", "__setitem__")]
     patched += [(torch, name) for name in (*_FUNCTIONS, "where")]
     originals = {(owner, name): getattr(owner, name) for owner, name in patched}
     busy = []  # a wrapped call made by a wrapped call (torch's own Python) is the outer call's
