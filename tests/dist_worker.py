@@ -63,16 +63,25 @@ def main() -> None:
     parser.add_argument("--num_iterations", type=int, default=1)
     parser.add_argument("--stopping_monitor", action="store_true",
                         help="attach a stopping RolloutCorrectionMonitor; every rank writes its alerts to OUT.rank<r>")
+    parser.add_argument("--tied", action="store_true", help="tie the LM head to the input embeddings (Qwen2.5-0.5B)")
+    parser.add_argument("--top_p", type=float, default=1.0, help="< 1: a truncating sampler (the kept-mass probe)")
     opts = parser.parse_args()
 
     tokenizer = build_tokenizer()
     model = build_model(hidden_size=32, seed=0)
+    if opts.tied:  # the head is the embedding matrix: under ZeRO-3 it is gathered through embed_tokens
+        from transformers import Qwen2ForCausalLM
+
+        model.config.tie_word_embeddings = True
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(model.config)
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     device_kwargs = dict(use_cpu=True) if opts.engine == "ddp" else dict(use_cpu=False, ddp_backend="gloo")
     args = RolloutCorrGRPOConfig(
         output_dir=os.path.join(os.path.dirname(opts.out), "run"), per_device_train_batch_size=opts.per_device,
         gradient_accumulation_steps=1, num_generations=NUM_GENERATIONS, max_completion_length=COMPLETION_LEN,
         max_steps=opts.max_steps, learning_rate=opts.learning_rate, num_iterations=opts.num_iterations, logging_steps=1,
-        save_strategy="no", report_to="none",
+        save_strategy="no", report_to="none", top_p=opts.top_p,
         bf16=False, seed=0, temperature=1.0, dataloader_num_workers=0, rollout_correction_preset=opts.preset,
         **device_kwargs, **json.loads(opts.correction))
     sampler = EmulatedRolloutEngine("stale", lag=1) if opts.rollout == "generate" else None
@@ -108,6 +117,7 @@ def main() -> None:
         "full_param_numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "rollout_forward_calls": forwards["no_grad"],  # real no-grad forwards of the policy (pi_old)
         "logs": collected,
+        "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
     }
     if trainer.accelerator.is_main_process:
         with open(opts.out, "w") as fh:

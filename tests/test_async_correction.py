@@ -308,6 +308,23 @@ def test_flat_terms_to_rows_by_hand():
     assert to_rows(torch.tensor([1.0, 2.0]), gap, 0.0).tolist() == [[1.0], [0.0], [2.0]]
 
 
+def test_padded_terms_laid_out_with_the_collator_s_sizes_by_hand():
+    """The collator's CPU layout (term_columns) and the trainer's padded one: padding terms (valid False) go to a
+    dummy row that to_rows drops; B and T may exceed this rank's own (another rank's row is larger)."""
+    from trl_rollout_corr.core.flat import padded_layout, per_row, term_columns, to_rows, to_terms
+
+    col, num_rows, width = term_columns(torch.tensor([0, 0, 2, 1, 0, 2]))
+    assert col.tolist() == [0, 1, 0, 0, 2, 1] and (num_rows, width) == (3, 3)
+    segment_id = torch.tensor([0, 0, 2, 1, 0, 2, 0, 0])  # (M_pad,) two padding terms (TRL pads segment_id with 0)
+    valid = torch.tensor([True] * 6 + [False] * 2)
+    layout = padded_layout(segment_id, torch.cat([col, torch.tensor([-1, -1])]), valid, 4, 4)
+    values = torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 99.0, 98.0])
+    assert to_rows(values, layout, -1.0).tolist() == [[10, 11, 14, -1], [13, -1, -1, -1], [12, 15, -1, -1],
+                                                      [-1, -1, -1, -1]]
+    assert to_terms(to_rows(values, layout), layout)[valid].tolist() == values[valid].tolist()
+    assert per_row(torch.tensor([5, 5, 7, 6, 5, 7, -9, -9]), layout).tolist() == [5, 6, 7, -1]
+
+
 def test_server_probe_raises_only_after_the_timeout():
     import time
 
@@ -373,11 +390,11 @@ def test_each_assumption_about_trl_fails_loudly_when_broken(model_dir, samples, 
 
     answered = AnsweredForward("outputs", torch.tensor([[1, 2, 3]]))
     with pytest.raises(TrlInternalsChanged, match="one forward on the packed row"):
-        answered(input_ids=torch.tensor([[1, 2, 4]]))
+        answered(input_ids=torch.tensor([[1, 2]]))  # another row: compared by shape (values: a host sync)
     assert AnsweredForward("outputs", torch.tensor([[1]]))(input_ids=torch.tensor([[1]])) == "outputs"
 
     trainer, _ = build_trainer(model_dir, samples, str(tmp_path), max_steps=1)
-    with pytest.raises(TrlInternalsChanged, match="no rc_sample_version at compute_loss"):
+    with pytest.raises(TrlInternalsChanged, match="no rc_sample_version, rc_term_col, rc_row_mask at compute_loss"):
         trainer.compute_loss(trainer.model, {k: torch.zeros(1, 1) for k in (
             "input_ids", "attention_mask", "position_ids", "shift_labels", "token_index", "old_log_probs",
             "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",

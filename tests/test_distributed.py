@@ -87,33 +87,38 @@ def test_two_processes_log_the_same_metrics_as_one(tmp_path, case):
 DEEPSPEED_CASES = [(3, "decoupled_seq_is_rs")]  # ZeRO-2 through the same recipe: tests/test_invariance.py
 
 
-@pytest.mark.parametrize("stage,preset", DEEPSPEED_CASES, ids=[f"zero{s}-{p}" for s, p in DEEPSPEED_CASES])
-def test_deepspeed_zero_trains_with_two_processes(tmp_path, stage, preset):
+def _launch_deepspeed(tmp_path: Path, stage: int, worker_args: list[str], persistence_threshold: int = 0) -> dict:
+    """dist_worker.py under ``accelerate launch`` with the shipped ZeRO recipe, made CPU-sized (2 processes, ZeRO-3
+    sharding every parameter above ``persistence_threshold`` elements: 0 shards even the tiny ones)."""
     pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs deepspeed")
     if shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists():
         pytest.skip("accelerate CLI not on PATH")
-    # the shipped recipe, made CPU-sized: 2 processes, and ZeRO-3 sharding even the tiny parameters
     ds_config = json.loads((ROOT / "recipes" / "accelerate" / f"ds_zero{stage}.json").read_text())
     if stage == 3:
-        ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence_threshold
     (tmp_path / "ds.json").write_text(json.dumps(ds_config))
     launch = yaml.safe_load((ROOT / "recipes" / "accelerate" / f"deepspeed_zero{stage}.yaml").read_text())
     launch["num_processes"] = 2
     launch["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "ds.json")
     (tmp_path / "launch.yaml").write_text(yaml.safe_dump(launch))
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    # decoupled with num_iterations=2 keeps the pi_old forward (with 1, pi_old = pi_theta at the loss: no forward)
-    iterations = [] if preset == "ppo_is_bypass" else ["--num_iterations", "2", "--max_steps", "4"]
     for attempt in range(2):  # one retry with a fresh rendezvous port (a port taken between probe and bind)
         try:
-            result = _run([accelerate, "launch", "--config_file", str(tmp_path / "launch.yaml"), "--main_process_port",
-                           str(_free_port()), WORKER, str(tmp_path / "out.json"), "--engine", "deepspeed", "--rollout",
-                           "generate", "--per_device", str(GLOBAL_BATCH // 2), "--preset", preset, *iterations],
-                          tmp_path / "out.json", {"DS_ACCELERATOR": "cpu"})
-            break
+            return _run([accelerate, "launch", "--config_file", str(tmp_path / "launch.yaml"), "--main_process_port",
+                         str(_free_port()), WORKER, str(tmp_path / "out.json"), "--engine", "deepspeed",
+                         *worker_args], tmp_path / "out.json", {"DS_ACCELERATOR": "cpu"})
         except AssertionError as error:
             if attempt == 1 or not any(s in str(error) for s in ("EADDRINUSE", "address already in use", "Connection")):
                 raise
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("stage,preset", DEEPSPEED_CASES, ids=[f"zero{s}-{p}" for s, p in DEEPSPEED_CASES])
+def test_deepspeed_zero_trains_with_two_processes(tmp_path, stage, preset):
+    # decoupled with num_iterations=2 keeps the pi_old forward (with 1, pi_old = pi_theta at the loss: no forward)
+    iterations = [] if preset == "ppo_is_bypass" else ["--num_iterations", "2", "--max_steps", "4"]
+    result = _launch_deepspeed(tmp_path, stage, ["--rollout", "generate", "--per_device", str(GLOBAL_BATCH // 2),
+                                                 "--preset", preset, *iterations])
     assert result["world_size"] == 2 and "DEEPSPEED" in result["distributed_type"]
     assert result["zero_stage"] == stage
     if stage == 3:  # parameters really partitioned: this rank holds no full tensor
@@ -129,3 +134,20 @@ def test_deepspeed_zero_trains_with_two_processes(tmp_path, stage, preset):
     generation_logs = [log for log in logs if "rollout_corr/kl" in log]
     assert len(generation_logs) == 2 and all("rollout_corr/rollout_is_mean" in log for log in generation_logs)
     assert generation_logs[-1]["rollout_corr/kl"] != 0.0  # the stale engine (a gathered full copy) lags one step behind
+
+
+def test_zero3_tied_head_under_a_truncating_sampler(tmp_path):
+    """The kept-mass probe reads the LM head directly. With tied embeddings (Qwen2.5-0.5B, the recipes' model) the
+    head is the embedding matrix, which ZeRO-3 can hold AVAILABLE (here: persistent, 16 x 32 = 512 elements under the
+    threshold of 1000, while every layer's matrices are partitioned): TRL's guard leaves such a parameter alone."""
+    result = _launch_deepspeed(tmp_path, 3, ["--rollout", "generate", "--per_device", str(GLOBAL_BATCH // 2),
+                                             "--preset", "decoupled_token_is", "--tied", "--top_p", "0.8",
+                                             "--num_iterations", "2", "--max_steps", "2"], persistence_threshold=1000)
+    assert result["world_size"] == 2 and result["zero_stage"] == 3 and result["tied"]
+    assert 0 < result["local_param_numel"] < result["full_param_numel"]  # partitioned but for the small ones
+    assert result["rollout_forward_calls"] >= 1  # the pi_old forward: the probe ran on the sharded, tied head
+    logs = [log for log in result["logs"] if "loss" in log]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"]) for log in logs)
+    first = logs[0]
+    assert 0.0 < first["rollout_corr/kept_mass_mean"] < 1.0  # top_p = 0.8 cuts real mass: the probe really ran
+    assert 0.0 < first["rollout_corr/kept_mass_min"] <= first["rollout_corr/kept_mass_mean"]

@@ -26,7 +26,8 @@ sys.path.insert(0, str(HERE))
 
 
 def worker(out_dir: Path, *flags: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    # this checkout's package first (not whatever copy the environment has installed), then the test helpers
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join((str(HERE.parent), str(HERE))))
     return subprocess.Popen([sys.executable, str(HERE / "resume_worker.py"), str(out_dir), str(out_dir / "result.json"),
                              *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

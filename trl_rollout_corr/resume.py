@@ -2,8 +2,10 @@
 
 Saved next to ``rollout_correction_config.json`` in every checkpoint (``rollout_corr_state.pt``):
 
-* the emulated engine's state (a stale engine's snapshots of earlier policies: without them a resumed stale engine
-  would sample from the checkpoint's own policy, lag 0, for ``lag`` steps);
+* the emulated engine's state: a stale engine's snapshots of earlier policies, up to ``lag + 1`` full state dicts
+  of the policy as CPU tensors, so the file is up to ``lag + 1`` times the model's size (without them a resumed
+  stale engine would sample from the checkpoint's own policy, lag 0, for ``lag`` steps); the other emulated kinds
+  save their kind only;
 * the global steps at which a vLLM engine was synced (``vllm_sync_interval``): the schedule continues from the last
   one. The engine's *weights* at that sync are not saved (a second copy of the model): where the uninterrupted run
   would not sync at the checkpoint's step, the resumed engine starts from the checkpoint's weights and says so.

@@ -340,7 +340,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         if self._rc_truncation is None:
             return trl_grpo.per_token_logps(self, __class__, model, input_ids, attention_mask, logits_to_keep,
                                             **kwargs, **model_inputs), None
-        with KeptMassProbe(model, self._rc_truncation, logits_to_keep) as probe:
+        with KeptMassProbe(model, self._rc_truncation, logits_to_keep,
+                           cast_lm_head_to_fp32=bool(self.args.cast_lm_head_to_fp32)) as probe:
             result = trl_grpo.per_token_logps(self, __class__, model, input_ids, attention_mask, logits_to_keep,
                                               **kwargs, **model_inputs)
         return result, probe.result()

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..core import compute_rollout_correction_stats
-from ..core.flat import per_row, rows_from_segments, to_rows, to_terms
+from ..core.flat import padded_layout, per_row, to_rows, to_terms
 from ..core.lag import lag_stats
 from ..core.metric_names import metric
 from ..core.pipeline import finite_rows_mask
@@ -49,7 +49,7 @@ from ..core.stats import STAT_DTYPE, RolloutStats
 from ..correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
 from ..losses import PI_ROLLOUT, weights_advantage
 from ..trl_hooks import async_grpo as trl_async
-from ..trl_hooks.async_grpo_data import carrying_sample_versions
+from ..trl_hooks.async_grpo_data import ADDED_KEYS, carrying_sample_versions
 from .config import RolloutCorrAsyncGRPOConfig
 from .server_probe import ServerProbe, check_server_info, send_token_from_trl_client
 
@@ -194,36 +194,40 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ 2. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        trl_async.check_loss_inputs(inputs, added=("rc_sample_version",))
+        trl_async.check_loss_inputs(inputs, added=ADDED_KEYS)
         outputs, input_ids, forward_s = trl_async.packed_forward(model, inputs, self.aux_loss_enabled)
         selected = inputs["token_index"] >= 0  # (1, M_pad)
-        token_index = inputs["token_index"][selected]  # (M,)
-        log_probs = outputs.log_probs.flatten()[token_index].detach()  # (M,) log pi_theta at the sampled tokens
+        token_index = inputs["token_index"].clamp(min=0)  # (1, M_pad) padding reads position 0 (masked below)
+        log_probs = outputs.log_probs.flatten()[token_index[0]].detach()  # (M_pad,) log pi_theta at the targets
 
-        advantages, anchor, kept_total = self._correct_terms(inputs, selected, log_probs)
+        advantages, anchor, kept_total = self._correct_terms(inputs, selected[0], log_probs)
         patched = dict(inputs)
-        patched["advantages"] = inputs["advantages"].masked_scatter(selected, advantages)  # (1, M_pad)
-        patched["old_log_probs"] = inputs["old_log_probs"].masked_scatter(selected, anchor)  # (1, M_pad)
-        patched["global_n_tokens"] = torch.full_like(inputs["global_n_tokens"], kept_total)  # the loss's divisor
+        patched["advantages"] = torch.where(selected, advantages, inputs["advantages"])  # (1, M_pad)
+        patched["old_log_probs"] = torch.where(selected, anchor, inputs["old_log_probs"])  # (1, M_pad)
+        n_tokens = inputs["global_n_tokens"]  # (1,) TRL's loss divisor, the kept count instead: a device tensor
+        patched["global_n_tokens"] = torch.broadcast_to(kept_total.to(n_tokens.dtype), n_tokens.shape).clone()
         answered = trl_async.AnsweredForward(outputs, input_ids)
         loss = super().compute_loss(answered, patched, return_outputs, num_items_in_batch)
         trl_async.add_forward_time(self, forward_s)  # TRL timed the answered call
         return loss
 
-    def _correct_terms(self, inputs: dict, selected: torch.Tensor, log_probs: torch.Tensor):
+    def _correct_terms(self, inputs: dict, valid: torch.Tensor, log_probs: torch.Tensor):
         """The corrected advantage and PPO anchor of every loss term, and the global kept-token count.
 
-        log_probs: (M,) log pi_theta (detached). Returns (M,), (M,), float.
+        On the padded terms of this rank's row, with no host sync: valid (M_pad,) marks the real terms, laid out
+        in (B, T) by the collator's ``rc_term_col`` / ``rc_row_mask`` (B and T are that tensor's shape).
+        log_probs: (M_pad,) log pi_theta (detached). Returns (M_pad,), (M_pad,) (padding: any value) and the
+        kept count over every rank, (1,) float32 on the device.
         """
         cfg = self.rollout_correction
-        rollout = inputs["old_log_probs"][selected].float()  # (M,) log pi_rollout
-        adv = inputs["advantages"][selected].float()  # (M,)
-        versions = inputs["rc_sample_version"][selected]  # (M,)
-        layout = rows_from_segments(inputs["segment_id"][selected])
-        mask = to_rows(torch.ones_like(adv, dtype=torch.bool), layout, False)  # (B, T)
+        rollout = inputs["old_log_probs"][0].float()  # (M_pad,) log pi_rollout
+        adv = inputs["advantages"][0].float()  # (M_pad,)
+        versions = inputs["rc_sample_version"][0]  # (M_pad,)
+        mask = inputs["rc_row_mask"][0]  # (B, T) the trained positions
+        layout = padded_layout(inputs["segment_id"][0], inputs["rc_term_col"][0], valid, *mask.shape)
         train_rows = to_rows(log_probs.float(), layout, 0.0)  # (B, T) pi_theta = pi_prox (decoupled) or pi_theta
         rollout_rows = to_rows(rollout, layout, 0.0)  # (B, T)
-        if self.args.require_rollout_logprobs:
+        if self.args.require_rollout_logprobs:  # opt-in check: one host sync per micro-batch
             self._require_finite(rollout_rows, mask)
         adv_rows = to_rows(adv, layout, 0.0) if cfg.zeroes_advantages else None  # (B, T) M2PO's trust region
         result = compute_rollout_correction_stats(train_rows, rollout_rows, mask, cfg.params(),
@@ -233,22 +237,22 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
         valid_rows = finite_rows_mask(mask, train_rows, rollout_rows)  # (B, T) what the statistics average over
         stats = RolloutStats().update(result.stats).update(
             lag_stats(train_rows, rollout_rows, mask, valid_rows, keep_rows, lag, self._rc_max_lag, result.is_weights))
-        keep = to_terms(keep_rows, layout)  # (M,)
-        weights = None if result.is_weights is None else to_terms(result.is_weights, layout).float()  # (M,)
+        keep = to_terms(keep_rows, layout) & valid  # (M_pad,)
+        weights = None if result.is_weights is None else to_terms(result.is_weights, layout).float()  # (M_pad,)
         # pi_rollout: TRL's ratio pi_theta / pi_rollout has the IS weight in it already; pi_old (= pi_prox, pi_theta
         # detached) or pi_theta: ratio 1, the gradient is -w A grad log pi_theta
-        anchor = rollout if cfg.loss_anchor == PI_ROLLOUT else log_probs  # (M,)
+        anchor = rollout if cfg.loss_anchor == PI_ROLLOUT else log_probs  # (M_pad,)
         if weights is not None and weights_advantage(cfg.loss_anchor):
             adv = adv * weights
         if result.advantage_mask is not None:  # M2PO's trust region: A = 0, the term kept in the count (any mode)
-            adv = adv * to_terms(result.advantage_mask, layout).to(adv.dtype)  # (M,)
-        anchor = torch.where(keep & torch.isfinite(anchor), anchor, log_probs)  # (M,) rejected: ratio 1 ...
+            adv = adv * to_terms(result.advantage_mask, layout).to(adv.dtype)  # (M_pad,)
+        anchor = torch.where(keep & torch.isfinite(anchor), anchor, log_probs)  # (M_pad,) rejected: ratio 1 ...
         adv = torch.where(keep, adv, torch.zeros_like(adv))  # ... and no gradient
         kept_total = self._rc_reduce(keep.sum(dtype=torch.float32).reshape(1), "sum")  # (1,)
         once = float(self.accelerator.is_main_process)  # a micro-batch spans every process: count it once
         stats.update(micro_batch_counts(kept_total.to(STAT_DTYPE).reshape(()), once))
         self._rc_stats.update(stats)
-        return adv.to(inputs["advantages"].dtype), anchor.to(inputs["old_log_probs"].dtype), float(kept_total.item())
+        return adv.to(inputs["advantages"].dtype), anchor.to(inputs["old_log_probs"].dtype), kept_total
 
     @staticmethod
     def _require_finite(rollout_rows: torch.Tensor, mask: torch.Tensor) -> None:

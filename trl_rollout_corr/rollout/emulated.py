@@ -5,8 +5,13 @@ A sampler is a separate copy of the policy that follows it the way a real engine
 
 * ``stale`` (``lag=k``): the weights of k optimizer steps earlier (asynchronous rollouts);
 * ``bf16`` / ``fp16``: the current weights cast to low precision;
-* ``int8``: dynamic INT8 quantization of every ``nn.Linear`` (``torch.ao``);
-* ``wq<N>``: per-output-channel symmetric N-bit fake quantization of every ``nn.Linear`` weight.
+* ``int8``: dynamic INT8 quantization of every ``nn.Linear`` (``torch.ao``; CPU only: refused on another device);
+* ``wq<N>``: per-output-channel symmetric N-bit fake quantization of every ``nn.Linear`` weight (any device).
+
+Memory: the engine is one full copy of the policy on the policy's device (under ZeRO-3 built from the config there,
+while every rank gathers the whole policy for the copy). A stale engine also keeps up to ``lag + 1`` snapshots of the
+policy's state dict on the CPU (host memory: ``lag + 1`` times the model's size), and they travel in every
+checkpoint (:mod:`trl_rollout_corr.resume`).
 """
 
 from __future__ import annotations
@@ -44,24 +49,35 @@ class EmulatedRolloutEngine:
             return
         self._last_step = step
         sharded = is_zero3_sharded(policy)
+        device = _device_of(policy)
+        if self.kind == "int8" and device.type != "cpu":
+            raise ValueError(f"EmulatedRolloutEngine('int8') quantizes with torch.ao.quantization.quantize_dynamic, "
+                             f"whose INT8 kernels run on the CPU only, and the policy is on {device}: use 'wq8' "
+                             "(8-bit fake quantization of every Linear weight, on any device), or train on the CPU.")
         with gathered_parameters(policy, sharded):
-            state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-        if self.kind == "stale":
-            state = self._stale_state(step, state)
-        if sharded and (self._engine is None or self.kind == "int8"):
-            # a ZeRO-3 module holds empty shards and DeepSpeed hooks: build a plain, full copy from its config
-            engine = type(policy)(policy.config).to(next(iter(state.values())).dtype).eval()
-        elif self._engine is None or self.kind == "int8":
-            engine = copy.deepcopy(policy)
-            # trainers patch instance-level forwards (TRL's fused LM head) that close over the *policy*:
-            # drop them so that the copy runs its own weights
-            for module in engine.modules():
-                module.__dict__.pop("forward", None)
-                module.__dict__.pop("generate", None)
-            engine.eval()
-        else:
-            engine = self._engine
-        engine.load_state_dict(state)
+            if self.kind == "stale":  # the snapshots live on the CPU: lag + 1 copies of the model
+                state = self._stale_state(step, {k: v.detach().to("cpu", copy=True)
+                                                 for k, v in policy.state_dict().items()})
+            else:  # loaded into the engine inside the gather (a ZeRO-3 partition is released on exit): no copy
+                state = policy.state_dict()
+            if sharded and (self._engine is None or self.kind == "int8"):
+                # a ZeRO-3 module holds empty shards and DeepSpeed hooks: build a plain, full copy from its config,
+                # on the policy's device
+                with torch.device(device):
+                    engine = type(policy)(policy.config)
+                engine = engine.to(next(iter(state.values())).dtype).eval()
+            elif self._engine is None or self.kind == "int8":
+                engine = copy.deepcopy(policy)
+                # trainers patch instance-level forwards (TRL's fused LM head) that close over the *policy*:
+                # drop them so that the copy runs its own weights
+                for module in engine.modules():
+                    module.__dict__.pop("forward", None)
+                    module.__dict__.pop("generate", None)
+                engine.eval()
+            else:
+                engine = self._engine
+            engine.load_state_dict(state)  # copies into the engine's device (from the CPU for a stale one)
+            del state
         if self.kind == "bf16":
             engine = engine.to(torch.bfloat16)
         elif self.kind == "fp16":
@@ -86,8 +102,9 @@ class EmulatedRolloutEngine:
         return self._snapshots[0][1]
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to sample as an uninterrupted one would: the stale kind's snapshots (the other
-        kinds rebuild everything from the current policy at each sync). Saved with each checkpoint by the trainer."""
+        """What a resumed run needs to sample as an uninterrupted one would: the stale kind's snapshots (up to
+        ``lag + 1`` full state dicts of the policy, CPU tensors; the other kinds rebuild everything from the current
+        policy at each sync and save none). Saved with each checkpoint by the trainer."""
         return {"kind": self.kind, "lag": self.lag, "bits": self.bits, "snapshots": list(self._snapshots)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -102,6 +119,11 @@ class EmulatedRolloutEngine:
         if self._engine is None:
             raise RuntimeError("EmulatedRolloutEngine.generate called before sync(policy, step).")
         return self._engine.generate(*args, **kwargs)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    """The device of the module's first parameter (a ZeRO-3 partition's too), the CPU for a module without any."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def is_zero3_sharded(module: torch.nn.Module) -> bool:

@@ -13,9 +13,11 @@ Three cases per sample:
 
 from __future__ import annotations
 
+import array
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -67,7 +69,18 @@ def _check_row(i: int, ids: list[int], lps: list[Any], source: str) -> None:
         raise ValueError(
             f"Sample {i}: {len(lps)} rollout log-probs for {len(ids)} completion tokens ({source}); they must be "
             "aligned one per sampled token (no prompt tokens, no top-k lists).")
-    for t, lp in enumerate(lps):
+    start = 0
+    try:  # a flat list of numbers: checked at once, without a Python loop over the tokens
+        values = np.frombuffer(array.array("d", lps), dtype=np.float64)  # (T,)
+    except TypeError:  # None (an unscored token), a list, a string, ...: the loop below names what is wrong
+        values = None
+    if values is not None:
+        positive = np.flatnonzero((values > 1e-3) & np.isfinite(values))
+        if positive.size == 0:
+            return
+        start = int(positive[0])
+        lps = lps[start:]  # the loop below names the first offending token
+    for t, lp in enumerate(lps, start):
         if lp is not None and not isinstance(lp, (float, int)) and not (isinstance(lp, torch.Tensor) and lp.ndim == 0):
             raise ValueError(f"Sample {i}, token {t}: rollout log-prob {lp!r} is not a float ({source}); return a flat "
                              "list with the sampled token's log-prob, not a top-k list.")

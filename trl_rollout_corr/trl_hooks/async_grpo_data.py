@@ -9,7 +9,8 @@ into one row of flat loss terms). While it runs, :func:`carrying_sample_versions
   :class:`~trl_rollout_corr.async_grpo.server_probe.ServerProbe`: a vLLM server that has not answered for its timeout
   stops training with an error naming it);
 * the collator adds ``rc_sample_version`` (num_processes, M): the version of the sample of every loss term, -1 on
-  padding, aligned with TRL's ``token_index`` / ``segment_id``.
+  padding, aligned with TRL's ``token_index`` / ``segment_id``; and the terms' (B, T) layout, computed on the CPU
+  (``rc_term_col``, ``rc_row_mask``: :func:`_term_layout`), so that the trainer lays them out with no host sync.
 
 Only these names and their call signatures are assumed; each is checked, and a change raises
 :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`.
@@ -23,9 +24,12 @@ from typing import Any
 
 import torch
 
+from ..core.flat import term_columns
 from .base import TrlInternalsChanged
 
 _TRL_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
+# the micro-batch keys the collator adds
+ADDED_KEYS = ("rc_sample_version", "rc_term_col", "rc_row_mask")
 
 
 class _LastSampleQueue:
@@ -96,9 +100,29 @@ def _collator_class(base: type) -> type:
                 index = segment_id[r].clamp(0, row_versions.numel() - 1)  # (M,) padding points at sample 0
                 versions.append(torch.where(valid, row_versions[index], torch.full_like(index, -1)))
             batch["rc_sample_version"] = torch.stack(versions)  # (num_processes, M)
+            batch.update(_term_layout(token_index, segment_id))
             return batch
 
     return VersionedCollator
+
+
+def _term_layout(token_index: torch.Tensor, segment_id: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The (B, T) layout of every rank's loss terms, computed here on the CPU so that the trainer needs no host
+    sync for it: ``rc_term_col`` (num_processes, M), each term's position among its sample's terms (-1 on
+    padding), and ``rc_row_mask`` (num_processes, B, T) bool, the trained positions, B and T the largest over the
+    ranks (every rank gets the same shape; a rank's extra rows and columns are False)."""
+    cols, sizes = [], []
+    for r in range(token_index.size(0)):
+        valid = token_index[r] >= 0  # (M,)
+        col, num_rows, width = term_columns(segment_id[r][valid])  # (M_r,)
+        cols.append(torch.full_like(segment_id[r], -1).masked_scatter(valid, col))  # (M,)
+        sizes.append((segment_id[r][valid], col, num_rows, width))
+    num_rows = max((n for _, _, n, _ in sizes), default=0)
+    width = max((w for _, _, _, w in sizes), default=0)
+    mask = torch.zeros(token_index.size(0), num_rows, width, dtype=torch.bool)  # (num_processes, B, T)
+    for r, (rows, col, _, _) in enumerate(sizes):
+        mask[r, rows, col] = True
+    return {"rc_term_col": torch.stack(cols) if cols else segment_id.clone(), "rc_row_mask": mask}
 
 
 @contextlib.contextmanager
