@@ -44,7 +44,6 @@ def plan(cfg, **shape):
 def test_auto_plan(cfg, shape, expected):
     p = plan(cfg, **shape)
     assert (p.pi_old, p.at_generation) == expected
-    assert p.extra_forward == p.at_generation
     assert "pi_old = " in p.describe()
 
 

@@ -27,7 +27,14 @@ NONE_STRINGS = ("none", "null", "None", "")
 
 
 def none_if_unset(value: Any) -> Any:
-    """The strings a CLI or YAML file uses to switch a level off ("none", "null", "") read as ``None``."""
+    """The strings a CLI or YAML file uses to switch a level off ("none", "null", "") read as ``None``.
+
+    Args:
+        value: any field value.
+
+    Returns:
+        ``None`` for one of ``NONE_STRINGS``, else ``value`` unchanged.
+    """
     return None if isinstance(value, str) and value in NONE_STRINGS else value
 
 
@@ -55,7 +62,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         rollout_token_veto_threshold: reject a sequence if any token has rho < this (``None`` = off).
         rollout_rs_criteria: divergence-based rejection criteria, ANDed with ``rollout_rs`` and the veto:
             comma-separated ``token_k1|token_k2|token_k3|seq_sum_k{1,2,3}|seq_mean_k{1,2,3}|seq_max_k{2,3}``
-            (see :mod:`trl_rollout_corr.core.divergence`).
+            (see ``trl_rollout_corr.core.divergence``).
         rollout_rs_criteria_threshold: one value per criterion, comma-separated: k1 takes ratio bounds
             ``"lower_upper"`` or an upper (lower = 1/upper); k2/k3 take an upper bound.
         rollout_m2_threshold: tau of the second-moment mask (M2PO, arXiv:2510.01161): the tokens with the largest
@@ -73,6 +80,15 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             batch). Needs a rejection (``rollout_rs``, the criteria, the veto or the all-token M2 mask).
         bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
         use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
+
+    Raises:
+        ValueError: at construction, naming the field and the fix, for every invalid combination
+            (``validate``).
+
+    Papers behind the fields are listed in docs/concepts.md (References): truncated IS (IMPALA, arXiv:1802.01561;
+    Yao et al.'s TIS), decoupled mode (Hilton et al., arXiv:2110.00641), rejection and the veto (Liu, Li et al.,
+    "When Speed Kills Stability"; verl), IcePop (arXiv:2510.18855), M2PO (arXiv:2510.01161), the k1/k2/k3 criteria
+    (Schulman, "Approximating KL Divergence").
     """
 
     rollout_is: str | None = "token"
@@ -112,15 +128,26 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         super().__setattr__(name, value)
 
     def frozen(self, owner: str) -> RolloutCorrectionConfig:
-        """A validated copy whose fields can no longer change (raises AttributeError naming ``owner``): what a
-        trainer holds, so that the correction it runs is the one it planned."""
+        """A validated copy whose fields can no longer change: what a trainer holds, so that the correction it runs
+        is the one it planned.
+
+        Args:
+            owner: who holds the copy, named in the error a later assignment raises.
+
+        Returns:
+            The frozen copy; assigning one of its fields raises ``AttributeError`` naming ``owner``.
+        """
         copy = dataclasses.replace(self)
         object.__setattr__(copy, "_frozen_by", owner)
         return copy
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field and the fix for every invalid combination."""
+        """Check the fields and normalize verl's spellings (string thresholds, criteria strings in ``rollout_rs``).
+
+        Raises:
+            ValueError: naming the field and the fix, for every invalid combination.
+        """
         if self.rollout_is is not None and not isinstance(self.rollout_is, str):
             raise ValueError(f"rollout_is must be a string or None, got {self.rollout_is!r}.")
         self.rollout_is = none_if_unset(self.rollout_is)
@@ -250,8 +277,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @property
     def loss_anchor(self) -> str:
-        """The anchor of TRL's PPO ratio in this mode: pi_rollout, pi_old or pi_theta (:func:`~trl_rollout_corr.losses.
-        loss_anchor`)."""
+        """The anchor of TRL's PPO ratio in this mode: pi_rollout, pi_old or pi_theta
+        (``trl_rollout_corr.losses.loss_anchor``)."""
         return loss_anchor(self.bypass_mode, self.use_policy_gradient)
 
     @property
@@ -279,7 +306,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return self.rollout_m2_threshold is not None and self.rollout_m2_scope == "trust_region"
 
     def params(self) -> CorrectionParams:
-        """The frozen view the core reads (:func:`~trl_rollout_corr.core.compute_rollout_correction_stats`), the RS
+        """The frozen view the core reads (``trl_rollout_corr.core.compute_rollout_correction_stats``), the RS
         lower bound resolved (``1 / rollout_rs_threshold`` where unset)."""
         return CorrectionParams(
             rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
@@ -294,25 +321,44 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         )
 
     def pipeline_kwargs(self) -> dict[str, Any]:
-        """:meth:`params` as keyword arguments, e.g. of verl's signature,
-        :func:`~trl_rollout_corr.core.compute_rollout_correction_and_rejection_mask`."""
+        """``params`` as keyword arguments, e.g. of verl's signature,
+        ``trl_rollout_corr.core.compute_rollout_correction_and_rejection_mask``."""
         return dataclasses.asdict(self.params())
 
     # ------------------------------------------------------------------ presets
     @classmethod
     def decoupled_token_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO (3 policies) with token-level TIS, w_t = min(pi_old/pi_rollout, C)."""
+        """Decoupled PPO (3 policies) with token-level TIS, w_t = min(pi_old/pi_rollout, C).
+
+        Decoupled PPO: Hilton, Cobbe & Schulman, arXiv:2110.00641; TIS: Yao et al. (2025 blog), the truncated
+        weight of IMPALA (arXiv:1802.01561).
+
+        Args:
+            threshold: C.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold), **overrides})
 
     @classmethod
     def decoupled_seq_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO with sequence-level TIS, w = min(prod_t rho_t, C)."""
+        """Decoupled PPO with sequence-level TIS, w = min(prod_t rho_t, C).
+
+        Args:
+            threshold: C.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold), **overrides})
 
     @classmethod
     def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: float = 2.0,
                             **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO with sequence TIS plus sequence rejection in [1/rs_threshold, rs_threshold]."""
+        """Decoupled PPO with sequence TIS plus sequence rejection in [1/rs_threshold, rs_threshold].
+
+        Args:
+            is_threshold: C of the IS weight.
+            rs_threshold: the upper RS bound; the lower is its inverse.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="sequence",
                              rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=1.0 / rs_threshold),
                       **overrides})
@@ -320,26 +366,50 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     @classmethod
     def decoupled_geo_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
                          **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO, no IS weights, geometric-mean rejection in [2 - rs_threshold, rs_threshold] + veto."""
+        """Decoupled PPO, no IS weights, geometric-mean rejection in [2 - rs_threshold, rs_threshold] + veto.
+
+        Geometric rejection (Geo-RS): Liu, Li et al., "When Speed Kills Stability" (2025 blog), as in verl.
+
+        Args:
+            rs_threshold: the upper bound of the geometric mean of rho_t.
+            veto_threshold: C_veto.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
                              rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
                              rollout_token_veto_threshold=veto_threshold), **overrides})
 
     @classmethod
     def ppo_is_bypass(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass PPO: pi_old := pi_rollout, PPO-clip on pi_theta/pi_rollout; token IS feeds metrics only."""
+        """Bypass PPO: pi_old := pi_rollout, PPO-clip on pi_theta/pi_rollout; token IS feeds metrics only.
+
+        Args:
+            threshold: C (of the weights the metrics report).
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True), **overrides})
 
     @classmethod
     def pg_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass REINFORCE with sequence TIS: -stopgrad(min(prod pi_theta/pi_rollout, C)) log pi_theta A."""
+        """Bypass REINFORCE with sequence TIS: -stopgrad(min(prod pi_theta/pi_rollout, C)) log pi_theta A.
+
+        Args:
+            threshold: C.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
                              use_policy_gradient=True), **overrides})
 
     @classmethod
     def pg_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
               **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass REINFORCE, no IS weights, geometric rejection + veto."""
+        """Bypass REINFORCE, no IS weights, geometric rejection + veto.
+
+        Args:
+            rs_threshold: the upper bound of the geometric mean of rho_t; the lower is 2 - rs_threshold.
+            veto_threshold: C_veto.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
                              rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
                              rollout_token_veto_threshold=veto_threshold, bypass_mode=True,
@@ -349,7 +419,13 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     def icepop(cls, lower: float = 0.5, upper: float = 5.0, **overrides: Any) -> RolloutCorrectionConfig:
         """IcePop (Ling Team, Ring-1T, arXiv:2510.18855; verl's ``decoupled_token_icepop``): decoupled PPO with the
         token weight w_t = rho_t * 1[lower <= rho_t <= upper], rho_t = pi_old / pi_rollout. A token outside the band
-        gets weight 0 and stays in the loss's token count (a weight, not a rejection)."""
+        gets weight 0 and stays in the loss's token count (a weight, not a rejection).
+
+        Args:
+            lower: C_lower.
+            upper: C.
+            **overrides: any other field.
+        """
         return cls(**{**ICEPOP, "rollout_is_threshold": upper, "rollout_is_threshold_lower": lower, **overrides})
 
     @classmethod
@@ -357,7 +433,13 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                                 **overrides: Any) -> RolloutCorrectionConfig:
         """Two-sided token rejection (this package's ``icepop`` before IcePop meant the field's IcePop): decoupled
         PPO, no IS weight, a token with rho_t = pi_old / pi_rollout outside [lower, upper] leaves the loss and its
-        token count."""
+        token count.
+
+        Args:
+            lower: the lower RS bound.
+            upper: the upper RS bound.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=upper,
                              rollout_rs_threshold_lower=lower), **overrides})
 
@@ -366,7 +448,12 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         """M2PO's final algorithm (Zheng, Zhao & Chen, arXiv:2510.01161, ICLR 2026, Algorithm 1): decoupled PPO, no
         IS weight; among the tokens on the active side of PPO's trust region (A > 0 with rho > 1, A < 0 with
         rho < 1; rho = pi_old / pi_rollout) the largest (log rho)^2 get advantage 0 until the mean (log rho)^2 of the
-        rest of them is <= tau; they stay in the loss's token count (the original denominator)."""
+        rest of them is <= tau; they stay in the loss's token count (the original denominator).
+
+        Args:
+            tau: the bound on the mean (log rho)^2.
+            **overrides: any other field.
+        """
         return cls(**{**dict(rollout_is=None, rollout_m2_threshold=tau, rollout_m2_scope="trust_region"),
                       **overrides})
 
@@ -374,23 +461,47 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> RolloutCorrectionConfig:
         """TRL 1.16's own default correction (``vllm_importance_sampling_mode="sequence_mask"``, ``clip_max=3``):
         decoupled PPO, w = prod_t rho_t * 1[prod_t rho_t <= C]; a sequence above C keeps its tokens in the loss's
-        token count with weight 0."""
+        token count with weight 0.
+
+        Args:
+            threshold: C.
+            **overrides: any other field.
+        """
         return cls(**{**TRL_DEFAULT, "rollout_is_threshold": threshold, **overrides})
 
     @classmethod
     def disabled(cls, **overrides: Any) -> RolloutCorrectionConfig:
-        """No correction at all; the off-policy diagnostics are still logged."""
+        """No correction at all; the off-policy diagnostics are still logged.
+
+        Args:
+            **overrides: any field.
+        """
         return cls(**{**dict(rollout_is=None), **overrides})
 
     @classmethod
     def preset_names(cls) -> tuple[str, ...]:
-        """This package's presets, then verl's (see :mod:`trl_rollout_corr.verl_names`)."""
+        """This package's presets, then verl's (see ``trl_rollout_corr.verl_names``).
+
+        Returns:
+            Every name ``from_preset`` accepts.
+        """
         return cls.PRESETS + tuple(n for n in VERL_PRESETS if n not in cls.PRESETS)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
-        """Build a preset by name, e.g. ``from_preset("decoupled_token_is", rollout_is_threshold=3.0)``; verl's names
-        take verl's factory arguments too (``threshold``, ``is_threshold``, ``rs_threshold``)."""
+        """Build a preset by name, e.g. ``from_preset("decoupled_token_is", rollout_is_threshold=3.0)``.
+
+        Args:
+            name: one of ``preset_names``.
+            **overrides: fields, or the preset's factory arguments; verl's names take verl's factory arguments too
+                (``threshold``, ``is_threshold``, ``rs_threshold``).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: an unknown preset name, or an invalid combination.
+        """
         if name in cls.PRESETS:
             return getattr(cls, name)(**overrides)
         if name in VERL_PRESETS:
@@ -400,11 +511,23 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (what ``from_dict`` reads back)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutCorrectionConfig:
-        """Build from a dict; a ``preset`` key selects a preset that the other keys override."""
+        """Build from a dict; a ``preset`` key selects a preset that the other keys override.
+
+        Args:
+            data: field names to values, optionally ``preset`` and verl's ``loss_type`` (``"ppo_clip"`` /
+                ``"reinforce"``, read as ``use_policy_gradient``).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: an unknown field, an unknown ``loss_type`` value, or an invalid combination.
+        """
         data = dict(data)
         names = {f.name for f in dataclasses.fields(cls)}
         preset = data.pop("preset", None)
@@ -420,26 +543,37 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return cls.from_preset(preset, **data) if preset else cls(**data)
 
     def to_json_string(self) -> str:
+        """The fields as indented JSON with sorted keys (the saved file's text)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json_string(cls, text: str) -> RolloutCorrectionConfig:
+        """Build from a JSON object's text, as ``from_dict``."""
         return cls.from_dict(json.loads(text))
 
     def to_yaml(self) -> str:
+        """The fields as YAML with sorted keys."""
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_yaml(cls, text: str) -> RolloutCorrectionConfig:
+        """Build from YAML text, as ``from_dict`` (empty text: the defaults)."""
         import yaml
 
         return cls.from_dict(yaml.safe_load(text) or {})
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> RolloutCorrectionConfig:
-        """Load a ``.json``, ``.yaml`` or ``.yml`` file."""
+        """Load a ``.json``, ``.yaml`` or ``.yml`` file.
+
+        Args:
+            path: the file; a name ending in ``.yaml`` or ``.yml`` is read as YAML, anything else as JSON.
+
+        Returns:
+            The validated config.
+        """
         with open(path, encoding="utf-8") as f:
             text = f.read()
         return cls.from_yaml(text) if str(path).endswith((".yaml", ".yml")) else cls.from_json_string(text)
@@ -447,8 +581,21 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     def save_pretrained(self, save_directory: str | os.PathLike, *, push_to_hub: bool = False,
                         repo_id: str | None = None, push_to_hub_kwargs: dict[str, Any] | None = None,
                         **mixin_kwargs: Any) -> str:
-        """Write ``rollout_correction_config.json`` into ``save_directory`` (created if needed), and nothing else;
-        with ``push_to_hub=True`` also upload it to ``repo_id`` (default: the directory's name). Returns the file."""
+        """Write ``rollout_correction_config.json`` into ``save_directory`` (created if needed), and nothing else.
+
+        Args:
+            save_directory: the directory.
+            push_to_hub: also upload the file to the Hub.
+            repo_id: the Hub repo (default: the directory's name).
+            push_to_hub_kwargs: keyword arguments of ``push_to_hub``.
+            **mixin_kwargs: what ``ModelHubMixin`` passes (``config``, ``model_card_kwargs``); ignored.
+
+        Returns:
+            The path of the written file.
+
+        Raises:
+            TypeError: any other keyword argument.
+        """
         unknown = set(mixin_kwargs) - {"config", "model_card_kwargs"}  # what ModelHubMixin.push_to_hub passes
         if unknown:
             raise TypeError(f"save_pretrained() got unexpected keyword argument(s) {sorted(unknown)}.")
@@ -459,8 +606,16 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     def push_to_hub(self, repo_id: str, *, commit_message: str = "Upload rollout correction config",
                     **kwargs: Any) -> str:
-        """Upload ``rollout_correction_config.json`` to the Hub repo ``repo_id`` (created if needed): the mixin's
-        ``push_to_hub`` (``private``, ``token``, ``branch``, ``create_pr``, ...). Returns the commit URL."""
+        """Upload ``rollout_correction_config.json`` to the Hub repo ``repo_id`` (created if needed).
+
+        Args:
+            repo_id: the Hub repo.
+            commit_message: the commit's message.
+            **kwargs: the mixin's ``push_to_hub`` arguments (``private``, ``token``, ``branch``, ``create_pr``, ...).
+
+        Returns:
+            The commit URL.
+        """
         return super().push_to_hub(repo_id, commit_message=commit_message, **kwargs)
 
     def _save_pretrained(self, save_directory: Path) -> Path:
@@ -471,8 +626,19 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, **hub_kwargs: Any) -> RolloutCorrectionConfig:
-        """Load from a directory, a config file, or a Hub repo id (downloaded with ``huggingface_hub``;
-        ``hub_kwargs`` such as ``revision`` or ``token`` go to ``hf_hub_download``)."""
+        """Load from a directory, a config file, or a Hub repo id (downloaded with ``huggingface_hub``).
+
+        Args:
+            path_or_repo_id: a directory holding ``rollout_correction_config.json``, a ``.json`` / ``.yaml`` file,
+                or a Hub repo id.
+            **hub_kwargs: for a repo id, passed to ``hf_hub_download`` (``revision``, ``token``, ...).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            FileNotFoundError: a directory without ``rollout_correction_config.json``.
+        """
         path = str(path_or_repo_id)
         if os.path.isdir(path):
             file = os.path.join(path, CONFIG_NAME)

@@ -46,17 +46,13 @@ class CorrectionPlan:
         pi_old: ``"forward"`` | ``"pi_theta"`` | ``"pi_rollout"`` (see the module docstring).
         at_generation: the correction (weights, masks, metrics) is computed once per generation batch from a no-grad
             policy forward at generation time; otherwise in the loss, from the policy forward the loss runs anyway.
+            So it is also whether each generation batch costs one no-grad policy forward beyond TRL's own step.
         batch_scope: the statistics in play whose scope is the generation batch (empty: none).
     """
 
     pi_old: str
     at_generation: bool
     batch_scope: tuple[str, ...] = ()
-
-    @property
-    def extra_forward(self) -> bool:
-        """Whether each generation batch costs one no-grad policy forward beyond what TRL's own step runs."""
-        return self.at_generation
 
     def describe(self) -> str:
         where = ("at generation time, from one no-grad policy forward per generation batch" if self.at_generation

@@ -1,7 +1,8 @@
 """verl's rollout-correction names, accepted as they mean in verl.
 
-Checked against volcengine/verl at commit ``b178a3c`` (2026-01-29), and for the IcePop additions against
-verl-project/verl at commit ``1dda039`` (2026-08-22; IcePop landed in PR #5722): the preset factories of
+Checked against volcengine/verl at commit ``b178a3c`` (b178a3cd56f58b2d502255daba591e92833930a7, 2026-01-29),
+and for the IcePop additions against verl-project/verl at commit ``1dda039`` (2026-08-22; IcePop landed in PR #5722):
+the preset factories of
 ``verl/trainer/config/algorithm.py:RolloutCorrectionConfig``, the ``rollout_rs`` options of
 ``verl/trainer/ppo/rollout_corr_helper.py:compute_rollout_rejection_mask`` and its ``rollout_is_threshold`` parser
 (``_parse_rollout_is_threshold``).
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 from typing import Any
 
-VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 _GEO = "0.999_1.001"  # verl's default geometric band
 _K3 = 0.01  # verl's default k3 bound
 

@@ -17,6 +17,14 @@ seq_sum_k1 and seq_mean_k1 equal the token, sequence and geometric RS levels. k2
 keep iff statistic <= upper.
 
 Pure tensor functions; no TRL import.
+
+References:
+    * Schulman, "Approximating KL Divergence", blog, 2020 (http://joschu.net/blog/kl-approx.html): k1, k2, k3.
+      Over tokens sampled from pi_rollout, k1 and k3 are unbiased estimates of KL(pi_rollout || pi_train) and k2 a
+      biased one that agrees with it to second order. No arXiv id.
+    * verl's rollout correction (volcengine/verl ``verl/trainer/ppo/rollout_corr_helper.py``,
+      ``docs/algo/rollout_corr.md``): the criterion names and the ``"lower_upper"`` k1 bands
+      (``trl_rollout_corr.verl_names`` translates verl's spelling).
 """
 
 from __future__ import annotations
@@ -43,7 +51,15 @@ DIVERGENCE_METRICS = ("mean", "max", "masked_fraction", "seq_masked_fraction")
 
 @dataclass(frozen=True)
 class DivergenceCriterion:
-    """One criterion: ``name`` in DIVERGENCE_CRITERIA; k1 keeps lower <= exp(-stat) <= upper, k2/k3 stat <= upper."""
+    """One divergence criterion and its bounds.
+
+    k1 keeps lower <= exp(-stat) <= upper; k2 and k3 keep stat <= upper.
+
+    Attributes:
+        name: one of ``DIVERGENCE_CRITERIA``, e.g. ``"token_k1"`` or ``"seq_max_k2"``.
+        upper: the upper bound (of the ratio for k1, of the statistic for k2/k3).
+        lower: the lower ratio bound of a k1 criterion; ``None`` for k2/k3.
+    """
 
     name: str
     upper: float
@@ -51,10 +67,12 @@ class DivergenceCriterion:
 
     @property
     def estimator(self) -> str:
+        """``"k1"``, ``"k2"`` or ``"k3"``."""
         return self.name[-2:]
 
     @property
     def aggregation(self) -> str:
+        """``"token"``, ``"sum"``, ``"mean"`` or ``"max"``."""
         return self.name.split("_")[1] if self.name.startswith("seq_") else "token"
 
 
@@ -68,10 +86,20 @@ def _split(value: Any) -> list[str]:
 
 def parse_divergence_criteria(criteria: str | Sequence[str] | None,
                               thresholds: str | float | Sequence[Any] | None) -> list[DivergenceCriterion]:
-    """Parse ``rollout_rs_criteria`` / ``rollout_rs_criteria_threshold`` (comma-separated strings or lists).
+    """Parse ``rollout_rs_criteria`` / ``rollout_rs_criteria_threshold``.
 
-    Raises ``ValueError`` naming the field and the fix for unknown names, a count mismatch, bad numbers,
-    a k1 range with lower > upper, or a ``lower_upper`` pair on a k2/k3 criterion.
+    Args:
+        criteria: comma-separated names (``"token_k1,seq_max_k2"``) or a list of them; ``None`` or empty: none.
+        thresholds: one value per criterion, comma-separated or a list: k1 ``"lower_upper"`` or an upper
+            (lower = 1/upper), k2/k3 an upper; a bare number for a single criterion.
+
+    Returns:
+        The criteria in the given order (empty when none are set).
+
+    Raises:
+        ValueError: naming the field and the fix, for unknown or repeated names, thresholds without criteria or
+            criteria without thresholds, a count mismatch, values that are not finite positive numbers, a k1 band
+            with lower > upper, or a ``lower_upper`` pair on a k2/k3 criterion.
     """
     if criteria is None or criteria == "" or criteria == []:
         if thresholds not in (None, "", []):
@@ -119,7 +147,15 @@ def parse_divergence_criteria(criteria: str | Sequence[str] | None,
 
 
 def per_token_divergence(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
-    """k1 = -log r, k2 = (log r)^2 / 2, k3 = exp(b) - 1 - b with b = clamp(log r, -20, 20).  (B, T)"""
+    """The per-token estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = exp(b) - 1 - b with b = clamp(log r, -20, 20).
+
+    Args:
+        log_ratio: log r_t = log pi_train - log pi_rollout, (B, T).
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        (B, T) values (padding not masked).
+    """
     if estimator == "k1":
         return -log_ratio
     if estimator == "k2":
@@ -130,7 +166,17 @@ def per_token_divergence(log_ratio: torch.Tensor, estimator: str) -> torch.Tenso
 
 def divergence_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor,
                          criterion: DivergenceCriterion) -> torch.Tensor:
-    """The criterion's statistic broadcast to (B, T) (per token, or the row's sum / mean / max)."""
+    """The criterion's statistic: per token, or the row's sum / mean / max over its valid tokens.
+
+    Args:
+        log_ratio: log r_t, (B, T).
+        response_mask: m_t, (B, T); any dtype, read as bool.
+        criterion: which estimator and aggregation.
+
+    Returns:
+        (B, T) values, per token or each sequence's value broadcast over its row (0 for a row with no valid
+            token under ``max``).
+    """
     mask = response_mask.bool()
     k = per_token_divergence(log_ratio, criterion.estimator)  # (B, T)
     if criterion.aggregation == "token":
@@ -154,6 +200,15 @@ def compute_divergence_rejection_mask(
     Per criterion c, the stats give ``rollout_rs_{c}_mean`` / ``_max`` (of the statistic over tokens for token
     criteria, over sequences for sequence criteria), ``_masked_fraction`` (valid tokens it rejects) and
     ``_seq_masked_fraction`` (sequences in which it rejects a token).
+
+    Args:
+        log_ratio: log r_t = log pi_train - log pi_rollout, (B, T); detached and taken in float64 here.
+        response_mask: m_t, (B, T); any dtype, read as bool.
+        criteria: the parsed criteria (``parse_divergence_criteria``).
+
+    Returns:
+        keep: the keep-mask, (B, T) bool, False on padding.
+        stats: the sums and maxima that ``finalize_divergence`` turns into metrics once reduced.
     """
     mask = response_mask.bool()  # (B, T)
     keep = mask.clone()
@@ -186,7 +241,16 @@ def compute_divergence_rejection_mask(
 
 
 def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) -> dict[str, float]:
-    """rollout_corr/rollout_rs_{c}_{mean,max,masked_fraction,seq_masked_fraction} from reduced sums."""
+    """The metrics ``rollout_corr/rollout_rs_{c}_{mean,max,masked_fraction,seq_masked_fraction}``.
+
+    Args:
+        floats: the reduced statistics as floats, keyed ``"sum:..."`` / ``"max:..."``.
+        tok_n: the number of valid tokens (the denominator of ``_masked_fraction``).
+        seq_n: the number of sequences with a valid token (the denominator of ``_seq_masked_fraction``).
+
+    Returns:
+        One entry per metric of each criterion present in ``floats``.
+    """
     metrics: dict[str, float] = {}
     div = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731
     for name in DIVERGENCE_CRITERIA:

@@ -1,6 +1,16 @@
 """Rejection sampling (token / sequence / geometric) and the catastrophic-token veto.
 
 Both only modify the response mask; neither touches the IS weights. rho_t = pi_train / pi_rollout.
+
+References:
+    * Liu, Li, Fu, Wang, Liu & Shen, "When Speed Kills Stability: Demystifying RL Collapse from the
+      Training-Inference Mismatch", blog, September 2025
+      (https://yingru.notion.site/When-Speed-Kills-Stability-271211a558b7808d8b12d403fd15edda): sequence-level
+      masking / rejection and the geometric-mean ratio (Geo-RS). No arXiv id.
+    * verl's rollout correction (volcengine/verl ``docs/algo/rollout_corr.md``, ``docs/algo/rollout_corr_math.md``,
+      ``verl/trainer/ppo/rollout_corr_helper.py``): the ``rollout_rs`` levels, their bands and the veto.
+    * Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071: the same geometric mean of rho_t as
+      GSPO's length-normalized sequence ratio (GSPO clips it; here it decides rejection).
 """
 
 from __future__ import annotations
@@ -15,16 +25,36 @@ RS_LEVELS = ("token", "sequence", "geometric")
 
 
 def rejection_bounds(upper: float, lower: float | None) -> tuple[float, float]:
-    """The RS acceptance band (C_lower, C_upper); C_lower defaults to 1 / C_upper."""
+    """The RS acceptance band.
+
+    Args:
+        upper: C_upper (``rollout_rs_threshold``).
+        lower: C_lower (``rollout_rs_threshold_lower``), or ``None`` for 1 / C_upper.
+
+    Returns:
+        lower: C_lower.
+        upper: C_upper.
+    """
     return (1.0 / upper if lower is None else lower), upper
 
 
 def rejection_log_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
-    """Unclamped log of the RS statistic, broadcast to (B, T).
+    """Unclamped log of the RS statistic.
 
-    token:     log rho_t
-    sequence:  sum_t m_t log rho_t                 (log of prod_t rho_t)
-    geometric: (1/|T|) sum_t m_t log rho_t         (log of the geometric mean of rho_t)
+        token:     log rho_t
+        sequence:  sum_t m_t log rho_t                 (log of prod_t rho_t)
+        geometric: (1/|T|) sum_t m_t log rho_t         (log of the geometric mean of rho_t)
+
+    Args:
+        log_ratio: log rho_t, (B, T).
+        response_mask: m_t, (B, T) bool.
+        level: ``"token"``, ``"sequence"`` or ``"geometric"``.
+
+    Returns:
+        (B, T) values, per token or each sequence's value broadcast over its row.
+
+    Raises:
+        ValueError: ``level`` is not one of ``RS_LEVELS``.
     """
     if level == "token":
         return log_ratio  # (B, T)
@@ -45,11 +75,24 @@ def compute_rollout_rejection_mask(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keep-mask of rejection sampling: keep iff  C_lower <= statistic <= C_upper.
 
-    statistic = exp(clamp(log_stat, -20, 20)) with log_stat from :func:`rejection_log_statistic`;
-    C_upper = ``rollout_rs_threshold``, C_lower = ``rollout_rs_threshold_lower`` or 1 / C_upper.
-    Token level rejects single tokens; sequence and geometric levels reject whole sequences.
-    Returns ``(keep (B, T) bool, safe statistic (B, T), unclamped log statistic (B, T))``; ``keep`` is
-    False on padding.
+    statistic = exp(clamp(log_stat, -20, 20)) with log_stat from ``rejection_log_statistic``. Token level
+    rejects single tokens; sequence and geometric levels reject whole sequences (Liu, Li et al., "When Speed Kills
+    Stability", 2025; verl's ``rollout_rs``).
+
+    Args:
+        log_ratio: log rho_t = log pi_train - log pi_rollout, (B, T); detached here.
+        response_mask: m_t, (B, T); any dtype, read as bool.
+        rollout_rs: ``"token"``, ``"sequence"`` or ``"geometric"``.
+        rollout_rs_threshold: C_upper.
+        rollout_rs_threshold_lower: C_lower, or ``None`` for 1 / C_upper.
+
+    Returns:
+        keep: the keep-mask, (B, T) bool, False on padding.
+        safe_stat: the safety-bounded statistic, (B, T).
+        log_stat: the unclamped log statistic, (B, T).
+
+    Raises:
+        ValueError: ``rollout_rs`` is not one of ``RS_LEVELS``.
     """
     response_mask = response_mask.bool()
     lower, upper = rejection_bounds(rollout_rs_threshold, rollout_rs_threshold_lower)
@@ -68,8 +111,17 @@ def compute_veto_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Catastrophic-token veto: reject a whole sequence if any valid token has rho_t < C_veto.
 
-    Compared in log space on the **unclamped** ratio: log rho_t < log C_veto.
-    Returns ``(keep (B, T) bool, catastrophic (B, T) bool)``.
+    Compared in log space on the **unclamped** ratio: log rho_t < log C_veto (verl's
+    ``rollout_token_veto_threshold``).
+
+    Args:
+        log_ratio: log rho_t, (B, T); detached here.
+        response_mask: m_t, (B, T); any dtype, read as bool.
+        rollout_token_veto_threshold: C_veto (> 0), typically 1e-4 .. 1e-6.
+
+    Returns:
+        keep: the keep-mask, (B, T) bool; False on every token of a vetoed sequence and on padding.
+        catastrophic: the valid tokens with rho_t < C_veto, (B, T) bool.
     """
     response_mask = response_mask.bool()
     with torch.no_grad():
