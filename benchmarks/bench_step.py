@@ -153,7 +153,7 @@ def run_variant(opts) -> dict:
     if variant.startswith("trl_"):
         extra_forward = variant == BASELINE
     else:
-        extra_forward = trainer.correction_plan.extra_forward
+        extra_forward = trainer.correction_plan.at_generation
     return {"variant": variant, "step_s": statistics.median(timed), "steps": timed, "extra_forward": extra_forward,
             "cpu_s": statistics.median(cpu_times[2:]),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

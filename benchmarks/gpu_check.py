@@ -564,7 +564,7 @@ def phase_step_time(result: dict, ctx: Context) -> None:
                            losses=losses, finite=not bad and losses > 0, nonfinite=bad,
                            our_syncs_per_step=run["our_syncs_per_step"], all_syncs_per_step=run["all_syncs_per_step"])
                 if not variant.startswith("trl_"):
-                    row["extra_forward"] = trainer.correction_plan.extra_forward
+                    row["extra_forward"] = trainer.correction_plan.at_generation
                 ctx.release(trainer)
                 trainer = None
             except Exception:  # noqa: BLE001 (one variant's failure leaves the others)
@@ -682,7 +682,7 @@ def phase_presets(result: dict, ctx: Context, report: Report) -> None:
                        loss=[e["loss"] for e in run["logs"] if "loss" in e],
                        kl=[e.get("rollout_corr/kl") for e in run["logs"] if "loss" in e],
                        truncation_probe=bool(kept), kept_mass_mean=kept,
-                       extra_forward=trainer.correction_plan.extra_forward)
+                       extra_forward=trainer.correction_plan.at_generation)
             if extra and not kept:
                 row.update(status="error", error="truncated sampling but no rollout_corr/kept_mass_mean logged")
             elif not row["finite"]:
