@@ -21,6 +21,11 @@ and repeated, and medians are reported as ratios against ``trl_vllm_is`` measure
 
     python benchmarks/bench_step.py                      # all variants, 3 repeats
     python benchmarks/bench_step.py --repeats 5 --steps 12 --hidden 256 --layers 4 --batch 16 --completion 64
+
+The last lines print the regression check: ``decoupled_token_is`` (no pi_old forward with one micro-batch per
+generation batch) against ``trl_vllm_is`` (TRL paying its pi_old forward), wall clock and CPU time, each with the
+spread over the repeats, and ``FLAG`` when a median ratio is above ``WATCH_THRESHOLD`` (0.85). It is a printout, not a
+test: timings are not asserted anywhere.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ import zlib
 # this checkout's package, not the venv's
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASELINE = "trl_vllm_is"
+# the regression check: decoupled mode with one optimizer step per generation batch runs no pi_old forward, so its
+# step must stay well below TRL's, which pays one (issue 38: 0.79x on 2026-11-24, 0.98x at fb6f0b7 single-threaded)
+WATCHED = "decoupled_token_is"
+WATCH_THRESHOLD = 0.85  # flagged above this ratio to trl_vllm_is (wall-clock and CPU-time medians)
 # our variants: preset name -> extra config fields (loss_type is TRL's default, dapo)
 OURS = {
     "decoupled_token_is": dict(rollout_correction_preset="decoupled_token_is"),
@@ -214,6 +223,27 @@ def main(argv=None) -> None:
         print(f"| {variant} | {forward} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} | "
               f"{m:.0f} | {m / base_m:.3f} | {sync_text} "
               f"| {med(variant, 'all_syncs_per_step'):.2f} |")
+    if WATCHED in variants:
+        print()
+        for line in watch_lines(results, opts.accumulation):
+            print(line)
+
+
+def watch_lines(results: dict[str, list[dict]], accumulation: int) -> list[str]:
+    """The regression check's lines: WATCHED / BASELINE per repeat (runs paired in order), median and spread, FLAG
+    above WATCH_THRESHOLD. Only meaningful with one micro-batch per generation batch (no pi_old forward)."""
+    if accumulation != 1:
+        return [f"check {WATCHED} vs {BASELINE}: skipped (--accumulation {accumulation}: the check is for one "
+                "micro-batch per generation batch)"]
+    lines = []
+    for key, label in (("step_s", "wall"), ("cpu_s", "CPU time")):
+        ratios = [ours[key] / base[key] for ours, base in zip(results[WATCHED], results[BASELINE])]
+        median = statistics.median(ratios)
+        verdict = (f"FLAG: above {WATCH_THRESHOLD} (the decoupled step has regressed)" if median > WATCH_THRESHOLD
+                   else f"ok (<= {WATCH_THRESHOLD})")
+        lines.append(f"check {WATCHED} / {BASELINE} ({label}, no pi_old forward vs TRL's): median {median:.3f}, "
+                     f"per repeat {', '.join(f'{r:.3f}' for r in ratios)} — {verdict}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -131,3 +131,133 @@ def test_a_mocked_generate_is_an_error_when_log_probs_are_required(tmp_path, too
             pytest.raises(ValueError, match="Sample 0: the model's generate returned tokens without running its "
                                             "sampling distribution"):
         trainer.train()
+
+
+# ---------------------------------------------------------------------------------------------- TRL's agent scenarios
+# The two scenarios of TRL's own tests that failed with this package's classes swapped in (issue 38 item 4), rebuilt
+# on the local tool task. Neither fails here at fb6f0b7 (see docs/testing.md): they pin the behaviour.
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+def length_reward(completions, **_):
+    return [float(len(str(c)) % 3) for c in completions]
+
+
+def fake_rows(tokenizer, texts, calls):
+    """A fake generate that returns ``texts`` (then "Done!") as token ids, counting its calls by batch size."""
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    done = tokenizer("Done!<|im_end|>", add_special_tokens=False)["input_ids"]
+
+    def fake_generate(input_ids, **kwargs):
+        calls.append(input_ids.shape[0])
+        chosen = rows if input_ids.shape[0] == len(rows) else [done] * input_ids.shape[0]
+        width = max(len(r) for r in chosen)
+        completions = torch.tensor([r + [0] * (width - len(r)) for r in chosen], device=input_ids.device)
+        return torch.cat([input_ids, completions], dim=-1)
+
+    return fake_generate
+
+
+def test_malformed_tool_calls_train_without_a_second_generation(tmp_path, tool_task):
+    tokenizer, state, config = tool_task
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(config)
+    model.load_state_dict(state)
+    args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_generations=3,
+                                 max_completion_length=128, max_steps=2, learning_rate=0.1, logging_steps=1,
+                                 save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
+                                 disable_tqdm=True)
+    collector = LogCollector()
+    trainer = RolloutCorrGRPOTrainer(
+        model=model, reward_funcs=length_reward, args=args, processing_class=tokenizer, tools=[multiply],
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 2]}),
+        callbacks=[collector])
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    calls = []
+    malformed = ['<tool_call>{"arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>',  # no name
+                 '<toolcall>{"arguments": {"a": 3, "b": 4}}</toolcall><|im_end|>',  # not the call markers
+                 '<tool_call>{"arguments": {a: 3, b: 4}}</tool_call><|im_end|>']  # not JSON
+    with patch.object(trainer.model, "generate", side_effect=fake_rows(tokenizer, malformed, calls)):
+        trainer.train()
+    assert calls == [3, 3]  # no tool ran, so no second generation
+    logs = train_logs(collector)
+    assert len(logs) == 2 and all(log["tools/call_frequency"] == 0.0 for log in logs)
+    assert all(log[P + "missing_rollout_logprobs_fraction"] == 1.0 for log in logs)
+    assert all(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # every parameter moved
+
+
+def test_each_environment_of_several_gets_its_own_tool_calls(tmp_path, tool_task):
+    tokenizer, state, config = tool_task
+    from transformers import Qwen2ForCausalLM
+
+    seen = {"increment": [], "shout": []}
+
+    class CounterEnv:
+        def reset(self, **kwargs):
+            assert "environment" not in kwargs
+            return "Count."
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the counter.
+
+            Args:
+                step: Value to add.
+
+            Returns:
+                The value.
+            """
+            seen["increment"].append(step)
+            return step
+
+    class EchoEnv:
+        def reset(self, **kwargs):
+            return "Echo."
+
+        def shout(self, text: str) -> str:
+            """
+            Shout the text.
+
+            Args:
+                text: Text to shout.
+
+            Returns:
+                The text in upper case.
+            """
+            seen["shout"].append(text)
+            return text.upper()
+
+    model = Qwen2ForCausalLM(config)
+    model.load_state_dict(state)
+    args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                                 shuffle_dataset=False, max_completion_length=80, max_steps=2, learning_rate=0.1,
+                                 logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                                 seed=0, disable_tqdm=True)
+    collector = LogCollector()
+    with patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": "1"}):
+        trainer = RolloutCorrGRPOTrainer(
+            model=model, reward_funcs=length_reward, args=args, processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"environment": ["counter", "echo"] * 4}),
+            environment_factory={"counter": CounterEnv, "echo": EchoEnv}, callbacks=[collector])
+    calls = []
+    first = ['<tool_call>{"name": "increment", "arguments": {"step": 1}}</tool_call><|im_end|>', "I won't<|im_end|>",
+             '<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call><|im_end|>', "Done!<|im_end|>"]
+    with patch.object(trainer.model, "generate", side_effect=fake_rows(tokenizer, first, calls)):
+        trainer.train()
+    assert calls == [4, 2, 4, 2]  # per step: the batch, then the two rows that called a tool
+    assert seen == {"increment": [1, 1], "shout": ["hi", "hi"]}
+    logs = train_logs(collector)
+    assert all(log["tools/call_frequency"] == 0.5 and log["tools/failure_frequency"] == 0.0 for log in logs)
+    assert all(log[P + "missing_rollout_logprobs_fraction"] == 1.0 for log in logs)

@@ -9,9 +9,12 @@ this package replaces, its client's requests session) and expects TrlInternalsCh
 from __future__ import annotations
 
 import inspect
+import sys
 import re
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -157,9 +160,27 @@ def test_the_cached_forward_is_handed_over_once_and_only_for_the_same_tensors(tm
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", compute_loss_with_an_extra_forward)
     loss = t.compute_loss(t.model, batch)
     assert torch.isfinite(loss)
-    logps = seen[0][0]  # a real forward of the flipped rows, not the cached one of this micro-batch
-    assert seen[0][1] is None  # TRL's own forward (no entropy asked): not the cached result
-    assert not torch.equal(logps, logps.flip(0))
+    # matched without a host sync (same shapes): the values are compared on the device and read at the next log
+    assert len(seen) == 1 and seen[0][1] is not None  # the cached forward (entropies asked) answered it
+    with pytest.raises(TrlInternalsChanged, match=f"same shape but other values.*{VERSION}"):
+        t.log({})
+
+
+def test_the_cached_forward_is_matched_without_a_host_sync(tmp_path):
+    """Two micro-batches: no host sync in the forward matching (torch.equal was one per micro-batch); the log's
+    one transfer finds no mismatch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from profiling import count_host_syncs
+
+    t = trainer(tmp_path, preset="decoupled_token_is")
+    batch = one_micro_batch(t, ROWS[:8])
+    with count_host_syncs() as syncs, patch.object(torch, "equal", side_effect=AssertionError("torch.equal")):
+        for _ in range(2):
+            assert torch.isfinite(t.compute_loss(t.model, batch))
+    assert sum(syncs.values()) == 0, dict(syncs)
+    logs = {}
+    t.log(logs)  # the deferred check passes: TRL asked for the same values
+    assert "rollout_corr/kl" in logs
 
 
 def test_a_loss_that_does_not_ask_for_the_forward_is_an_error(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ import torch
 from .config import RolloutCorrectionConfig
 from .core.metric_names import metric
 from .core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from .trl_hooks.grpo_forwards import check_forward_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class CorrectionTrainerMixin:
         from .core.metrics import finalize_floats
 
         floats = stats.all_reduce(self._rc_reduce).to_floats()  # the one host sync of this logging step
+        check_forward_mismatch(floats)  # the trainer's deferred check of TRL's forward request (trl_hooks)
         metrics = finalize_floats(floats)
         counts = summed(floats, "loss.")
         if _MICRO_BATCHES in counts:  # entropy, clip_ratio/*, kl, aux_loss, ...: TRL's own (_metrics)

@@ -42,7 +42,7 @@ from .rollout.support import KeptMassProbe
 from .trl_hooks import TrlInternalsChanged
 from .trl_hooks import grpo as trl_grpo
 from .trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES, checkpoint_dir, forward_input_names, trl_runs_pi_old_forward
-from .trl_hooks.grpo_forwards import TrlForwardCalls
+from .trl_hooks.grpo_forwards import FORWARD_MISMATCH, TrlForwardCalls
 
 logger = logging.getLogger(__name__)
 
@@ -415,7 +415,11 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         with torch.no_grad():  # each process counts its own micro-batches
             self._rc_stats[mode].update(micro_batch_counts((loss_mask * correction.keep).sum(dtype=STAT_DTYPE)))
         with self._trl_forwards.loss(model, input_ids, attention_mask, completion_ids.size(1), inputs, forward):
-            return super().compute_loss(model, patched, return_outputs, num_items_in_batch)
+            loss = super().compute_loss(model, patched, return_outputs, num_items_in_batch)
+        mismatch = self._trl_forwards.take_mismatch()  # (), read with the metrics at the next log
+        if mismatch is not None:
+            self._rc_stats[mode].update(RolloutStats(maxes={FORWARD_MISMATCH: mismatch.to(STAT_DTYPE)}))
+        return loss
 
     def _corrected_inputs(self, inputs: dict, correction: Correction, logps: torch.Tensor, loss_mask: torch.Tensor,
                           tool_mask: torch.Tensor | None, whole_batch: bool) -> dict:

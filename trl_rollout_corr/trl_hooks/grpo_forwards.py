@@ -55,8 +55,11 @@ class TrlForwardCalls:
       placeholder (this trainer computes pi_old itself, or does not need it), the reference forward runs; any other
       call, or a missing one, raises.
     * :meth:`loss` wraps ``GRPOTrainer.compute_loss``: TRL's request for the policy forward gets the forward the
-      trainer already ran for the same model and tensors (matched by identity and equality, not shape); it must be
-      requested exactly once.
+      trainer already ran for the same model and tensors; it must be requested exactly once. The request is matched
+      without a host sync: the model, ``logits_to_keep``, grad mode and model inputs by identity, ``input_ids`` and
+      ``attention_mask`` by shape, dtype and device. Their values (TRL concatenates its own copies) are compared on
+      the device: :meth:`take_mismatch` hands the trainer a 0-dim flag, read with the metrics at the next log
+      (:data:`FORWARD_MISMATCH`), where a mismatch raises. (``torch.equal`` here was a host sync per micro-batch.)
     Calls outside both scopes run TRL's forward unchanged.
     """
 
@@ -64,6 +67,13 @@ class TrlForwardCalls:
         self.input_names = names
         self._scoring: ScoringCalls | None = None
         self._loss: _LossForward | None = None
+        self._mismatch: torch.Tensor | None = None  # () bool on the device: a cached answer for other values
+
+    def take_mismatch(self) -> torch.Tensor | None:
+        """Whether a cached forward was handed over for tensors of other values since the last call (0-dim bool on
+        the device, not read here: the trainer reads it with its metrics, see :data:`FORWARD_MISMATCH`)."""
+        mismatch, self._mismatch = self._mismatch, None
+        return mismatch
 
     @property
     def active_scoring(self) -> ScoringCalls | None:
@@ -148,7 +158,31 @@ class TrlForwardCalls:
 
     def _is_cached_forward(self, cached: _LossForward, model: Any, input_ids: torch.Tensor,
                            attention_mask: torch.Tensor, logits_to_keep: int, kwargs: dict[str, Any]) -> bool:
-        return (model is cached.model and logits_to_keep == cached.logits_to_keep
+        same = (model is cached.model and logits_to_keep == cached.logits_to_keep
                 and torch.is_grad_enabled() == cached.grad
                 and all(kwargs.get(name) is cached.inputs.get(name) for name in self.input_names)
-                and torch.equal(input_ids, cached.input_ids) and torch.equal(attention_mask, cached.attention_mask))
+                and _same_layout(input_ids, cached.input_ids) and _same_layout(attention_mask, cached.attention_mask))
+        if same and not (input_ids is cached.input_ids and attention_mask is cached.attention_mask):
+            with torch.no_grad():  # on the device: no host sync
+                differs = (input_ids != cached.input_ids).any() | (attention_mask != cached.attention_mask).any()
+            self._mismatch = differs if self._mismatch is None else self._mismatch | differs
+        return same
+
+
+FORWARD_MISMATCH = "loss.forward_mismatch"
+"""The key under which the trainer carries :meth:`TrlForwardCalls.take_mismatch` in its statistics (a max); its
+metrics transfer, once per log, raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged` when it is
+set: TRL asked for the policy forward of other token values than the trainer ran."""
+
+
+def check_forward_mismatch(floats: dict[str, float]) -> None:
+    """Raise if the statistics' transfer (``RolloutStats.to_floats``) says a cached forward answered other values."""
+    if floats.get("max:" + FORWARD_MISMATCH, 0.0) > 0:
+        raise TrlInternalsChanged(
+            "GRPOTrainer.compute_loss requested the micro-batch's policy forward for input_ids/attention_mask of the "
+            "same shape but other values than the micro-batch the trainer ran it for (its loss used the wrong forward "
+            "since the last log)")
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
