@@ -26,7 +26,9 @@ presets) are skipped and marked so. The costs below are estimates for one H100 (
    tokens (no EOS) with the package's log-prob capture (the trainer's transformers path); TRL's forward (the one both
    trainers run) scores them. Per-token k1 and k3 KL, max |log ratio|, T * KL, over the first T tokens for each T.
    Decoding is launch-bound, ~15-30 ms per token step: 2048 steps, 30-60 s. ~60 s.
-6. ``presets``: every preset of ``RolloutCorrectionConfig.preset_names()`` (this package's, then verl's names), then
+6. ``preflight``: ``trl-rollout-corr probe``'s work (``trl_rollout_corr.probe``) on one generation batch of 16 x 512
+   tokens with top-p 0.95: its cost and what it reports. ~40 s.
+7. ``presets``: every preset of ``RolloutCorrectionConfig.preset_names()`` (this package's, then verl's names), then
    top-p 0.9 and top-k 50 sampling (the probe in the loss), each a fresh RolloutCorrGRPOTrainer on the transformers
    generation path (use_vllm=False: the trainer captures the sampler's log-probs in ``generate``), 2 optimizer steps
    of 8 sequences x 32 tokens (toy: 1 step of 4): every loss and every logged ``rollout_corr/*`` value finite, host
@@ -62,7 +64,7 @@ os.environ.setdefault("TRL_ROLLOUT_CORR_NO_VLLM", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-PHASES = ("env", "model", "probe_cost", "step_time", "mismatch", "presets")
+PHASES = ("env", "model", "probe_cost", "step_time", "mismatch", "preflight", "presets")
 
 # Qwen2.5-0.5B's config.json (the architecture; weights random)
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -76,10 +78,12 @@ SIZES = {
     "gpu": dict(probe_tokens=16384, probe_hidden=(896, 3584), probe_reps=3,
                 step_lengths={512: 16, 2048: 8}, step_timed=3,
                 mismatch_batch=8, mismatch_lengths=(128, 512, 2048),
+                preflight_batch=16, preflight_length=512,
                 preset_batch=8, preset_length=32, preset_steps=2),
     "toy": dict(probe_tokens=256, probe_hidden=(64, 128), probe_reps=1,
                 step_lengths={16: 8, 32: 4}, step_timed=1,
                 mismatch_batch=4, mismatch_lengths=(8, 16, 32),
+                preflight_batch=4, preflight_length=16,
                 preset_batch=4, preset_length=16, preset_steps=1),
 }
 STEP_VARIANTS = ("trl_pi_old", "trl_no_old", "decoupled_token_is", "ppo_is_bypass")
@@ -180,6 +184,15 @@ def markdown(data: dict) -> str:
         for length, row in res("mismatch").get("by_length", {}).items():
             lines.append(f"| {length} | {row['tokens']} | {_num(row['k1'])} | {_num(row['k3'])} | "
                          f"{_num(row['max_abs_log_ratio'])} | {_num(row['t_times_k1'])} |")
+    if res("preflight"):
+        r = res("preflight")
+        lines += ["", "## The pre-flight probe (trl-rollout-corr probe's work), top-p 0.95", "",
+                  "| sequences x T | seconds | k3 / token | T*KL mean | kept mass | k3 before renormalizing "
+                  "| seq ESS |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| {r.get('sequences')} x {r.get('completion_tokens')} | {_num(r.get('seconds'))} | "
+                  f"{_num(r.get('k3'))} | {_num(r.get('t_kl_mean'))} | {_num(r.get('kept_mass_mean'))} | "
+                  f"{_num(r.get('k3_before_renormalization'))} | {_num(r.get('seq_ess'))} |"]
     if res("presets"):
         lines += ["", "## Presets (transformers generation path)", "",
                   "| run | status | losses | rollout_corr values | all finite | our syncs / step | all syncs / step |",
@@ -652,6 +665,37 @@ def phase_mismatch(result: dict, ctx: Context) -> None:
             "exact_fraction": float((r == 0).double().mean())}
 
 
+# ---------------------------------------------------------------------------------------------- 6. the probe
+def phase_preflight(result: dict, ctx: Context) -> None:
+    """``trl-rollout-corr probe``'s work (trl_rollout_corr/probe.py) on this model: one generation batch of
+    ``preflight_batch`` x ``preflight_length`` tokens with top-p 0.95, generated and scored as training would; its
+    cost and what it reports."""
+    from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+    from trl_rollout_corr.probe import probe
+
+    length, batch = ctx.sizes["preflight_length"], ctx.sizes["preflight_batch"]
+    args = RolloutCorrGRPOConfig(**ctx.common_args(length, batch, 1), top_p=0.95)
+    trainer = RolloutCorrGRPOTrainer(model=ctx.model, reward_funcs=length_reward, args=args,
+                                     train_dataset=ctx.dataset(), processing_class=ctx.tokenizer)
+    eos, ctx.model.generation_config.eos_token_id = ctx.model.generation_config.eos_token_id, None
+    try:
+        ctx.sync()
+        report = probe(trainer, 1, ("trl_default", "trl_token_truncate", "decoupled_token_is", "icepop"))
+        ctx.sync()
+    finally:
+        ctx.model.generation_config.eos_token_id = eos
+        ctx.release(trainer)
+    tokens, seqs = report["tokens"], report["sequences"]
+    result.update(sequences=batch, completion_tokens=length, seconds=report["seconds"], tokens=tokens["count"],
+                  k1=tokens["k1"], k3=tokens["k3"], max_abs_log_rho=tokens["max_abs_log_rho"],
+                  t_kl_mean=seqs["t_kl_mean"], seq_ess=seqs["seq_ess"],
+                  kept_mass_mean=report.get("truncation", {}).get("kept_mass_mean"),
+                  k3_before_renormalization=report.get("truncation", {}).get("before_renormalization", {}).get("k3"),
+                  methods={name: {k: m.get(k) for k in ("rollout_is_eff_sample_size", "weight_zero_fraction",
+                                                         "rollout_is_ratio_fraction_high")}
+                           for name, m in report["methods"].items()})
+
+
 # ---------------------------------------------------------------------------------------------- 6. presets
 def phase_presets(result: dict, ctx: Context, report: Report) -> None:
     from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
@@ -730,7 +774,8 @@ def main(argv=None) -> dict:
     report.write()
     ctx = Context(opts)
     phases = {"env": phase_env, "model": phase_model, "probe_cost": phase_probe_cost, "step_time": phase_step_time,
-              "mismatch": phase_mismatch, "presets": lambda result, c: phase_presets(result, c, report)}
+              "mismatch": phase_mismatch, "preflight": phase_preflight,
+              "presets": lambda result, c: phase_presets(result, c, report)}
     for name in PHASES:
         if name not in opts.phases:
             continue

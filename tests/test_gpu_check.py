@@ -101,3 +101,13 @@ def test_mismatch_in_float32_is_the_capture_agreeing_with_the_trainers_forward(r
         # float32 on CPU: the sampler's captured log-probs are the trainer's up to rounding (no EOS renormalization)
         assert row["max_abs_log_ratio"] < 1e-4, row
         assert abs(row["t_times_k1"] - int(length) * row["k1"]) < 1e-12
+
+
+def test_the_preflight_probe_ran_on_the_model(report):
+    """The probe's work on the check's model: float32 on CPU with top-p 0.95, so after renormalizing over the kept
+    set the sampler and the trainer agree to rounding, and the truncation is what the raw mismatch was."""
+    result = report["phases"]["preflight"]["result"]
+    assert result["tokens"] == 4 * 16 and result["seconds"] > 0
+    assert abs(result["k3"]) < 1e-6 < result["k3_before_renormalization"]
+    assert 0 < result["kept_mass_mean"] <= 1
+    assert set(result["methods"]) == {"trl_default", "trl_token_truncate", "decoupled_token_is", "icepop"}
