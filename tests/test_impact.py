@@ -209,7 +209,7 @@ def test_the_async_trainer_logs_them_equal_to_a_float64_computation(tmp_path_fac
     log = trainer.state.log_history[0]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     abs_adv = pinned = 0.0
-    t_kl = []
+    t_kl, by_lag = [], {0: [], 1: []}  # versions 1 and 0 at the first step (trainer version 1): lags 0 and 1
     for s in batch_[:8]:  # the first micro-batch: pi_theta = the initial model
         ids = torch.tensor(s.input_ids.tolist())
         with torch.no_grad():
@@ -219,9 +219,32 @@ def test_the_async_trainer_logs_them_equal_to_a_float64_computation(tmp_path_fac
         abs_adv += abs(s.advantage) * len(log_rho)
         pinned += abs(s.advantage) * sum(math.exp(x) > 2.0 for x in log_rho)
         t_kl.append(sum(k3(x) for x in log_rho))
+        by_lag[1 - s.model_version].append(t_kl[-1])
     assert pinned > 0
     assert log[P + "grad_share_pinned"] == pytest.approx(pinned / abs_adv, rel=1e-4)
     assert log[P + "grad_share_masked"] == 0.0
     assert log[P + "t_kl_mean"] == pytest.approx(sum(t_kl) / len(t_kl), rel=1e-4)
     assert log[P + "t_kl_max"] == pytest.approx(max(t_kl), rel=1e-4)
     assert log[P + "t_kl_above_1_fraction"] == pytest.approx(sum(t > 1 for t in t_kl) / len(t_kl))
+    for lag, values in by_lag.items():  # the per-lag attribution of the same numbers
+        assert len(values) == 4
+        assert log[f"{P}lag_{lag}/t_kl_mean"] == pytest.approx(sum(values) / 4, rel=1e-4)
+        assert log[f"{P}lag_{lag}/t_kl_above_1_fraction"] == pytest.approx(sum(t > 1 for t in values) / 4)
+
+
+def test_per_lag_t_kl_by_hand():
+    from trl_rollout_corr.core.lag import finalize_lag, lag_stats
+
+    train, rollout, mask = batch([[0.5] * 6, [0.1] * 2, [0.3] * 3, [2.0] * 2])
+    valid = mask.bool().clone()
+    valid[3] = False  # row 3: invalid (a non-finite log-prob): out of T*KL, still a sample at its lag
+    lag = torch.tensor([0, 1, 1, 0])
+    m = finalize_lag(lag_stats(train, rollout, mask, valid, valid, lag, max_lag=2).to_floats())
+    assert m[P + "lag_0/t_kl_mean"] == pytest.approx(6 * k3(0.5), rel=1e-6)  # 0.893
+    assert m[P + "lag_0/t_kl_above_1_fraction"] == 0.0
+    assert m[P + "lag_1/t_kl_mean"] == pytest.approx((2 * k3(0.1) + 3 * k3(0.3)) / 2, rel=1e-6)
+    valid[0, :] = True
+    train[0] = 0.6  # 6 k3(0.6) = 1.33 > 1
+    m = finalize_lag(lag_stats(train, rollout, mask, valid, valid, lag, max_lag=2).to_floats())
+    assert m[P + "lag_0/t_kl_above_1_fraction"] == 1.0 and P + "lag_2/t_kl_mean" not in m
+
