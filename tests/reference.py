@@ -196,4 +196,17 @@ def reference(old, rollout, mask, rollout_is=None, C=2.0, rollout_rs=None, rs_up
         "mean_prob_diff": _mean([_mean(p) for *_, p in per_seq]),
     }
     metrics.update({f"rollout_corr/{k}": v for k, v in o.items()})
+
+    # "does it hurt?": T*KL = sum of k3 over a sequence's valid tokens; k3 per completion-length bucket (T = its valid
+    # tokens; a bucket without a sequence is not reported)
+    t_kl = [sum(math.exp(_clamp(lr_(i, t), -B, B)) - _clamp(lr_(i, t), -B, B) - 1 for t in toks_of[i]) for i in seqs]
+    metrics["rollout_corr/t_kl_mean"] = _mean(t_kl)
+    metrics["rollout_corr/t_kl_max"] = max(t_kl) if t_kl else 0.0
+    metrics["rollout_corr/t_kl_above_1_fraction"] = _mean([1.0 if x > 1 else 0.0 for x in t_kl])
+    for lo, hi, name in ((0, 63, "0_63"), (64, 255, "64_255"), (256, 1023, "256_1023"), (1024, 4095, "1024_4095"),
+                         (4096, math.inf, "ge_4096")):
+        members = [j for j, i in enumerate(seqs) if lo <= len(toks_of[i]) <= hi]
+        tokens = sum(len(toks_of[seqs[j]]) for j in members)
+        if tokens:
+            metrics[f"rollout_corr/k3_kl_len_{name}"] = sum(t_kl[j] for j in members) / tokens
     return weights, [[1.0 if k else 0.0 for k in row] for row in keep], metrics

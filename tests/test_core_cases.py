@@ -148,6 +148,7 @@ def test_metric_names_are_exact():
                                  "rollout_is_catastrophic_token_fraction", "rollout_rs_masked_fraction",
                                  "rollout_rs_seq_masked_fraction", "invalid_logprob_fraction",
                                  "rejected_token_fraction", "missing_rollout_logprobs_fraction")}
+    expected |= {P + k for k in ("t_kl_mean", "t_kl_max", "t_kl_above_1_fraction", "k3_kl_len_0_63")}  # 2 tokens
     assert set(met) == expected
     _, _, met = correct(old, rollout, mask, rollout_is="sequence", rollout_is_bound="mask", rollout_m2_threshold=0.04)
     assert {P + "rollout_is_masked_fraction", P + "rollout_is_seq_masked_fraction", P + "rollout_m2",

@@ -213,10 +213,15 @@ def _emitted_metric_names() -> frozenset[str]:
     names = set()
     for extra in (dict(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold_lower=0.5),
                   dict(rollout_is="sequence", rollout_is_batch_normalize=True)):
-        names |= set(finalize_stats(compute_rollout_correction_stats(old, rollout, mask, **common, **extra).stats))
+        names |= set(finalize_stats(compute_rollout_correction_stats(old, rollout, mask, **common, **extra,
+                                                                     advantages=torch.tensor([1., -1, 2, 0])).stats))
     m2po = compute_rollout_correction_stats(old, rollout, mask, rollout_m2_threshold=0.04,
                                             rollout_m2_scope="trust_region", advantages=torch.tensor([1., -1, 1, -1]))
     names |= set(finalize_stats(m2po.stats))
+    lengths = torch.tensor([1, 64, 256, 1024, 4096])  # one sequence in each completion-length bucket
+    long_mask = torch.arange(4096) < lengths[:, None]  # (5, 4096)
+    names |= set(finalize_stats(compute_rollout_correction_stats(-torch.rand(5, 4096), -torch.rand(5, 4096),
+                                                                 long_mask).stats))
     names |= set(finalize_truncation({"sum:trunc.n": 0.0}))
     names |= set(finalize_baseline({"sum:baseline.n": 8.0, "sum:baseline.excluded_n": 1.0}))
     lag = lag_stats(old, rollout, mask, mask.bool(), mask.bool(), torch.tensor([0, 1, 1, 0]), 1, torch.ones(4, 6))

@@ -135,7 +135,9 @@ def test_the_tensors_command_applies_every_field_of_the_preset(preset, capsys):
     mask = (torch.arange(8)[None] < torch.tensor([[8], [5], [3], [8]])).float()  # (B, T)
     cfg = RolloutCorrectionConfig.from_preset(preset)
     assert cfg.rollout_rs_criteria is not None or cfg.rollout_rs is not None
-    _, kept, metrics = compute_rollout_correction_and_rejection_mask(old, rollout, mask, **cfg.pipeline_kwargs())
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])  # (B,) the command's
+    _, kept, metrics = compute_rollout_correction_and_rejection_mask(old, rollout, mask, **cfg.pipeline_kwargs(),
+                                                                     advantages=advantages)
     assert 0 < float((mask - kept).sum())  # something is rejected on this data
     assert printed.keys() == metrics.keys()
     for name, value in metrics.items():

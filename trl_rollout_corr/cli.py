@@ -36,7 +36,7 @@ def tensor_demo(preset: str) -> None:
     old = -torch.rand(4, 8, generator=g) * 2 - 0.1  # (B, T) pi_old log-probs
     rollout = (old + 0.3 * torch.randn(4, 8, generator=g)).clamp(max=-1e-3)  # (B, T) pi_rollout
     mask = (torch.arange(8)[None] < torch.tensor([[8], [5], [3], [8]])).float()  # (B, T)
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])  # (B,) read by M2PO's trust-region scope only
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])  # (B,) M2PO's trust region, grad_share_*
     # every field of the config, as the trainer passes them (verl's divergence criteria, bounds, M2 included)
     w, m, metrics = compute_rollout_correction_and_rejection_mask(old, rollout, mask, advantages=advantages,
                                                                   **cfg.pipeline_kwargs())

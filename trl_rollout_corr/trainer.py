@@ -363,7 +363,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             self._rc_stats[mode].update(truncation_stats(log_mass, in_support, loss_mask))
             if self._rc_apply_truncation:
                 ratio_logps = truncated_support_logprobs(train_logps, log_mass, in_support)  # (B, T)
-        advantages = batch["advantages"] if cfg.zeroes_advantages else None  # (B,) M2PO's trust region reads A
+        advantages = batch["advantages"]  # (B,) TRL's A: M2PO's trust region, grad_share_* (before any correction)
         result = compute_rollout_correction_stats(ratio_logps, rollout, loss_mask, cfg.params(),
                                                   reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"),
                                                   advantages=advantages)

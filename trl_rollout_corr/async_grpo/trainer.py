@@ -229,7 +229,7 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
         rollout_rows = to_rows(rollout, layout, 0.0)  # (B, T)
         if self.args.require_rollout_logprobs:  # opt-in check: one host sync per micro-batch
             self._require_finite(rollout_rows, mask)
-        adv_rows = to_rows(adv, layout, 0.0) if cfg.zeroes_advantages else None  # (B, T) M2PO's trust region
+        adv_rows = to_rows(adv, layout, 0.0)  # (B, T) TRL's A: M2PO's trust region and grad_share_*
         result = compute_rollout_correction_stats(train_rows, rollout_rows, mask, cfg.params(),
                                                   reduce_fn=self._rc_reduce, advantages=adv_rows)
         keep_rows = result.modified_response_mask.bool()  # (B, T)

@@ -9,6 +9,8 @@ lags are counted in bucket K), over the valid tokens of the samples at that lag:
 * ``lag_k/is_weight_mean`` = E_t[w_t] (the IS weight applied, when IS is on)
 * ``lag_k/rejected_token_fraction`` = 1 - kept / trained tokens
 * ``lag_k/sample_fraction`` = samples at lag k / all samples
+* ``lag_k/t_kl_mean``, ``lag_k/t_kl_above_1_fraction`` = mean T*KL (sum of k3 over a sample's valid tokens) over the
+  samples at lag k with a valid token, and the share of them above 1 (:mod:`.impact`)
 * ``lag_mean``, ``lag_max`` over all samples (unbucketed)
 
 Every rank builds the same keys (k = 0..K) so the statistics reduce across processes; a lag that no sample had since
@@ -21,9 +23,11 @@ import torch
 
 from .stats import METRIC_PREFIX as PREFIX
 from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_sum
+from .impact import T_KL_THRESHOLD
 from .weights import SAFETY_BOUND
 
-LAG_METRICS = ("kl", "k3_kl", "is_weight_mean", "rejected_token_fraction", "sample_fraction")
+LAG_METRICS = ("kl", "k3_kl", "is_weight_mean", "rejected_token_fraction", "sample_fraction", "t_kl_mean",
+               "t_kl_above_1_fraction")
 """Logged per lag k as ``lag_<k>/<name>``."""
 LAG_SUMMARY_METRICS = ("lag_mean", "lag_max")
 
@@ -38,6 +42,9 @@ def lag_stats(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, inpu
     rollout = torch.where(valid_mask, rollout_log_prob.detach().float(), torch.zeros_like(train))  # (B, T)
     log_ratio = (train - rollout).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
     bucket = lag.long().clamp(0, max_lag)  # (B,)
+    wide = log_ratio.to(STAT_DTYPE)  # (B, T)
+    t_kl = torch.where(valid_mask, torch.expm1(wide) - wide, torch.zeros_like(wide)).sum(1)  # (B,) T*KL per sample
+    has_valid = valid_mask.any(1)  # (B,)
     sums = {}
     for k in range(max_lag + 1):
         at_k = (bucket == k).unsqueeze(1)  # (B, 1)
@@ -49,6 +56,10 @@ def lag_stats(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, inpu
         sums[f"lag.{k}.tok_n"] = count(valid_k)
         sums[f"lag.{k}.kl_sum"] = masked_sum(-log_ratio, valid_k)
         sums[f"lag.{k}.k3_sum"] = masked_sum(torch.exp(log_ratio) - log_ratio - 1.0, valid_k)
+        rows_k = has_valid & at_k[:, 0]  # (B,)
+        sums[f"lag.{k}.tkl_seq_n"] = count(rows_k)
+        sums[f"lag.{k}.tkl_sum"] = masked_sum(t_kl, rows_k)
+        sums[f"lag.{k}.tkl_above_n"] = count(rows_k & (t_kl > T_KL_THRESHOLD))
         if is_weights is not None:
             sums[f"lag.{k}.w_sum"] = masked_sum(is_weights.detach().to(STAT_DTYPE), valid_k)
     has_tokens = input_mask.bool().any(1)  # (B,)
@@ -79,5 +90,8 @@ def finalize_lag(f: dict[str, float]) -> dict[str, float]:
             input_n = g("input_tok_n")
             metrics[name + "rejected_token_fraction"] = 1.0 - g("kept_tok_n") / input_n if input_n > 0 else 0.0
             metrics[name + "sample_fraction"] = g("seq_n") / all_seq if all_seq > 0 else 0.0
+            tkl_n = g("tkl_seq_n")
+            metrics[name + "t_kl_mean"] = g("tkl_sum") / tkl_n if tkl_n > 0 else 0.0
+            metrics[name + "t_kl_above_1_fraction"] = g("tkl_above_n") / tkl_n if tkl_n > 0 else 0.0
         k += 1
     return metrics

@@ -5,8 +5,9 @@ Code outside the core's finalizers never spells a full key by hand: it asks :fun
 is defined (usually at import), not silently at run time by finding nothing in the logs.
 
 The names are the core's tuples (``core/metrics.py``, ``core/lag.py``, ``core/divergence.py``,
-``core/truncation.py``, ``core/group_baseline.py``) and the one the trainers add themselves; ``tests/test_docs.py``
-checks that they are exactly the names the core emits and docs/metrics.md lists. Pure: no TRL import.
+``core/truncation.py``, ``core/group_baseline.py``, ``core/impact.py``) and the one the trainers add themselves;
+``tests/test_docs.py`` checks that they are exactly the names the core emits and docs/metrics.md lists. Pure: no TRL
+import.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 
 from .divergence import DIVERGENCE_CRITERIA, DIVERGENCE_METRICS
 from .group_baseline import BASELINE_METRICS
+from .impact import GRAD_SHARE_METRICS, LENGTH_METRICS, T_KL_METRICS
 from .lag import LAG_METRICS, LAG_SUMMARY_METRICS
 from .metrics import (
     ALWAYS_METRICS,
@@ -39,6 +41,7 @@ METRIC_NAMES: frozenset[str] = frozenset((
     *OFFPOLICY_METRICS, *VETO_METRICS, *RS_MASK_METRICS, *IS_MASK_METRICS, *M2_METRICS, *M2_TRUST_REGION_METRICS,
     *ALWAYS_METRICS,
     *BATCH_NORM_METRICS, *TRUNCATION_METRICS, *LAG_SUMMARY_METRICS, *TRAINER_METRICS, *BASELINE_METRICS,
+    *GRAD_SHARE_METRICS, *LENGTH_METRICS, *T_KL_METRICS,
     *(f"rollout_rs_{criterion}_{name}" for criterion in DIVERGENCE_CRITERIA for name in DIVERGENCE_METRICS),
 ))
 """Every name (without the prefix) but the per-lag ones, ``lag_<k>/<name>`` (see :func:`is_metric`)."""

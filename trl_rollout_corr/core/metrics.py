@@ -19,6 +19,7 @@ from .stats import METRIC_PREFIX as PREFIX
 from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
 from .divergence import finalize_divergence
 from .group_baseline import finalize_baseline
+from .impact import finalize_impact
 from .lag import finalize_lag
 from .truncation import finalize_truncation
 from .weights import SAFETY_BOUND, sequence_log_ratio
@@ -243,6 +244,7 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
     metrics.update(finalize_truncation(f))
     metrics.update(finalize_lag(f))
     metrics.update(finalize_baseline(f))
+    metrics.update(finalize_impact(f))
     if "sum:mask.tok_n" in f:
         tok_n, seq_n = s("mask.tok_n"), s("mask.seq_n")
         metrics.update(finalize_divergence(f, tok_n, seq_n))

@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
+from .impact import LENGTH_BUCKETS  # the report's buckets are the training metrics' (re-exported)
 from .pipeline import compute_rollout_correction_stats
 from .metrics import finalize_stats
 from .params import CorrectionParams
 
-#: completion-length buckets of the report (tokens): [0, 64), [64, 256), [256, 1024), [1024, 4096), [4096, inf)
-LENGTH_BUCKETS: tuple[int, ...] = (64, 256, 1024, 4096)
 #: a token with pi_train below this is "low-probability" (the tail where Liu et al. locate most of the mismatch)
 LOW_PROB = 1e-3
 _QUANTILES = (0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999)

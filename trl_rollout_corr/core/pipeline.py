@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, parse_divergence_criteria
+from .impact import gradient_share_stats, length_stats
 from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
 from .params import CorrectionParams
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
@@ -83,6 +84,10 @@ def compute_rollout_correction_stats(
     region (A_t > 0 and rho_t > 1, or A_t < 0 and rho_t < 1; ``advantages`` (B,) or (B, T) required) are candidates,
     and the masked ones come back as 0 in ``advantage_mask`` instead of leaving the mask (they stay in the loss's
     token count).
+    ``advantages`` (B,) or (B, T), TRL's A before any correction, also gives ``grad_share_pinned`` and
+    ``grad_share_masked``: the share of sum |A_t| over the trained tokens carried by tokens whose IS weight was clipped
+    to a bound, and by tokens whose gradient the correction removed (:mod:`.impact`). The mismatch per completion
+    length and the per-sequence T*KL are always computed (:func:`.impact.length_stats`).
     """
     p = _params(params, fields)
     trust_region = p.rollout_m2_threshold is not None and p.rollout_m2_scope == "trust_region"
@@ -110,8 +115,10 @@ def compute_rollout_correction_stats(
         rollout = torch.where(finite, rollout, torch.zeros_like(rollout))  # (B, T)
         log_ratio = train - rollout  # (B, T)
 
-        stats = offpolicy_stats(train, rollout, valid)
+        stats = offpolicy_stats(train, rollout, valid).update(length_stats(log_ratio, valid))
         is_weights = None
+        pinned = torch.zeros_like(valid)  # (B, T) IS weight clipped to a bound (grad_share_pinned)
+        weight_zeroed = torch.zeros_like(valid)  # (B, T) IS weight set to 0 (rollout_is_bound="mask")
         if p.rollout_is is not None:
             is_weights, safe, norm_mean = compute_rollout_correction_weights(
                 log_ratio, valid, p.rollout_is, p.rollout_is_threshold, p.rollout_is_batch_normalize, reduce_fn,
@@ -124,9 +131,14 @@ def compute_rollout_correction_stats(
                 "rollout_is", safe, seq_log, valid, p.rollout_is, is_lower, p.rollout_is_threshold
             ))
             if p.rollout_is_bound == "mask":
-                zeroed = valid & (is_weights == 0)  # (B, T) masked (a valid rho is > 0; normalizing keeps 0 at 0)
-                stats.sums["mask.is_masked_tok_n"] = count(zeroed)  # (B, T) -> 0-dim
-                stats.sums["mask.is_masked_seq_n"] = count_rows(zeroed)
+                weight_zeroed = valid & (is_weights == 0)  # (B, T) masked (a valid rho is > 0; normalizing keeps 0)
+                stats.sums["mask.is_masked_tok_n"] = count(weight_zeroed)  # (B, T) -> 0-dim
+                stats.sums["mask.is_masked_seq_n"] = count_rows(weight_zeroed)
+            else:  # truncate: min(rho, C), and max(., C_lower) only when a lower bound is set
+                pinned = safe > p.rollout_is_threshold  # (B, T)
+                if p.rollout_is_threshold_lower is not None:
+                    pinned = pinned | (safe < p.rollout_is_threshold_lower)  # (B, T)
+                pinned = valid & pinned  # (B, T)
             if norm_mean is not None:  # float64
                 stats.sums["rollout_is.norm_mean_sum"] = norm_mean
                 stats.sums["rollout_is.norm_n"] = stat_constant(1.0, norm_mean)
@@ -179,6 +191,11 @@ def compute_rollout_correction_stats(
         keep = keep | uncorrected  # (B, T)
         mask_sums["kept_tok_n"] = count(keep)
         stats.sums.update({"mask." + k: v for k, v in mask_sums.items()})
+        if advantages is not None:  # "does it hurt?": the share of |A| the correction pinned or dropped
+            dropped = ~keep | weight_zeroed  # (B, T)
+            if advantage_mask is not None:
+                dropped = dropped | ~advantage_mask.bool()  # (B, T) M2PO's zeroed advantages
+            stats.update(gradient_share_stats(advantages, input_mask, pinned & ~dropped, dropped))
         if is_weights is not None:
             is_weights = torch.where(uncorrected, torch.ones_like(is_weights), is_weights * valid)  # (B, T)
         modified = keep.to(response_mask.dtype)  # (B, T)
