@@ -110,12 +110,12 @@ HELD_OUT_SEEDS = tuple(range(10, 15))  # run only after the analysis of seeds 0-
 
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
-BASE_STEPS, BASE_LR, BASE_SEED = 1200, 2e-3, 12345
-WARMUP_STEPS, WARMUP_LR = 20, 5e-4
-GEN_PROMPTS, NUM_GENERATIONS, STEPS_PER_GENERATION = 8, 8, 2
+BASE_STEPS, BASE_LR, BASE_SEED = 150, 2e-3, 12345
+WARMUP_STEPS, WARMUP_LR = 10, 5e-4
+GEN_PROMPTS, NUM_GENERATIONS, STEPS_PER_GENERATION = 4, 8, 2
 LR = 3e-4
 LR_PILOT = "not yet run"  # the on-policy learning-rate pilot (candidates, one seed, numbers): filled in below
-N_EVAL, EVAL_EVERY, TAIL = 128, 10, 0.3
+N_EVAL, EVAL_EVERY, TAIL = 64, 10, 0.3
 S1_SIGMA, S1_SPIKE_P, S1_SPIKE, S1_SPIKE_BELOW = 0.1, 0.02, 8.0, 1e-2
 S2_LAG = 8
 SMOKE = dict(hidden=32, layers=1, heads=2, n_digits=6, base_steps=3, warmup_steps=1, n_eval=8, eval_every=1,
@@ -136,8 +136,9 @@ def sample(model, prompt_ids, max_new: int, generator, perturb=None):
     """Autoregressive sampling with a KV cache from ``model`` (logits optionally perturbed by
     ``perturb(logits, generator)``), at temperature 1, stopping a row at EOS.
 
-    Returns ``(completions, logps, engine_logits)``: the token ids per row (EOS included), the sampler's log-prob of
-    each sampled token, and the sampler's log-softmax at each position (B, T, V) for the KL diagnostics."""
+    Returns ``(completions, logps, engine_logps, kl)``: the token ids per row (EOS included), the sampler's log-prob
+    of each sampled token, the sampler's log-softmax at each position (B, T, V), and the exact per-position
+    KL(perturbed || unperturbed) over the vocabulary (B, T; zeros without ``perturb``)."""
     import torch
 
     from trl_rollout_corr.testing.psum_task import EOS_ID, PAD_ID
@@ -147,11 +148,11 @@ def sample(model, prompt_ids, max_new: int, generator, perturb=None):
         out = model(input_ids=prompt_ids, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1].float()
         done = torch.zeros(batch, dtype=torch.bool)
-        tokens, logps, dists = [], [], []
+        tokens, logps, dists, kls = [], [], [], []
         for _ in range(max_new):
+            logq = torch.log_softmax(perturb(logits, generator) if perturb is not None else logits, -1)
             if perturb is not None:
-                logits = perturb(logits, generator)
-            logq = torch.log_softmax(logits, -1)
+                kls.append((logq.exp() * (logq - torch.log_softmax(logits, -1))).sum(-1))
             y = torch.multinomial(logq.exp(), 1, generator=generator).squeeze(-1)
             y = torch.where(done, torch.full_like(y, PAD_ID), y)
             tokens.append(y)
@@ -169,7 +170,8 @@ def sample(model, prompt_ids, max_new: int, generator, perturb=None):
         n = ids.index(EOS_ID) + 1 if EOS_ID in ids else len(ids)
         completions.append(ids[:n])
         logprobs.append(lp[row, :n].tolist())
-    return completions, logprobs, torch.stack(dists, 1)
+    kl = torch.stack(kls, 1) if kls else torch.zeros(batch, len(tokens))
+    return completions, logprobs, torch.stack(dists, 1), kl
 
 
 def heavy_tailed(sigma: float, spike_p: float, spike: float, below: float):
@@ -227,18 +229,22 @@ class Engine:
                 del self.snapshots[old]
             self.stale.load_state_dict(self.snapshots[min(self.snapshots)])
             sampler = self.stale
-        completions, logprobs, logq = sample(sampler, ids, self.n_digits + 1, self.generator, self.perturb)
-        # the exact per-token KL(engine || policy) over the vocabulary, the policy's logits from a no-grad forward
-        with torch.no_grad():
-            width = logq.shape[1]
-            full = torch.zeros(len(prompts), ids.shape[1] + width, dtype=torch.long)
-            full[:, : ids.shape[1]] = ids
-            mask = torch.zeros(len(prompts), width)
-            for row, c in enumerate(completions):
-                full[row, ids.shape[1]: ids.shape[1] + len(c)] = torch.tensor(c)
-                mask[row, : len(c)] = 1
-            logp = torch.log_softmax(policy(input_ids=full).logits[:, ids.shape[1] - 1: -1].float(), -1)
-            kl = ((logq.exp() * (logq - logp)).sum(-1) * mask)  # (B, T)
+        completions, logprobs, logq, kl = sample(sampler, ids, self.n_digits + 1, self.generator, self.perturb)
+        # the exact per-token KL(engine || policy) over the vocabulary: S1's from the unperturbed logits of the same
+        # forward, S2's from a no-grad forward of the policy, S0's is 0 (the engine is the policy)
+        width = logq.shape[1]
+        mask = torch.zeros(len(prompts), width)
+        for row, c in enumerate(completions):
+            mask[row, : len(c)] = 1
+        if self.stale is not None:
+            with torch.no_grad():
+                full = torch.zeros(len(prompts), ids.shape[1] + width, dtype=torch.long)
+                full[:, : ids.shape[1]] = ids
+                for row, c in enumerate(completions):
+                    full[row, ids.shape[1]: ids.shape[1] + len(c)] = torch.tensor(c)
+                logp = torch.log_softmax(policy(input_ids=full).logits[:, ids.shape[1] - 1: -1].float(), -1)
+                kl = (logq.exp() * (logq - logp)).sum(-1)
+        kl = kl * mask  # (B, T)
         texts = [" ".join(self.tok.convert_ids_to_tokens(c)) for c in completions]
         self.log.append(dict(step=step, kl_token=float(kl.sum() / mask.sum()), t_kl=float(kl.sum(-1).mean()),
                              length=float(mask.sum(-1).mean()),
@@ -257,7 +263,7 @@ def policy_reward(model, tokenizer, prompts, n_digits: int, seed: int = 1234) ->
     was_training = model.training
     model.eval()
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(p.split()) for p in prompts])
-    completions, _, _ = sample(model, ids, n_digits + 1, torch.Generator().manual_seed(seed))
+    completions, _, _, _ = sample(model, ids, n_digits + 1, torch.Generator().manual_seed(seed))
     model.train(was_training)
     return statistics.fmean(psum_reward(prompts, [" ".join(tokenizer.convert_ids_to_tokens(c))
                                                   for c in completions]))
@@ -267,22 +273,46 @@ def base_model_path(out: str) -> str:
     return os.path.join(out, "base", "base.pt")
 
 
-def build_base(out: str, size: dict) -> str:
-    """The shared pre-trained checkpoint (supervised, one fixed seed), built once per output folder."""
+def pretrain_base(size: dict):
+    """The shared pre-trained model: ``base_steps`` AdamW steps (lr ``BASE_LR``, gradient norm clipped at 1) of
+    teacher forcing on fresh batches of 64 (data seed 10**6 + step), from the weights of seed ``BASE_SEED``, one
+    thread (deterministic). At 150 steps it sits just past the task's sudden drop in loss: per-token accuracy ~0.98,
+    the policy's own reward ~0.10 (the correct prefix is short), leaving GRPO room to climb."""
     import torch
 
-    from trl_rollout_corr.testing.psum_task import build_model, build_tokenizer, supervised_warmup
+    from trl_rollout_corr.testing.psum_task import build_model, build_tokenizer, psum_prompts, psum_target
+
+    n = size["n_digits"]
+    tok = build_tokenizer()
+    model = build_model(size["hidden"], size["layers"], seed=BASE_SEED, num_heads=size["heads"], n_digits=n)
+    opt = torch.optim.AdamW(model.parameters(), lr=BASE_LR)
+    model.train()
+    for step in range(size["base_steps"]):
+        prompts = psum_prompts(64, n, seed=10**6 + step)
+        ids = torch.tensor([tok.convert_tokens_to_ids((p + " " + " ".join(psum_target(p)) + " <eos>").split())
+                            for p in prompts])  # (64, 2n + 3)
+        labels = ids.clone()
+        labels[:, : n + 2] = -100  # learn the answer only
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.eval()
+    return model
+
+
+def build_base(out: str, size: dict) -> str:
+    """The shared pre-trained checkpoint (:func:`pretrain_base`), built once per output folder."""
+    import torch
 
     path = base_model_path(out)
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     t0 = time.time()
-    model = build_model(size["hidden"], size["layers"], seed=BASE_SEED, num_heads=size["heads"],
-                        n_digits=size["n_digits"])
-    supervised_warmup(model, build_tokenizer(), steps=size["base_steps"], lr=BASE_LR, n_digits=size["n_digits"],
-                      seed=BASE_SEED)
+    model = pretrain_base(size)
     torch.save(model.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
     print(f"base model: {size['base_steps']} supervised steps, {time.time() - t0:.0f} s -> {path}", flush=True)
@@ -324,6 +354,17 @@ def build_trainer(method: str, model, tokenizer, engine, dataset, args_fields: d
                                   processing_class=tokenizer, rollout_func=engine, callbacks=callbacks)
 
 
+def grpo_fields(output_dir: str, steps: int, n_digits: int, lr: float, seed: int) -> dict:
+    """The GRPO settings every method shares (GRPOConfig / RolloutCorrGRPOConfig fields)."""
+    per_step = GEN_PROMPTS * NUM_GENERATIONS // STEPS_PER_GENERATION
+    return dict(output_dir=output_dir, per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
+                steps_per_generation=STEPS_PER_GENERATION, num_generations=NUM_GENERATIONS,
+                max_completion_length=n_digits + 1, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
+                warmup_steps=0, adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, epsilon=0.2,
+                temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                gradient_checkpointing=False, seed=seed, disable_tqdm=True, dataloader_num_workers=0)
+
+
 def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, base: str, size: dict,
             lr: float = LR, threads: int = 1) -> dict:
     """Train one (scenario, method, seed) and write its JSON."""
@@ -348,9 +389,15 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
                            n_digits=n_digits)
 
     model = factory()
-    model.load_state_dict(torch.load(base))
-    torch.manual_seed(seed)
-    supervised_warmup(model, tok, steps=size["warmup_steps"], lr=WARMUP_LR, n_digits=n_digits, seed=seed + 1)
+    warm = os.path.join(os.path.dirname(base), f"warmup_seed{seed}.pt")  # the seed's warm-up, shared by its runs
+    if os.path.exists(warm):
+        model.load_state_dict(torch.load(warm))
+    else:
+        model.load_state_dict(torch.load(base))
+        torch.manual_seed(seed)
+        supervised_warmup(model, tok, steps=size["warmup_steps"], lr=WARMUP_LR, n_digits=n_digits, seed=seed + 1)
+        torch.save(model.state_dict(), f"{warm}.{os.getpid()}.tmp")
+        os.replace(f"{warm}.{os.getpid()}.tmp", warm)
     held_out = psum_prompts(size["n_eval"], n_digits, seed=777_777)  # fixed across seeds and methods
     curve = [(0, policy_reward(model, tok, held_out, n_digits))]
     logs: list[dict] = []
@@ -358,7 +405,8 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
 
     class Recorder(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % eval_every == 0 or state.global_step == steps:
+            tail_step = state.global_step >= (1 - TAIL) * steps and state.global_step % max(1, eval_every // 2) == 0
+            if state.global_step % eval_every == 0 or tail_step or state.global_step == steps:
                 curve.append((state.global_step, policy_reward(model, tok, held_out, n_digits)))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -369,15 +417,8 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     logs_list = logs
     engine_scenario = "S0" if method == "on_policy" else scenario
     engine = Engine(engine_scenario, seed, tok, factory, n_digits)
-    batch = GEN_PROMPTS * NUM_GENERATIONS // STEPS_PER_GENERATION
     with tempfile.TemporaryDirectory() as tmp:
-        fields = dict(output_dir=tmp, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-                      steps_per_generation=STEPS_PER_GENERATION, num_generations=NUM_GENERATIONS,
-                      max_completion_length=n_digits + 1, max_steps=steps, learning_rate=lr,
-                      lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.99, max_grad_norm=1.0,
-                      loss_type="dapo", beta=0.0, epsilon=0.2, temperature=1.0, logging_steps=1, save_strategy="no",
-                      report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,
-                      disable_tqdm=True, dataloader_num_workers=0)
+        fields = grpo_fields(tmp, steps, n_digits, lr, seed)
         dataset = Dataset.from_dict({"prompt": psum_prompts(steps * GEN_PROMPTS + 64, n_digits, seed=seed)})
         trainer = build_trainer(method, model, tok, engine, dataset, fields, [Recorder()])
         trainer.train()
@@ -501,7 +542,8 @@ def analyse(runs: list[dict], seeds: list[int]) -> tuple[str, dict]:
         xs = [r["score"] for r in rs]
         lines.append(f"| {scenario} | {method} | {len(rs)} | {statistics.fmean(xs):.4f} | "
                      f"{statistics.stdev(xs) if len(xs) > 1 else math.nan:.4f} | "
-                     f"{statistics.fmean(r['kl_token'] for r in rs):.2e} | {statistics.fmean(r['t_kl'] for r in rs):.2f}"
+                     f"{statistics.fmean(r['kl_token'] for r in rs):.2e} | "
+                     f"{statistics.fmean(r['t_kl'] for r in rs):.2f}"
                      f" | {statistics.fmean(r['engine_reward'] for r in rs):.3f} | "
                      f"{sum(bool(r['collapsed']) for r in rs)} |")
     # does the mismatch cost anything? on_policy vs M0, per scenario
@@ -712,7 +754,7 @@ def main(argv=None) -> None:
     p.add_argument("--scenarios", default="S0,S1,S2")
     p.add_argument("--methods", default="M0,M1,M2,M3,M4")
     p.add_argument("--seeds", default="0-9")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--out", default="outputs/mismatch_train")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--lr", type=float, default=LR)
