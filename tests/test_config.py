@@ -17,7 +17,9 @@ PRESETS = {
     "pg_is": ("sequence", 2.0, False, None, None, None, None, True, True, None, "truncate"),
     "pg_rs": (None, 2.0, False, "geometric", 1.001, 0.999, 1e-4, True, True, None, "truncate"),
     "disabled": (None, 2.0, False, None, None, None, None, False, False, None, "truncate"),
-    "icepop": (None, 2.0, False, "token", 2.0, 0.5, None, False, False, None, "truncate"),
+    "icepop": ("token", 5.0, False, None, None, None, None, False, False, 0.5, "mask"),
+    "decoupled_token_band_rs": (None, 2.0, False, "token", 2.0, 0.5, None, False, False, None, "truncate"),
+    "m2po": (None, 2.0, False, None, None, None, None, False, False, None, "truncate"),
     "trl_default": ("sequence", 3.0, False, None, None, None, None, False, False, None, "mask"),
 }
 

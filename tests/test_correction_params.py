@@ -25,8 +25,9 @@ def sample(seed: int = 0):
 def test_params_and_keywords_give_the_same_correction(preset):
     cfg = RolloutCorrectionConfig.from_preset(preset)
     old, rollout, mask = sample()
-    by_params = compute_rollout_correction_stats(old, rollout, mask, cfg.params())
-    by_keywords = compute_rollout_correction_stats(old, rollout, mask, **cfg.pipeline_kwargs())
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])  # (B,) read by M2PO's trust-region scope only
+    by_params = compute_rollout_correction_stats(old, rollout, mask, cfg.params(), advantages=adv)
+    by_keywords = compute_rollout_correction_stats(old, rollout, mask, advantages=adv, **cfg.pipeline_kwargs())
     assert torch.equal(by_params.modified_response_mask, by_keywords.modified_response_mask)
     assert (by_params.is_weights is None) == (by_keywords.is_weights is None)
     if by_params.is_weights is not None:
@@ -46,7 +47,8 @@ def test_params_is_a_frozen_view_of_the_config():
 def test_the_correction_is_one_argument_not_a_keyword_spread():
     named = [p.name for p in inspect.signature(compute_rollout_correction_stats).parameters.values()
              if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    assert named == ["old_log_prob", "rollout_log_prob", "response_mask", "params", "reduce_fn", "rollout_seen"]
+    assert named == ["old_log_prob", "rollout_log_prob", "response_mask", "params", "reduce_fn", "rollout_seen",
+                     "advantages"]
 
 
 def test_params_and_keywords_together_or_a_wrong_type_are_clear_errors():

@@ -213,6 +213,9 @@ def _emitted_metric_names() -> frozenset[str]:
     for extra in (dict(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold_lower=0.5),
                   dict(rollout_is="sequence", rollout_is_batch_normalize=True)):
         names |= set(finalize_stats(compute_rollout_correction_stats(old, rollout, mask, **common, **extra).stats))
+    m2po = compute_rollout_correction_stats(old, rollout, mask, rollout_m2_threshold=0.04,
+                                            rollout_m2_scope="trust_region", advantages=torch.tensor([1., -1, 1, -1]))
+    names |= set(finalize_stats(m2po.stats))
     names |= set(finalize_truncation({"sum:trunc.n": 0.0}))
     lag = lag_stats(old, rollout, mask, mask.bool(), mask.bool(), torch.tensor([0, 1, 1, 0]), 1, torch.ones(4, 6))
     names |= set(finalize_lag(lag.to_floats()))

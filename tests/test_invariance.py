@@ -91,6 +91,10 @@ CASES = {
     "token_mask_two_sided_bn": dict(preset="trl_default", rollout_is="token", rollout_is_threshold=2.0,
                                     rollout_is_threshold_lower=0.5, rollout_is_batch_normalize=True),
     "second_moment_mask_grpo": dict(preset="decoupled_token_is", rollout_m2_threshold=0.02, loss_type="grpo"),
+    "icepop_dapo": dict(preset="icepop", rollout_is_threshold=1.5, rollout_is_threshold_lower=0.7),
+    "m2po_trust_region_dapo": dict(preset="m2po", rollout_m2_threshold=0.02),
+    "m2po_trust_region_token_is_grpo": dict(preset="m2po", rollout_is="token", rollout_m2_threshold=0.02,
+                                            loss_type="grpo"),
 }
 
 
@@ -165,10 +169,18 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
         assert 0 < metrics["rollout_corr/missing_rollout_logprobs_fraction"] < 1
     if "bn" in case:
         assert not math.isclose(metrics["rollout_corr/rollout_is_batch_norm_factor"], 1.0, abs_tol=1e-3)
+    if "icepop" in case:  # weights zeroed, nothing rejected (the tokens stay in the count)
+        assert metrics["rollout_corr/rollout_is_masked_fraction"] > 0
+        assert metrics["rollout_corr/rejected_token_fraction"] == 0
+    if "m2po" in case:  # advantages zeroed on the trust region's active side, nothing rejected
+        assert 0 < metrics["rollout_corr/rollout_m2_masked_fraction"] < metrics[
+            "rollout_corr/rollout_m2_trust_region_fraction"]
+        assert metrics["rollout_corr/rejected_token_fraction"] == 0
 
 
 TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", "bypass_pg_rs_dapo",
-                     "missing_rollout_bn_rs", "token_mask_two_sided_bn", "second_moment_mask_grpo"]
+                     "missing_rollout_bn_rs", "token_mask_two_sided_bn", "second_moment_mask_grpo",
+                     "m2po_trust_region_token_is_grpo"]
 
 
 def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:

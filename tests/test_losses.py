@@ -11,7 +11,8 @@ import pytest
 from trl_rollout_corr import RolloutCorrectionConfig
 from trl_rollout_corr.core.pipeline import finite_rows_mask, rollout_usable_mask
 from trl_rollout_corr.losses import (PI_OLD, PI_ROLLOUT, PI_THETA, corrected_loss_mask, loss_anchor, safe_anchor,
-                                     vespo_sampler_ratio, weighted_advantages, weights_advantage)
+                                     vespo_sampler_ratio, weighted_advantages, weights_advantage,
+                                     zeroed_advantages)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # (2, 4) completion mask
 KEEP = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0]])  # (2, 4) token 1 rejected, row 1 rejected entirely
@@ -43,6 +44,16 @@ def test_weighted_advantages_sequence_level_keeps_one_value_per_sequence():
     assert out.shape == (2, 1) and out.tolist() == [[3.0], [-0.5]]
     bf16 = weighted_advantages(adv.bfloat16(), w, sequence_level=True)
     assert bf16.dtype == torch.bfloat16  # the advantage's dtype is kept
+
+
+def test_zeroed_advantages_by_hand():
+    """M2PO's trust-region mask: A * z per token, (B,) and (B, T) advantages alike; no mask leaves A untouched."""
+    z = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])  # (B, T)
+    assert zeroed_advantages(torch.tensor([2.0, -1.0]), z).tolist() == [[2.0, 0.0, 2.0], [-0.0, -1.0, -1.0]]
+    adv_bt = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])  # (B, T)
+    assert zeroed_advantages(adv_bt, z).tolist() == [[1.0, 0.0, 3.0], [0.0, 5.0, 6.0]]
+    adv = torch.tensor([2.0, -1.0])
+    assert zeroed_advantages(adv, None) is adv
 
 
 def test_vespo_sampler_ratio_is_one_outside_the_kept_tokens():

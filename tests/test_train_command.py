@@ -154,7 +154,7 @@ def test_parsed_like_trl_grpo(tmp_path):
 
 
 @pytest.mark.parametrize("field,preset", [("rollout_token_veto_threshold", "decoupled_geo_rs"),
-                                          ("rollout_rs_threshold_lower", "icepop"),
+                                          ("rollout_rs_threshold_lower", "decoupled_token_band_rs"),
                                           ("rollout_rs_criteria", "decoupled_k3_rs_token_tis")])
 def test_none_switches_a_preset_field_off_from_the_cli_and_a_yaml(tmp_path, field, preset):
     """Any field whose off value is None: 'none' sets it off over the preset's value (None in Python means 'not set

@@ -33,6 +33,9 @@ def expected_metric_names(cfg: RolloutCorrectionConfig) -> set:
         names |= {P + "rollout_is_masked_fraction", P + "rollout_is_seq_masked_fraction"}
     if cfg.rollout_m2_threshold is not None:
         names |= {P + "rollout_m2", P + "rollout_m2_kept", P + "rollout_m2_masked_fraction"}
+        if cfg.rollout_m2_scope == "trust_region":
+            names |= {P + "rollout_m2_trust_region", P + "rollout_m2_trust_region_kept",
+                      P + "rollout_m2_trust_region_fraction"}
     return names
 
 

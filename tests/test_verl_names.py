@@ -78,7 +78,8 @@ def test_verl_criteria_strings_keep_what_verl_keeps(rollout_rs, threshold):
 
 
 def test_every_verl_preset_is_accepted_with_verl_meaning():
-    assert len(VERL_PRESETS) + 5 == 17  # verl's 17 factories: 12 here + 5 shared with this package's names
+    # verl's 19 factories at verl-project/verl 1dda039: 14 here (2 IcePop ones) + 5 shared with this package's names
+    assert len(VERL_PRESETS) + 5 == 19
     for name, fields in VERL_PRESETS.items():
         cfg = Cfg.from_preset(name)
         assert cfg.bypass_mode == fields.get("bypass_mode", False)
@@ -99,13 +100,13 @@ def test_verl_loss_type_and_icepop():
     assert not Cfg.from_dict({"bypass_mode": True, "loss_type": "ppo_clip"}).use_policy_gradient
     with pytest.raises(ValueError, match="loss_type='dapo'.*'ppo_clip' and 'reinforce'"):
         Cfg.from_dict({"loss_type": "dapo"})
-    icepop = Cfg.from_preset("icepop")
-    assert (icepop.rollout_is, icepop.rollout_rs, icepop.rs_threshold_lower, icepop.rollout_rs_threshold) == (
+    band = Cfg.from_preset("decoupled_token_band_rs")  # the old "icepop": token rejection in [0.5, 2]
+    assert (band.rollout_is, band.rollout_rs, band.rs_threshold_lower, band.rollout_rs_threshold) == (
         None, "token", 0.5, 2.0)
     train, rollout = torch.tensor([[0.0, 0.0, 0.0]]), torch.log(torch.tensor([[1.0, 2.1, 0.45]]))  # (1, 3)
     mask = torch.ones(1, 3)
-    _, m, _ = correct(train, rollout, mask, **icepop.pipeline_kwargs())
-    assert m.tolist() == [[1, 0, 0]]  # rho = 1 kept; 1/2.1 and 1/0.45 outside [0.5, 2] masked
+    _, m, _ = correct(train, rollout, mask, **band.pipeline_kwargs())
+    assert m.tolist() == [[1, 0, 0]]  # rho = 1 kept; 1/2.1 and 1/0.45 outside [0.5, 2] rejected
     with pytest.raises(ValueError, match="one spelling"):
         Cfg(rollout_rs="token_k1", rollout_rs_threshold=2.0, rollout_rs_criteria="token_k2",
             rollout_rs_criteria_threshold="0.1")

@@ -16,8 +16,10 @@ from .core.divergence import parse_divergence_criteria
 from .core.params import CorrectionParams
 from .losses import loss_anchor, weights_advantage
 from .trl_names import TRL_DEFAULT
-from .verl_names import ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_criteria_string, translate_rollout_rs
+from .verl_names import (ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
+                         translate_rollout_rs)
 from .core.rejection import RS_LEVELS
+from .core.second_moment import M2_SCOPES
 from .core.weights import IS_BOUNDS, IS_LEVELS
 
 CONFIG_NAME = "rollout_correction_config.json"
@@ -39,7 +41,9 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     Args:
         rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
-        rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none).
+        rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none). verl's ``"lower_upper"``
+            string (``"0.5_5.0"``) means IcePop: C = upper, ``rollout_is_threshold_lower`` = lower and
+            ``rollout_is_bound="mask"``.
         rollout_is_threshold_lower: C_lower, the lower bound of the IS weight (``None``: none).
         rollout_is_bound: what happens to a weight outside [C_lower, C]: ``"truncate"`` clips it to the bound (TIS),
             ``"mask"`` sets it to 0 (masked IS, TRL's ``*_mask`` modes; the token keeps its place in the loss's
@@ -54,8 +58,13 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             (see :mod:`trl_rollout_corr.core.divergence`).
         rollout_rs_criteria_threshold: one value per criterion, comma-separated: k1 takes ratio bounds
             ``"lower_upper"`` or an upper (lower = 1/upper); k2/k3 take an upper bound.
-        rollout_m2_threshold: tau of the second-moment mask (M2PO-style): the tokens with the largest (log rho)^2 leave
-            the loss until the batch's mean (log rho)^2 of the rest is <= tau (``None`` = off; M2PO uses 0.04).
+        rollout_m2_threshold: tau of the second-moment mask (M2PO, arXiv:2510.01161): the tokens with the largest
+            (log rho)^2 are masked until the batch's mean (log rho)^2 of the rest is <= tau (``None`` = off; M2PO
+            uses 0.04).
+        rollout_m2_scope: which tokens that mask may take: ``"all"`` (AReaL's ``m2_threshold``: any valid token, and
+            a masked token is rejected, out of the loss's token count) or ``"trust_region"`` (M2PO's final
+            Algorithm 1: only tokens on the active side of PPO's trust region, A > 0 with rho > 1 or A < 0 with
+            rho < 1, and a masked token's advantage is set to 0, the token kept in the count).
         bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
         use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
     """
@@ -72,12 +81,14 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     rollout_rs_criteria: str | None = None
     rollout_rs_criteria_threshold: str | None = None
     rollout_m2_threshold: float | None = None
+    rollout_m2_scope: str = "all"
     bypass_mode: bool = False
     use_policy_gradient: bool = False
 
     PRESETS: ClassVar[tuple[str, ...]] = (
         "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "trl_default",
+        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "decoupled_token_band_rs", "m2po",
+        "trl_default",
     )
 
     def __post_init__(self) -> None:
@@ -107,6 +118,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             raise ValueError(f"rollout_is must be a string or None, got {self.rollout_is!r}.")
         self.rollout_is = none_if_unset(self.rollout_is)
         self.rollout_rs = none_if_unset(self.rollout_rs)
+        self._parse_is_threshold_string()
         if is_criteria_string(self.rollout_rs):  # verl's spelling: divergence criteria in rollout_rs
             if self.rollout_rs_criteria is not None or self.rollout_rs_threshold_lower is not None:
                 raise ValueError(f"rollout_rs={self.rollout_rs!r} (verl's criteria spelling) together with "
@@ -152,6 +164,15 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         parse_divergence_criteria(self.rollout_rs_criteria, self.rollout_rs_criteria_threshold)  # raises with the fix
         if self.rollout_m2_threshold is not None:
             _positive("rollout_m2_threshold", self.rollout_m2_threshold, "the bound on the mean (log rho)^2, e.g. 0.04")
+        self.rollout_m2_scope = none_if_unset(self.rollout_m2_scope) or "all"
+        if self.rollout_m2_scope not in M2_SCOPES:
+            raise ValueError(f"rollout_m2_scope must be 'all' (AReaL's second-moment mask: any token, rejected) or "
+                             f"'trust_region' (M2PO's final algorithm: the trust region's active side, advantage set "
+                             f"to 0), got {self.rollout_m2_scope!r}.")
+        if self.rollout_m2_scope != "all" and self.rollout_m2_threshold is None:
+            raise ValueError(f"rollout_m2_scope={self.rollout_m2_scope!r} is set but rollout_m2_threshold is None, so "
+                             "it would be ignored: set rollout_m2_threshold (tau, e.g. 0.04) or leave rollout_m2_scope "
+                             "at 'all'.")
         if self.rollout_token_veto_threshold is not None:
             _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold,
                       "typically 1e-4 .. 1e-6, or None")
@@ -163,6 +184,20 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                              "bypass PPO applies no IS weight (its PPO ratio already is pi_theta/pi_rollout), so "
                              "normalizing the weights would change nothing but a metric. Set "
                              "rollout_is_batch_normalize=False, or use_policy_gradient=True.")
+
+    def _parse_is_threshold_string(self) -> None:
+        """verl's string IS threshold: ``"lower_upper"`` is IcePop (mask outside the band), ``"2.0"`` a number."""
+        if not isinstance(self.rollout_is_threshold, str):
+            return
+        band = is_band_string(self.rollout_is_threshold)
+        if band and self.rollout_is_threshold_lower is not None:
+            raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold!r} (verl's 'lower_upper' IcePop band) "
+                             f"together with rollout_is_threshold_lower={self.rollout_is_threshold_lower!r}: use one "
+                             "spelling (the band string, or a number with rollout_is_threshold_lower).")
+        upper, lower = parse_is_threshold(self.rollout_is_threshold)
+        self.rollout_is_threshold = upper
+        if band:
+            self.rollout_is_threshold_lower, self.rollout_is_bound = lower, "mask"
 
     def _validate_is_bound(self) -> None:
         self.rollout_is_bound = none_if_unset(self.rollout_is_bound) or "truncate"
@@ -208,14 +243,22 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @property
     def is_enabled(self) -> bool:
-        """Whether anything changes the loss (IS weights applied, RS, divergence criteria or veto)."""
-        return (self.applies_is_weights or self.masks_tokens)
+        """Whether anything changes the loss (IS weights applied, RS, divergence criteria, veto, the M2 mask)."""
+        return (self.applies_is_weights or self.masks_tokens or self.zeroes_advantages)
 
     @property
     def masks_tokens(self) -> bool:
-        """Whether rejection (RS, divergence criteria, the second-moment mask) or the veto can remove tokens."""
+        """Whether rejection (RS, divergence criteria, the all-token second-moment mask) or the veto can remove
+        tokens from the loss and its token count."""
         return (self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
-                or self.rollout_rs_criteria is not None or self.rollout_m2_threshold is not None)
+                or self.rollout_rs_criteria is not None
+                or (self.rollout_m2_threshold is not None and self.rollout_m2_scope == "all"))
+
+    @property
+    def zeroes_advantages(self) -> bool:
+        """Whether M2PO's trust-region mask can set a token's advantage to 0 (the token kept in the loss's count):
+        the trainers then hand the core the advantages."""
+        return self.rollout_m2_threshold is not None and self.rollout_m2_scope == "trust_region"
 
     def params(self) -> CorrectionParams:
         """The frozen view the core reads (:func:`~trl_rollout_corr.core.compute_rollout_correction_stats`), the RS
@@ -229,7 +272,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             rollout_rs_criteria=self.rollout_rs_criteria,
             rollout_rs_criteria_threshold=self.rollout_rs_criteria_threshold,
             rollout_is_threshold_lower=self.rollout_is_threshold_lower, rollout_is_bound=self.rollout_is_bound,
-            rollout_m2_threshold=self.rollout_m2_threshold,
+            rollout_m2_threshold=self.rollout_m2_threshold, rollout_m2_scope=self.rollout_m2_scope,
         )
 
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -285,10 +328,29 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
                              use_policy_gradient=True), **overrides})
 
     @classmethod
-    def icepop(cls, lower: float = 0.5, upper: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Two-sided token masking ("IcePop"): decoupled PPO, no IS weight, tokens with rho outside [lower, upper]
-        leave the loss."""
-        return cls(**{**ICEPOP, "rollout_rs_threshold": upper, "rollout_rs_threshold_lower": lower, **overrides})
+    def icepop(cls, lower: float = 0.5, upper: float = 5.0, **overrides: Any) -> RolloutCorrectionConfig:
+        """IcePop (Ling Team, Ring-1T, arXiv:2510.18855; verl's ``decoupled_token_icepop``): decoupled PPO with the
+        token weight w_t = rho_t * 1[lower <= rho_t <= upper], rho_t = pi_old / pi_rollout. A token outside the band
+        gets weight 0 and stays in the loss's token count (a weight, not a rejection)."""
+        return cls(**{**ICEPOP, "rollout_is_threshold": upper, "rollout_is_threshold_lower": lower, **overrides})
+
+    @classmethod
+    def decoupled_token_band_rs(cls, lower: float = 0.5, upper: float = 2.0,
+                                **overrides: Any) -> RolloutCorrectionConfig:
+        """Two-sided token rejection (this package's ``icepop`` before IcePop meant the field's IcePop): decoupled
+        PPO, no IS weight, a token with rho_t = pi_old / pi_rollout outside [lower, upper] leaves the loss and its
+        token count."""
+        return cls(**{**dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=upper,
+                             rollout_rs_threshold_lower=lower), **overrides})
+
+    @classmethod
+    def m2po(cls, tau: float = 0.04, **overrides: Any) -> RolloutCorrectionConfig:
+        """M2PO's final algorithm (Zheng, Zhao & Chen, arXiv:2510.01161, ICLR 2026, Algorithm 1): decoupled PPO, no
+        IS weight; among the tokens on the active side of PPO's trust region (A > 0 with rho > 1, A < 0 with
+        rho < 1; rho = pi_old / pi_rollout) the largest (log rho)^2 get advantage 0 until the mean (log rho)^2 of the
+        rest of them is <= tau; they stay in the loss's token count (the original denominator)."""
+        return cls(**{**dict(rollout_is=None, rollout_m2_threshold=tau, rollout_m2_scope="trust_region"),
+                      **overrides})
 
     @classmethod
     def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> RolloutCorrectionConfig:

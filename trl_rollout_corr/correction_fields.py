@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .config import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
-from .verl_names import is_criteria_string
+from .verl_names import is_band_string, is_criteria_string
 
 CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
 # the fields whose off value is None: "none" (a CLI flag, a YAML value, or in Python) sets it off, over a preset's
@@ -28,7 +28,8 @@ _NUMBER = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity)", re
 def _explicit_value(name: str, value: Any, rollout_rs: Any = None) -> Any:
     """A value set on the flat field, as the correction reads it: "none" -> None (off) where None is the field's
     off value; a number given as a string (a CLI flag, a YAML ``1e-4``) -> float. ``rollout_rs_threshold`` keeps
-    verl's threshold strings (``"0.5_2"``, ``"0.01,0.5_2"``) where ``rollout_rs`` is verl's criteria spelling."""
+    verl's threshold strings (``"0.5_2"``, ``"0.01,0.5_2"``) where ``rollout_rs`` is verl's criteria spelling;
+    ``rollout_is_threshold`` keeps verl's ``"lower_upper"`` IcePop band (``"0.5_5.0"``)."""
     if name in SWITCHABLE_OFF:
         value = none_if_unset(value)
     if name in NUMBER_FIELDS and isinstance(value, str):
@@ -36,8 +37,11 @@ def _explicit_value(name: str, value: Any, rollout_rs: Any = None) -> Any:
             return float(value)
         if name == "rollout_rs_threshold" and is_criteria_string(rollout_rs):
             return value
+        if name == "rollout_is_threshold" and is_band_string(value):
+            return value
         off = " or 'none' to switch it off" if name in SWITCHABLE_OFF else ""
-        verl = " (verl's 'lower_upper' bounds go with verl's criteria in rollout_rs)" if "_" in value else ""
+        verl = (" (verl's 'lower_upper' bounds go with verl's criteria in rollout_rs, or in rollout_is_threshold for "
+                "IcePop)" if "_" in value else "")
         raise ValueError(f"{name}={value!r}: use a number{off}{verl}.")
     return value
 
@@ -51,8 +55,9 @@ class RolloutCorrectionFields:
     rollout_correction_config: str | None = field(default=None, metadata={
         "help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
     rollout_is: str | None = field(default=None, metadata={"help": "IS level: token | sequence | none."})
-    rollout_is_threshold: float | None = field(default=None, metadata={
-        "help": "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default)."})
+    rollout_is_threshold: float | str | None = field(default=None, metadata={
+        "help": "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default); verl's 'lower_upper' "
+                "string (e.g. 0.5_5.0) is IcePop: weights outside the band set to 0."})
     rollout_is_batch_normalize: bool | None = field(default=None, metadata={
         "help": "Normalize IS weights to mean 1 over each generation batch."})
     rollout_is_threshold_lower: float | str | None = field(default=None, metadata={
@@ -73,8 +78,12 @@ class RolloutCorrectionFields:
     rollout_rs_criteria_threshold: str | None = field(default=None, metadata={
         "help": "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); k2/k3 upper."})
     rollout_m2_threshold: float | str | None = field(default=None, metadata={
-        "help": "Second-moment mask (M2PO-style): mask the tokens with the largest (log rho)^2 until the batch's mean "
-                "(log rho)^2 is <= this tau (e.g. 0.04); default off."})
+        "help": "Second-moment mask (M2PO): mask the tokens with the largest (log rho)^2 until the batch's mean "
+                "(log rho)^2 is <= this tau (e.g. 0.04); default off. rollout_m2_scope picks the candidates."})
+    rollout_m2_scope: str | None = field(default=None, metadata={
+        "help": "Tokens the second-moment mask may take: all (AReaL's m2_threshold: any token, rejected; default) | "
+                "trust_region (M2PO's final algorithm: A > 0 with rho > 1 or A < 0 with rho < 1, advantage set to 0, "
+                "kept in the loss's token count)."})
     require_rollout_logprobs: bool = field(default=False, metadata={
         "help": "Raise instead of training a sample uncorrected when its sampler's per-token log-probs are missing "
                 "(a mocked, wrapped or remote generate; a rollout_func that returns none)."})
@@ -149,6 +158,13 @@ class RolloutCorrectionFields:
             base["rollout_rs_threshold_lower"] = explicit.get("rollout_rs_threshold_lower")
         if "rollout_rs_criteria" in explicit and explicit["rollout_rs_criteria"] is None:
             base["rollout_rs_criteria_threshold"] = explicit.get("rollout_rs_criteria_threshold")
+        if is_band_string(explicit.get("rollout_is_threshold")):
+            # verl's IcePop band sets the lower bound and the bound mode itself
+            base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
+            base["rollout_is_bound"] = explicit.get("rollout_is_bound", "mask")
+        if "rollout_m2_threshold" in explicit and explicit["rollout_m2_threshold"] is None:
+            # switching the mask off also drops the base's scope unless it was set here
+            base["rollout_m2_scope"] = explicit.get("rollout_m2_scope", "all")
         if "rollout_is" in explicit and explicit["rollout_is"] is None:
             # switching IS off also drops the base's IS bound settings unless they were set here
             base["rollout_is_bound"] = explicit.get("rollout_is_bound", "truncate")

@@ -75,6 +75,17 @@ def weighted_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | Non
     return adv * w  # (B, 1) or (B, T)
 
 
+def zeroed_advantages(advantages: torch.Tensor, advantage_mask: torch.Tensor | None) -> torch.Tensor:
+    """A'' = A' * z with z in {0, 1} (B, T): M2PO's trust-region mask (arXiv:2510.01161) sets the advantage of the
+    tokens it takes to 0, in every mode (bypass PPO included), and leaves them in the loss's token count: with
+    A'' = 0 every TRL loss type's policy term for the token is 0, its normalizer unchanged. ``advantages`` (B,),
+    (B, 1) or (B, T); returns them unchanged when there is no mask, else (B, T)."""
+    if advantage_mask is None:
+        return advantages
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, 1) or (B, T)
+    return adv * advantage_mask.detach().to(adv.dtype)  # (B, T)
+
+
 def vespo_sampler_ratio(is_weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The per-token sampler ratio VESPO's phi consumes:  w_t = min(rho_t, C), rho_t = pi_old / pi_rollout.   (B, T)
 

@@ -33,7 +33,7 @@ from .core.truncation import SamplingTruncation, truncated_support_logprobs, tru
 from .correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
 from .grpo_config import RolloutCorrGRPOConfig
 from .losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor, vespo_sampler_ratio,
-                     weighted_advantages)
+                     weighted_advantages, zeroed_advantages)
 from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from .rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from .rollout.logprobs import check_rollout_logprobs
@@ -55,6 +55,7 @@ class Correction(NamedTuple):
     is_weights: torch.Tensor | None  # multiplies A (None: no IS weight applied)
     anchor: torch.Tensor | None  # old_per_token_logps for TRL (None: pi_theta detached)
     sampler_ratio: torch.Tensor | None  # VESPO's importance_sampling_ratio (decoupled mode only)
+    advantage_mask: torch.Tensor | None = None  # 0/1, multiplies A in every mode, token kept in the count (M2PO)
 
 
 def _checked_rollout_func(rollout_func):
@@ -208,7 +209,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             correction = self._correct_generation_batch(output, loss_mask)
             output["rc_keep_mask"] = correction.keep  # (B, T)
             for key, value in (("rc_is_weights", correction.is_weights), ("old_per_token_logps", correction.anchor),
-                               ("rc_sampler_ratio", correction.sampler_ratio)):
+                               ("rc_sampler_ratio", correction.sampler_ratio),
+                               ("rc_advantage_mask", correction.advantage_mask)):
                 if value is not None:
                     output[key] = value  # (B, T)
             output["num_items_in_batch"] = self.accelerator.gather(correction.keep.sum()).sum()  # kept tokens, global
@@ -257,19 +259,22 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             self._rc_stats[mode].update(truncation_stats(log_mass, in_support, loss_mask))
             if self._rc_apply_truncation:
                 ratio_logps = truncated_support_logprobs(train_logps, log_mass, in_support)  # (B, T)
+        advantages = batch["advantages"] if cfg.zeroes_advantages else None  # (B,) M2PO's trust region reads A
         result = compute_rollout_correction_stats(ratio_logps, rollout, loss_mask, cfg.params(),
-                                                  reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"))
+                                                  reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"),
+                                                  advantages=advantages)
         self._rc_stats[mode].update(result.stats)
         keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
+        zero = result.advantage_mask  # (B, T) or None: applies in every mode
         if cfg.loss_anchor == PI_ROLLOUT:  # bypass PPO: the IS weight feeds the metrics only
-            return Correction(keep, None, rollout + (train_logps - ratio_logps), None)
+            return Correction(keep, None, rollout + (train_logps - ratio_logps), None, zero)
         if cfg.loss_anchor == PI_THETA:  # bypass policy gradient
-            return Correction(keep, result.is_weights, None, None)
+            return Correction(keep, result.is_weights, None, None, zero)
         # decoupled: pi_old from the plan's forward, else pi_theta detached (None)
         anchor = train_logps if self.correction_plan.pi_old == "forward" and mode == "train" else None
         if self.loss_type == "vespo" and result.is_weights is not None:  # phi consumes the ratio; A is not weighted
-            return Correction(keep, None, anchor, vespo_sampler_ratio(result.is_weights, keep))
-        return Correction(keep, result.is_weights, anchor, None)
+            return Correction(keep, None, anchor, vespo_sampler_ratio(result.is_weights, keep), zero)
+        return Correction(keep, result.is_weights, anchor, None, zero)
 
     # ------------------------------------------------------------------ 3. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -298,7 +303,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         loss_mask = inputs["completion_mask"] if tool_mask is None else inputs["completion_mask"] * tool_mask  # (B, T)
         if carried:
             correction = Correction(inputs["rc_keep_mask"], inputs.get("rc_is_weights"),
-                                    inputs.get("old_per_token_logps"), inputs.get("rc_sampler_ratio"))
+                                    inputs.get("old_per_token_logps"), inputs.get("rc_sampler_ratio"),
+                                    inputs.get("rc_advantage_mask"))
         else:
             correction = self._correction(logps.detach(), inputs, loss_mask, support, mode)
         patched = self._corrected_inputs(inputs, correction, logps, loss_mask, tool_mask, whole_batch=not carried)
@@ -314,8 +320,9 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         patched = dict(inputs)
         kept_mask = loss_mask * correction.keep.to(loss_mask.dtype)  # (B, T)
         patched["tool_mask"] = corrected_loss_mask(inputs["completion_mask"], tool_mask, correction.keep)  # (B, T)
-        patched["advantages"] = weighted_advantages(inputs["advantages"], correction.is_weights,
-                                                    cfg.rollout_is == "sequence")
+        patched["advantages"] = zeroed_advantages(
+            weighted_advantages(inputs["advantages"], correction.is_weights, cfg.rollout_is == "sequence"),
+            correction.advantage_mask)  # (B,), (B, 1) or (B, T)
         if correction.anchor is not None:
             patched["old_per_token_logps"] = safe_anchor(correction.anchor, logps, kept_mask)  # (B, T)
         else:

@@ -1,8 +1,10 @@
 """verl's rollout-correction names, accepted as they mean in verl.
 
-Checked against volcengine/verl at commit ``b178a3c`` (2026-01-29): the preset factories of
-``verl/trainer/config/algorithm.py:RolloutCorrectionConfig`` and the ``rollout_rs`` options of
-``verl/trainer/ppo/rollout_corr_helper.py:compute_rollout_rejection_mask``.
+Checked against volcengine/verl at commit ``b178a3c`` (2026-01-29), and for the IcePop additions against
+verl-project/verl at commit ``1dda039`` (2026-08-22; IcePop landed in PR #5722): the preset factories of
+``verl/trainer/config/algorithm.py:RolloutCorrectionConfig``, the ``rollout_rs`` options of
+``verl/trainer/ppo/rollout_corr_helper.py:compute_rollout_rejection_mask`` and its ``rollout_is_threshold`` parser
+(``_parse_rollout_is_threshold``).
 
 * **Presets**: :data:`VERL_PRESETS` maps each verl factory name to the fields it sets (verl spelling: a criterion
   string in ``rollout_rs`` with its ``rollout_rs_threshold``, and ``loss_type`` as ``use_policy_gradient``).
@@ -16,8 +18,13 @@ Checked against volcengine/verl at commit ``b178a3c`` (2026-01-29): the preset f
   ``"lower_upper"`` band bounds pi_rollout / pi_train; this package's k1 band bounds r = pi_train / pi_rollout, so a
   verl band ``"a_b"`` becomes ``"1/b_1/a"`` (the same for the symmetric bands verl's presets use). A single
   threshold is broadcast to every criterion, as verl does.
-* **IcePop** (two-sided token masking): :data:`ICEPOP` masks every token whose r leaves ``[0.5, 2.0]`` (decoupled,
-  no IS weight), adjustable like any preset.
+* **IcePop** (verl's ``decoupled_token_icepop`` / ``bypass_pg_token_icepop``, this package's ``icepop``): the
+  token IS weight is rho_t * 1[C_lower <= rho_t <= C], zero outside the band, and the token stays in the loss's
+  token count (``response_mask`` is not modified): ``rollout_is="token"``, ``rollout_is_bound="mask"``,
+  C_lower = 0.5, C = 5 (:data:`ICEPOP`). Ling Team, "Every Step Evolves" (Ring-1T, arXiv:2510.18855).
+* **``"lower_upper"`` IS thresholds**: verl's ``rollout_is_threshold="0.5_5.0"`` means IcePop with those bounds;
+  :func:`parse_is_threshold` reads it as ``rollout_is_threshold=5.0``, ``rollout_is_threshold_lower=0.5``,
+  ``rollout_is_bound="mask"``. A number, or a string holding one (``"2.0"``), stays TIS (truncation).
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ from typing import Any
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 _GEO = "0.999_1.001"  # verl's default geometric band
 _K3 = 0.01  # verl's default k3 bound
+
+ICEPOP: dict[str, Any] = dict(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold=5.0,
+                              rollout_is_threshold_lower=0.5)
+"""IcePop as verl (``decoupled_token_icepop``, PR #5722) defines it: w_t = rho_t * 1[0.5 <= rho_t <= 5], the token
+kept in the loss's count."""
 
 VERL_PRESETS: dict[str, dict[str, Any]] = {
     "bypass_ppo_clip": dict(rollout_is=None, bypass_mode=True),
@@ -50,12 +62,35 @@ VERL_PRESETS: dict[str, dict[str, Any]] = {
                                     rollout_rs_threshold=_K3),
     "decoupled_k3_rs_token_tis": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3",
                                       rollout_rs_threshold=_K3),
+    # verl-project/verl 1dda039 (PR #5722): exact token IcePop, response_mask unchanged
+    "decoupled_token_icepop": dict(ICEPOP),
+    "bypass_pg_token_icepop": dict(ICEPOP, bypass_mode=True, use_policy_gradient=True),
 }
-ICEPOP: dict[str, Any] = dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=2.0,
-                              rollout_rs_threshold_lower=0.5)
 # verl's factory arguments, as this package's fields (rs_threshold keeps verl's meaning: it is translated)
 VERL_ARGUMENTS = {"threshold": "rollout_is_threshold", "is_threshold": "rollout_is_threshold",
-                  "rs_threshold": "rollout_rs_threshold"}
+                  "threshold_lower": "rollout_is_threshold_lower", "rs_threshold": "rollout_rs_threshold"}
+
+
+def is_band_string(value: Any) -> bool:
+    """Whether ``value`` is verl's ``"lower_upper"`` spelling of an IS threshold (``"0.5_5.0"``)."""
+    return isinstance(value, str) and "_" in value.strip()
+
+
+def parse_is_threshold(value: Any) -> tuple[Any, float | None]:
+    """verl's ``rollout_is_threshold`` as ``(upper, lower)``: ``"lower_upper"`` -> ``(upper, lower)`` (IcePop: the
+    caller sets ``rollout_is_bound="mask"``); a number or a numeric string -> ``(float, None)``; anything else is
+    returned unchanged (the caller's validation names it)."""
+    if not isinstance(value, str):
+        return value, None
+    spec = value.strip()
+    try:
+        if "_" not in spec:
+            return float(spec), None
+        lower, upper = (float(x) for x in spec.split("_", 1))
+    except ValueError:
+        raise ValueError(f"rollout_is_threshold={value!r}: use a number (TIS upper bound C, e.g. 2.0) or verl's "
+                         "'lower_upper' IcePop band (e.g. '0.5_5.0').") from None
+    return upper, lower
 
 
 def is_criteria_string(value: Any) -> bool:

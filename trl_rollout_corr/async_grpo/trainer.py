@@ -206,8 +206,9 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
         rollout_rows = to_rows(rollout, layout, 0.0)  # (B, T)
         if self.args.require_rollout_logprobs:
             self._require_finite(rollout_rows, mask)
+        adv_rows = to_rows(adv, layout, 0.0) if cfg.zeroes_advantages else None  # (B, T) M2PO's trust region
         result = compute_rollout_correction_stats(train_rows, rollout_rows, mask, cfg.params(),
-                                                  reduce_fn=self._rc_reduce)
+                                                  reduce_fn=self._rc_reduce, advantages=adv_rows)
         keep_rows = result.modified_response_mask.bool()  # (B, T)
         lag = self._rc_policy_version - per_row(versions, layout)  # (B,)
         valid_rows = finite_rows_mask(mask, train_rows, rollout_rows)  # (B, T) what the statistics average over
@@ -220,6 +221,8 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
         anchor = rollout if cfg.loss_anchor == PI_ROLLOUT else log_probs  # (M,)
         if weights is not None and weights_advantage(cfg.loss_anchor):
             adv = adv * weights
+        if result.advantage_mask is not None:  # M2PO's trust region: A = 0, the term kept in the count (any mode)
+            adv = adv * to_terms(result.advantage_mask, layout).to(adv.dtype)  # (M,)
         anchor = torch.where(keep & torch.isfinite(anchor), anchor, log_probs)  # (M,) rejected: ratio 1 ...
         adv = torch.where(keep, adv, torch.zeros_like(adv))  # ... and no gradient
         kept_total = self._rc_reduce(keep.sum(dtype=torch.float32).reshape(1), "sum")  # (1,)

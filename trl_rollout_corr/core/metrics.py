@@ -35,6 +35,10 @@ VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fract
 RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
 IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
 M2_METRICS = ("rollout_m2", "rollout_m2_kept", "rollout_m2_masked_fraction")
+M2_TRUST_REGION_METRICS = ("rollout_m2_trust_region_fraction", "rollout_m2_trust_region",
+                           "rollout_m2_trust_region_kept")
+"""``rollout_m2_scope="trust_region"`` only: the share of valid tokens on the trust region's active side, and their
+mean (log rho)^2 before and after the mask (the bound applies to the latter)."""
 ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction", "missing_rollout_logprobs_fraction")
 BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
 WEIGHT_FAMILIES = ("rollout_is", "rollout_rs")
@@ -253,6 +257,12 @@ def finalize_floats(f: dict[str, float]) -> dict[str, float]:
             metrics[PREFIX + "rollout_m2"] = _div(s("m2.v_sum"), tok_n)
             metrics[PREFIX + "rollout_m2_kept"] = _div(s("m2.v_kept_sum"), tok_n - s("mask.m2_masked_tok_n"))
             metrics[PREFIX + "rollout_m2_masked_fraction"] = _div(s("mask.m2_masked_tok_n"), tok_n)
+        if "sum:m2.region_tok_n" in f:  # M2PO's trust-region scope: the candidates' share and mean before / after
+            region_n = s("m2.region_tok_n")
+            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = _div(region_n, tok_n)
+            metrics[PREFIX + "rollout_m2_trust_region"] = _div(s("m2.region_v_sum"), region_n)
+            metrics[PREFIX + "rollout_m2_trust_region_kept"] = _div(s("m2.region_v_kept_sum"),
+                                                                    region_n - s("mask.m2_masked_tok_n"))
         if "sum:mask.rs_rejected_tok_n" in f:
             metrics[PREFIX + "rollout_rs_masked_fraction"] = _div(s("mask.rs_rejected_tok_n"), tok_n)
             metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = _div(s("mask.rs_rejected_seq_n"), seq_n)

@@ -28,3 +28,4 @@ class CorrectionParams:
     rollout_rs_criteria: Any = None  # names (comma-separated or a list) or parsed DivergenceCriterion objects
     rollout_rs_criteria_threshold: Any = None
     rollout_m2_threshold: float | None = None
+    rollout_m2_scope: str = "all"

@@ -10,7 +10,7 @@ from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, 
 from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
 from .params import CorrectionParams
 from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
-from .second_moment import second_moment_mask
+from .second_moment import M2_SCOPES, second_moment_mask, trust_region_second_moment_mask
 from .stats import ReduceFn, RolloutStats, count, count_rows, masked_sum, stat_constant
 from .weights import compute_rollout_correction_weights, sequence_log_ratio
 
@@ -21,6 +21,9 @@ class RolloutCorrection(NamedTuple):
     is_weights: torch.Tensor | None  # (B, T), detached, zero on padding; 1 on samples without pi_rollout
     modified_response_mask: torch.Tensor  # (B, T), same dtype as the input mask
     stats: RolloutStats
+    # (B, T) 0/1 in the mask's dtype: multiplies the advantage in every mode, the token kept in the loss's count
+    # (M2PO's trust-region mask, rollout_m2_scope="trust_region"); None: nothing to zero
+    advantage_mask: torch.Tensor | None = None
 
 
 def rows_without(mask: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
@@ -56,6 +59,7 @@ def compute_rollout_correction_stats(
     *,
     reduce_fn: ReduceFn | None = None,
     rollout_seen: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
     **fields: Any,
 ) -> RolloutCorrection:
     """Host-sync-free form of :func:`compute_rollout_correction_and_rejection_mask`.
@@ -74,9 +78,19 @@ def compute_rollout_correction_stats(
     ``rollout_is_bound="mask"`` sets a weight outside [C_lower, C] to 0 instead of clipping it (TRL's ``*_mask``
     modes): the token stays in the mask (and in a loss's token count); counted in ``rollout_is_masked_fraction``.
     ``rollout_m2_threshold`` (tau) masks the tokens with the largest (log rho)^2 until the batch's mean of the rest
-    is <= tau (:mod:`.second_moment`; global across processes with ``reduce_fn``).
+    is <= tau (:mod:`.second_moment`; global across processes with ``reduce_fn``); with ``rollout_m2_scope=
+    "trust_region"`` (M2PO's final algorithm, arXiv:2510.01161) only the tokens on the active side of PPO's trust
+    region (A_t > 0 and rho_t > 1, or A_t < 0 and rho_t < 1; ``advantages`` (B,) or (B, T) required) are candidates,
+    and the masked ones come back as 0 in ``advantage_mask`` instead of leaving the mask (they stay in the loss's
+    token count).
     """
     p = _params(params, fields)
+    trust_region = p.rollout_m2_threshold is not None and p.rollout_m2_scope == "trust_region"
+    if p.rollout_m2_scope not in M2_SCOPES:
+        raise ValueError(f"rollout_m2_scope must be one of {M2_SCOPES}, got {p.rollout_m2_scope!r}.")
+    if trust_region and advantages is None:
+        raise ValueError("rollout_m2_scope='trust_region' needs the advantages (the trust region's active side is "
+                         "A > 0 with rho > 1, A < 0 with rho < 1): pass advantages=(B,) or (B, T).")
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
             "old_log_prob, rollout_log_prob and response_mask must have the same (B, T) shape, got "
@@ -140,7 +154,18 @@ def compute_rollout_correction_stats(
             div_keep, div_stats = compute_divergence_rejection_mask(log_ratio, valid, criteria)
             stats.update(div_stats)
             keep = keep & div_keep
-        if p.rollout_m2_threshold is not None:
+        advantage_mask = None
+        if trust_region:  # M2PO's final algorithm: zero the advantage, keep the token in the count
+            zeroed, region, v = trust_region_second_moment_mask(log_ratio, valid, advantages,
+                                                                p.rollout_m2_threshold, reduce_fn)  # (B, T) each
+            mask_sums["m2_masked_tok_n"] = count(zeroed)
+            stats.sums["m2.v_sum"] = masked_sum(v, valid)
+            stats.sums["m2.v_kept_sum"] = masked_sum(v, valid & ~zeroed)
+            stats.sums["m2.region_tok_n"] = count(region)
+            stats.sums["m2.region_v_sum"] = masked_sum(v, region)
+            stats.sums["m2.region_v_kept_sum"] = masked_sum(v, region & ~zeroed)
+            advantage_mask = (~zeroed).to(response_mask.dtype)  # (B, T) 1 on every token it leaves alone
+        elif p.rollout_m2_threshold is not None:
             m2_keep, v = second_moment_mask(log_ratio, valid, p.rollout_m2_threshold, reduce_fn)  # (B, T) each
             mask_sums["m2_masked_tok_n"] = count(valid & ~m2_keep)
             stats.sums["m2.v_sum"] = masked_sum(v, valid)
@@ -157,7 +182,7 @@ def compute_rollout_correction_stats(
         if is_weights is not None:
             is_weights = torch.where(uncorrected, torch.ones_like(is_weights), is_weights * valid)  # (B, T)
         modified = keep.to(response_mask.dtype)  # (B, T)
-    return RolloutCorrection(is_weights, modified, stats)
+    return RolloutCorrection(is_weights, modified, stats, advantage_mask)
 
 
 def _params(params: CorrectionParams | None, fields: dict[str, Any]) -> CorrectionParams:
@@ -198,6 +223,8 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_is_threshold_lower: float | None = None,
     rollout_is_bound: str = "truncate",
     rollout_m2_threshold: float | None = None,
+    rollout_m2_scope: str = "all",
+    advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """IS weights, rejection/veto mask and metrics in one call (the signature of verl's helper of the same name).
 
@@ -206,7 +233,10 @@ def compute_rollout_correction_and_rejection_mask(
       ("mask"), optionally divided by its batch mean; detached.
     * RS (``rollout_rs`` token|sequence|geometric): keep iff C_lower <= statistic <= C_upper.
     * veto: drop a sequence if any valid token has rho_t < C_veto (unclamped, log space).
-    * second-moment mask (``rollout_m2_threshold`` tau): mask the largest (log rho_t)^2 until their mean is <= tau.
+    * second-moment mask (``rollout_m2_threshold`` tau): mask the largest (log rho_t)^2 until their mean is <= tau;
+      ``rollout_m2_scope="trust_region"`` (M2PO's final algorithm, arXiv:2510.01161; needs ``advantages``) only on
+      the trust region's active side, and the masked tokens come back as weight 0 in ``is_weights`` (all ones where
+      ``rollout_is`` is None), not removed from the mask.
     * ``rollout_seen`` (B,): samples without pi_rollout stay uncorrected (weight 1, kept, out of the statistics).
     Returns ``(is_weights (B, T) or None, modified_response_mask (B, T), metrics)`` where metrics maps
     ``rollout_corr/<name>`` to floats. For training loops use :func:`compute_rollout_correction_stats`,
@@ -221,7 +251,12 @@ def compute_rollout_correction_and_rejection_mask(
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold, rollout_rs_threshold_lower=rollout_rs_threshold_lower,
         rollout_token_veto_threshold=rollout_token_veto_threshold, rollout_rs_criteria=rollout_rs_criteria,
-        rollout_rs_criteria_threshold=rollout_rs_criteria_threshold, rollout_m2_threshold=rollout_m2_threshold)
+        rollout_rs_criteria_threshold=rollout_rs_criteria_threshold, rollout_m2_threshold=rollout_m2_threshold,
+        rollout_m2_scope=rollout_m2_scope)
     result = compute_rollout_correction_stats(old_log_prob, rollout_log_prob, response_mask, params,
-                                              rollout_seen=rollout_seen)
-    return result.is_weights, result.modified_response_mask, finalize_stats(result.stats)
+                                              rollout_seen=rollout_seen, advantages=advantages)
+    weights = result.is_weights  # (B, T) or None
+    if result.advantage_mask is not None:  # the trust-region zeros, as a weight (the token stays in the mask)
+        mask = result.advantage_mask.to(torch.float32)  # (B, T)
+        weights = mask * response_mask.to(mask.dtype) if weights is None else weights * mask.to(weights.dtype)
+    return weights, result.modified_response_mask, finalize_stats(result.stats)
