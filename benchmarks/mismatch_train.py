@@ -87,8 +87,7 @@ METHODS = {
     "M3": ("ours", dict(rollout_correction_preset="ppo_is_bypass")),
     # IcePop (Ling Team, Ring-1T, arXiv:2510.18855; verl's decoupled_token_icepop): w = pi_old / pi_rollout per
     # token, zeroed outside [0.5, 5], the token kept in the loss's count
-    "M4": ("ours", dict(rollout_correction_preset="disabled", rollout_is="token", rollout_is_bound="mask",
-                        rollout_is_threshold=5.0, rollout_is_threshold_lower=0.5)),
+    "M4": ("ours", dict(rollout_correction_preset="icepop")),
 }
 METHOD_TEXT = {
     "on_policy": "on-policy (the ceiling: the policy samples itself)",
