@@ -63,7 +63,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -121,8 +120,8 @@ LR = 1e-4
 # to 0.54 at step 20). Chosen: lr 1e-4, base 200 steps, 40 steps, for every method.
 LR_PILOT = {(150, 60, 3e-4): (0.174, 0.140), (150, 60, 1e-3): (0.174, 0.040), (150, 40, 1e-4): (0.174, 0.158),
             (200, 40, 1e-4): (0.702, 0.777), (200, 40, 3e-4): (0.702, 0.684)}  # (base steps, steps, lr): (start, score)
-N_EVAL, EVAL_EVERY, TAIL = 64, 10, 0.3
-S1_SIGMA, S1_SPIKE_P, S1_SPIKE, S1_SPIKE_BELOW = 0.1, 0.05, 10.0, 1e-2
+N_EVAL, EVAL_EVERY, TAIL, TAIL_EVAL_EVERY = 64, 10, 0.3, 3  # evaluations every 10 steps, every 3 in the tail
+S1_SIGMA, S1_SPIKE_P, S1_SPIKE, S1_SPIKE_BELOW = 0.1, 0.1, 10.0, 1e-2
 S2_LAG = 8
 SMOKE = dict(hidden=32, layers=1, heads=2, n_digits=6, base_steps=3, warmup_steps=1, n_eval=8, eval_every=1,
              steps=2)
@@ -412,7 +411,7 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
 
     class Recorder(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            tail_step = state.global_step >= (1 - TAIL) * steps and state.global_step % max(1, eval_every // 2) == 0
+            tail_step = state.global_step >= (1 - TAIL) * steps and state.global_step % TAIL_EVAL_EVERY == 0
             if state.global_step % eval_every == 0 or tail_step or state.global_step == steps:
                 curve.append((state.global_step, policy_reward(model, tok, held_out, n_digits)))
 
@@ -457,7 +456,16 @@ def cells(scenarios, methods, seeds) -> list[tuple[str, str, int]]:
     return out
 
 
-def run_all(todo_cells, steps: int, out: str, jobs: int, size_name: str, lr: float) -> None:
+RUN_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "TRL_ROLLOUT_CORR_NO_VLLM": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+
+
+def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float) -> None:
+    """Run every missing cell, ``jobs`` at a time, each in its own process: forked from this one after the heavy
+    imports (torch, transformers, TRL, this package: ~40 s per process on a loaded 2-core machine), so no run
+    shares a process with another run's training, and no run pays the imports."""
+    import traceback
+
     todo, seen = [], set()
     for cell in todo_cells:
         path = run_path(out, *cell)
@@ -465,25 +473,44 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size_name: str, lr: flo
             seen.add(path)
             todo.append((cell, path))
     print(f"{len(todo)} runs to go", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "TRL_ROLLOUT_CORR_NO_VLLM": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    running: list[tuple[subprocess.Popen, str, float]] = []
+    os.environ.update(RUN_ENV)
+    import torch
+    import datasets  # noqa: F401
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+
+    import trl_rollout_corr.trainer  # noqa: F401
+
+    torch.set_num_threads(1)
+    running: dict[int, tuple[str, float]] = {}
     done, t_start = 0, time.time()
     while todo or running:
         while todo and len(running) < jobs:
             (scenario, method, seed), path = todo.pop(0)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{scenario}:{method}:{seed}",
-                   "--steps", str(steps), "--out", out, "--size", size_name, "--lr", repr(lr)]
-            running.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
-                            path, time.time()))
+            pid = os.fork()
+            if pid == 0:  # the run's own process
+                code = 1
+                try:
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, 1)  # TRL prints its logs
+                    run_one(scenario, method, seed, steps, path, base_model_path(out), size, lr=lr)
+                    code = 0
+                except BaseException:
+                    with open(path + ".err", "w") as f:
+                        f.write(traceback.format_exc())
+                finally:
+                    os._exit(code)
+            running[pid] = (path, time.time())
         time.sleep(0.5)
-        for proc, path, t0 in list(running):
-            if proc.poll() is None:
+        for pid in list(running):
+            finished, status = os.waitpid(pid, os.WNOHANG)
+            if finished == 0:
                 continue
-            running.remove((proc, path, t0))
+            path, t0 = running.pop(pid)
             done += 1
-            if proc.returncode != 0:
-                print(f"FAILED {path}:\n{proc.stderr.read().decode()[-3000:]}", flush=True)
+            if os.waitstatus_to_exitcode(status) != 0:
+                err = open(path + ".err").read()[-3000:] if os.path.exists(path + ".err") else ""
+                print(f"FAILED {path}:\n{err}", flush=True)
             else:
                 print(f"[{done}] {os.path.basename(path)} {time.time() - t0:.0f} s "
                       f"(elapsed {time.time() - t_start:.0f} s)", flush=True)
@@ -760,7 +787,7 @@ def main(argv=None) -> None:
     p.add_argument("--scenarios", default="S0,S1,S2")
     p.add_argument("--methods", default="M0,M1,M2,M3,M4")
     p.add_argument("--seeds", default="0-9")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="outputs/mismatch_train")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--lr", type=float, default=LR)
@@ -804,7 +831,7 @@ def main(argv=None) -> None:
     if not a.report_only:
         build_base(a.out, size)
         todo = held_out_cells(a.out, seeds, analysis_seeds) if a.held_out else cells(scenarios, methods, seeds)
-        run_all(todo, a.steps, a.out, a.jobs, a.size, a.lr)
+        run_all(todo, a.steps, a.out, a.jobs, size, a.lr)
     print(report(a.out, analysis_seeds if a.held_out else seeds, seeds if a.held_out else None))
     print(f"total {time.time() - t0:.0f} s")
 
