@@ -31,6 +31,11 @@ import time
 
 from trl_rollout_corr.core.metric_names import metric
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run as a script (sys.path[0] is benchmarks/): the repository root, for benchmarks.stats
+    sys.path.append(_ROOT)
+from benchmarks import stats as paired  # noqa: E402
+
 # variant -> this package's correction fields (None: TRL's own AsyncGRPOTrainer)
 ASYNC_VARIANTS = {
     "trl_as_is": None,
@@ -139,11 +144,18 @@ def main() -> None:
     p.add_argument("--variants", default="sync,trl_as_is,decoupled_token_is,pg_is")
     p.add_argument("--eval_every", type=int, default=20)
     p.add_argument("--output_dir", default="outputs/async_staleness")
+    p.add_argument("--reanalyse", metavar="CSV", help="recompute the statistics of an async_staleness_results.csv "
+                   "from its per-seed column, rewrite it in place and print the table; runs nothing")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # variant seed staleness url out
     p.add_argument("--results", default=None,
                    help="write the rows with all --seeds to this CSV (docs/async.md's table: benchmarks/results/"
                         "async_staleness_results.csv) and print the table; runs nothing")
     a = p.parse_args()
+    if a.reanalyse:
+        rows = analyse(read_results(a.reanalyse))
+        write_results(rows, a.reanalyse)
+        print(markdown(rows))
+        return
     if a.results:
         rows = result_rows(a.output_dir, [int(s) for s in a.seeds.split(",")])
         write_results(rows, a.results)
@@ -219,11 +231,14 @@ def summarize(output_dir: str) -> str:
 
 # ------------------------------------------------------------------ committed results (docs/async.md's table, tests)
 RESULT_FIELDS = ("variant", "max_staleness", "n_seeds", "reward_mean", "reward_ci95", "per_seed", "vs_trl_as_is",
-                 "vs_trl_as_is_ci95", "lag_mean", "dropped", "kl", "seconds_per_run")
+                 "vs_trl_as_is_lo", "vs_trl_as_is_hi", "p_paired", "p_holm", "p_sign_flip", "tost_p", "lag_mean",
+                 "dropped", "kl", "seconds_per_run")
+EQUIVALENCE_MARGIN = 0.05  # TOST margin of "level with TRL's trainer" (chosen after the runs: descriptive)
+ALPHA = 0.05  # family-wise, Holm over every comparison of the table
 
 
 def _stats():
-    """mean_ci / welch_ci of the mismatch benchmark (one definition of the intervals)."""
+    """The mismatch benchmark's module (its ``mean_ci``: one definition of the per-row interval)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("mismatch_bench", os.path.join(os.path.dirname(__file__),
@@ -235,8 +250,7 @@ def _stats():
 
 def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
     """One row per (variant, max_staleness) with all of ``seeds`` (a partial row is left out): reward mean and 95%
-    t-interval, and the difference from TRL's AsyncGRPOTrainer as is at the same staleness (95% Welch interval;
-    the synchronous run against TRL's trainer at its default staleness 4)."""
+    t-interval, and the paired comparisons of :func:`analyse`."""
     stats = _stats()
     runs: dict[tuple[str, int], list[dict]] = {}
     for name in sorted(os.listdir(output_dir)):
@@ -257,22 +271,45 @@ def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
                                                                          kv[0][0])):
         xs = [r["eval_reward"] for r in rs]
         mean, half = stats.mean_ci(xs)
-        base = runs.get(("trl_as_is", staleness or 4))
-        diff, diff_half = (stats.welch_ci(xs, [r["eval_reward"] for r in base]) if base and variant != "trl_as_is"
-                           else (math.nan, math.nan))
         avg = lambda key, rs=rs: (statistics.fmean(r[key] for r in rs if r.get(key) is not None)  # noqa: E731
                                   if any(r.get(key) is not None for r in rs) else math.nan)
         rows.append(dict(variant=variant, max_staleness=staleness, n_seeds=len(xs), reward_mean=mean,
-                         reward_ci95=half, per_seed=" ".join(f"{x:.6f}" for x in xs), vs_trl_as_is=diff,
-                         vs_trl_as_is_ci95=diff_half,
+                         reward_ci95=half, per_seed=" ".join(f"{x:.6f}" for x in xs),
                          lag_mean=avg("staleness_mean") if variant == "trl_as_is" else avg("lag_mean"),
                          dropped=avg("dropped"), kl=avg("kl"), seconds_per_run=avg("seconds")))
-    return rows
+    return analyse(rows)
+
+
+def baseline(row: dict) -> tuple[str, int] | None:
+    """What a row is compared with: TRL's trainer as is at the same ``max_staleness``; the synchronous run and TRL's
+    trainer at a larger bound against TRL's trainer at its default bound 4 (the cost of asynchrony / of the bound)."""
+    if row["variant"] == "trl_as_is":
+        return None if row["max_staleness"] == 4 else ("trl_as_is", 4)
+    return ("trl_as_is", row["max_staleness"] or 4)
+
+
+def analyse(rows: list[dict]) -> list[dict]:
+    """Add the paired comparisons to ``rows`` (in place; the seeds are shared, ``per_seed`` in seed order): against
+    :func:`baseline`, the mean per-seed difference ``vs_trl_as_is`` with its paired-t 95% interval (``_lo``,
+    ``_hi``), ``p_paired``, ``p_sign_flip`` (exact), ``tost_p`` (equivalence within ±EQUIVALENCE_MARGIN), and
+    ``p_holm``: the paired-t p Holm-adjusted over every comparison of the table. NaN where there is no baseline."""
+    by = {(r["variant"], r["max_staleness"]): [float(x) for x in r["per_seed"].split()] for r in rows}
+    for r in rows:
+        r.update(vs_trl_as_is=math.nan, vs_trl_as_is_lo=math.nan, vs_trl_as_is_hi=math.nan, p_paired=math.nan,
+                 p_sign_flip=math.nan, tost_p=math.nan)
+        r.pop("p_holm", None)
+        base = baseline(r)
+        if base is None or base not in by:
+            continue
+        c = paired.compare_paired(by[(r["variant"], r["max_staleness"])], by[base], margin=EQUIVALENCE_MARGIN)
+        r.update(vs_trl_as_is=c["diff"], vs_trl_as_is_lo=c["diff_lo"], vs_trl_as_is_hi=c["diff_hi"], p_paired=c["p"],
+                 p_sign_flip=c["p_sign_flip"], tost_p=c["tost_p"])
+    return paired.add_holm(rows, "p_paired", "p_holm")
 
 
 def write_results(rows: list[dict], path: str) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RESULT_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=RESULT_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -293,20 +330,28 @@ VARIANT_TEXT = {
 
 
 def markdown(rows: list[dict]) -> str:
-    """The table in docs/async.md: **bold** where a correction is significantly above TRL's trainer as is (95%
-    Welch interval excludes 0), ↓ where significantly below."""
-    out = ["| variant | max_staleness | n | held-out reward (95% CI) | vs TRL's trainer as is (95% CI) | "
-           "lag at the loss (mean) | samples dropped as stale | kl(pi_rollout‖pi_theta) | wall time (s) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    """The table in docs/async.md: the paired difference to TRL's trainer as is (:func:`baseline`) with its 95%
+    interval, the paired-t p Holm-adjusted over the table, the exact sign-flip p and the TOST p of equivalence within
+    ±EQUIVALENCE_MARGIN; **bold** where a correction is above its baseline after Holm, ↓ where below."""
+    out = ["| variant | max_staleness | n | held-out reward (95% CI) | vs TRL's trainer as is, paired (95% CI) | "
+           f"Holm p | sign-flip p | TOST p (±{EQUIVALENCE_MARGIN}) | lag at the loss (mean) | samples dropped as "
+           "stale | kl(pi_rollout‖pi_theta) | wall time (s) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, spec: format(x, spec) if math.isfinite(x) else "–"  # noqa: E731
     for r in rows:
-        diff, half = r["vs_trl_as_is"], r["vs_trl_as_is_ci95"]
-        better = math.isfinite(diff) and diff - half > 0
-        worse = math.isfinite(diff) and diff + half < 0
+        diff = r["vs_trl_as_is"]
+        significant = math.isfinite(r["p_holm"]) and r["p_holm"] < ALPHA
         name = VARIANT_TEXT.get(r["variant"], r["variant"])
-        vs = (f"{diff:+.3f} ± {half:.3f}" + (" ↓" if worse else "")) if math.isfinite(diff) else "—"
-        fmt = lambda x, spec: format(x, spec) if math.isfinite(x) else "–"  # noqa: E731
-        out.append(f"| {'**' + name + '**' if better else name} | {r['max_staleness'] or '–'} | {r['n_seeds']} | "
-                   f"{r['reward_mean']:.3f} ± {r['reward_ci95']:.3f} | {vs} | {fmt(r['lag_mean'], '.1f')} | "
+        vs = "—"
+        if math.isfinite(diff):
+            vs = (f"{diff:+.3f} [{r['vs_trl_as_is_lo']:+.3f}, {r['vs_trl_as_is_hi']:+.3f}]"
+                  + (" ↓" if significant and diff < 0 else ""))
+            if r["variant"] == "trl_as_is":
+                vs += " (vs itself at 4)"
+        bold = significant and diff > 0 and r["variant"] != "trl_as_is"
+        out.append(f"| {'**' + name + '**' if bold else name} | {r['max_staleness'] or '–'} | {r['n_seeds']} | "
+                   f"{r['reward_mean']:.3f} ± {r['reward_ci95']:.3f} | {vs} | {fmt(r['p_holm'], '.2g')} | "
+                   f"{fmt(r['p_sign_flip'], '.2g')} | {fmt(r['tost_p'], '.2g')} | {fmt(r['lag_mean'], '.1f')} | "
                    f"{fmt(r['dropped'], '.0f')} | {fmt(r['kl'], '.3f')} | {fmt(r['seconds_per_run'], '.0f')} |")
     return "\n".join(out)
 

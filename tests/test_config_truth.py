@@ -162,8 +162,9 @@ def test_trl_importance_sampling_fields_from_the_command_line(tmp_path):
 
     parser = TrlParser((RolloutCorrGRPOConfig,))
     (args,) = parser.parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none"])
-    # no preset: TRL's token_truncate mode (C=3) for a token-level loss
-    assert args.rollout_correction == RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=3.0)
+    # no preset: TRL 1.16's own default, sequence_mask with C=3
+    assert args.rollout_correction == RolloutCorrectionConfig(rollout_is="sequence", rollout_is_bound="mask",
+                                                              rollout_is_threshold=3.0)
     assert args.vllm_importance_sampling_mode is None and args.vllm_importance_sampling_correction is False
     (args,) = parser.parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none",
                                             "--vllm_importance_sampling_mode", "token_mask",

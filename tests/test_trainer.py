@@ -194,9 +194,9 @@ def test_config_preset_overrides_and_refusals(tmp_path):
     assert cfg.rollout_correction.rollout_rs_threshold == 5.0 and cfg.rollout_correction.rollout_is == "sequence"
     cfg = RolloutCorrGRPOConfig(**base, rollout_correction_preset="decoupled_seq_is_rs", rollout_rs="none")
     assert cfg.rollout_correction.rollout_rs is None and cfg.rollout_correction.rollout_rs_threshold is None
-    # no preset: TRL's token_truncate mode (C=3) for a token-level loss
-    assert RolloutCorrGRPOConfig(**base).rollout_correction == RolloutCorrectionConfig(rollout_is="token",
-                                                                                       rollout_is_threshold=3.0)
+    # no preset: TRL 1.16's own default, sequence_mask with C=3
+    assert RolloutCorrGRPOConfig(**base).rollout_correction == RolloutCorrectionConfig(
+        rollout_is="sequence", rollout_is_bound="mask", rollout_is_threshold=3.0)
     assert not RolloutCorrGRPOConfig(**base).vllm_importance_sampling_correction
     with pytest.raises(ValueError, match="Unknown rollout correction preset 'bogus'"):
         RolloutCorrGRPOConfig(**base, rollout_correction_preset="bogus")

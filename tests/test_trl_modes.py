@@ -120,18 +120,22 @@ class _nothing:
         return False
 
 
-def test_no_preset_is_trls_token_truncate_or_its_default_for_every_loss_type_and_level(tmp_path):
-    """The class swap with no preset: TRL's token_truncate mode (C=3) for a token-level loss (VESPO included, whose
-    phi takes per-token ratios), TRL's own default sequence_mask (C=3) for a sequence-level one (GSPO)."""
+def test_no_preset_is_trls_own_default_for_every_loss_type_and_level(tmp_path):
+    """The class swap with no preset: TRL 1.16's own default, sequence_mask (C=3), for every loss type and level,
+    but VESPO, for which TRL refuses its sequence modes: there TRL's token_truncate mode (C=3)."""
+    from trl import GRPOConfig
+
     from test_trl_equivalence import LOSS_TYPES
 
+    trl = GRPOConfig(output_dir=str(tmp_path), use_cpu=True)  # TRL's own defaults, read from TRL
+    assert (trl.vllm_importance_sampling_correction, trl.vllm_importance_sampling_mode,
+            trl.vllm_importance_sampling_clip_max) == (True, "sequence_mask", 3.0)
     token_truncate = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=3.0)
     for loss_type in LOSS_TYPES:
         for level in ("token", "sequence"):
             args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type=loss_type,
                                          importance_sampling_level=level)
-            sequence_level = args.importance_sampling_level == "sequence" and loss_type != "vespo"
-            expected = RolloutCorrectionConfig.trl_default() if sequence_level else token_truncate
+            expected = token_truncate if loss_type == "vespo" else RolloutCorrectionConfig.trl_default()
             assert args.rollout_correction == expected, (loss_type, level)
     assert RolloutCorrectionConfig.trl_default() == RolloutCorrectionConfig(
         rollout_is="sequence", rollout_is_bound="mask", rollout_is_threshold=3.0)
@@ -144,11 +148,12 @@ def test_no_preset_trains(tmp_path, loss_type, level):
     from trainer_utils import make_trainer
 
     trainer, collector = make_trainer(tmp_path, max_steps=2, loss_type=loss_type, importance_sampling_level=level)
-    assert trainer.rollout_correction.rollout_is == level
+    # TRL's default, sequence_mask, but for VESPO (TRL's token_truncate)
+    assert trainer.rollout_correction.rollout_is == ("token" if loss_type == "vespo" else "sequence")
     trainer.train()
     logs = [log for log in collector.logs if "loss" in log]
     assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
-    if level == "sequence":  # TRL's sequence mask: its metrics are logged
+    if loss_type != "vespo":  # TRL's sequence mask: its metrics are logged
         assert all("rollout_corr/rollout_is_masked_fraction" in log for log in logs)
 
 

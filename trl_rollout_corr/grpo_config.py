@@ -25,8 +25,9 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
 
     Resolution order: ``rollout_correction_config`` (a saved config: directory, file or Hub repo id), else
     ``rollout_correction_preset``, else TRL's own correction as its ``vllm_importance_sampling_*`` fields spell it
-    (unset: TRL's ``token_truncate`` mode, C=3, for a token-level loss; TRL's default ``sequence_mask``, the
-    ``trl_default`` preset, for a sequence-level one; see :meth:`_default_correction`); then every correction field
+    (unset: TRL 1.16's own default, ``sequence_mask`` with C=3, the ``trl_default`` preset; VESPO, for which TRL
+    accepts only its token modes, TRL's ``token_truncate`` with C=3; see :meth:`_default_correction`); then every
+    correction field
     set here (not ``None``) overrides it. Use the string ``"none"`` to switch ``rollout_is``/``rollout_rs`` off
     explicitly. The resolved config is ``args.rollout_correction``; where pi_old comes from and where the correction
     is computed is ``args.correction_plan()`` (see :mod:`trl_rollout_corr.plan`). Every combination that the
@@ -91,20 +92,21 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
             values["vllm_importance_sampling_cap"])
 
     def _default_correction(self) -> dict[str, Any]:
-        """TRL's correction as spelled in TRL's fields; else the default: TRL's ``token_truncate`` mode (token TIS,
-        w_t = min(rho_t, 3)) for a token-level loss, TRL's default ``sequence_mask`` (C=3) for a sequence-level one
-        (GSPO, ``importance_sampling_level="sequence"``, optimizes one ratio per sequence: a token weight has no
-        place in it; VESPO, whose phi takes per-token ratios, stays token-level).
+        """TRL's correction as spelled in TRL's fields; else TRL 1.16's own default (``GRPOConfig``:
+        ``vllm_importance_sampling_correction=True``, mode ``sequence_mask``, ``clip_max`` 3.0), so that swapping
+        in this class with no preset gives exactly TRL's correction. VESPO is the exception: TRL refuses its
+        sequence modes with ``loss_type="vespo"`` (phi takes per-token ratios), so there the default is TRL's
+        ``token_truncate`` mode, C=3 (``DEFAULT_TOKEN_MODE``).
 
-        Why not TRL's default everywhere: in the mismatch benchmark (docs/benchmarks.md,
-        measured) ``token_truncate`` trained significantly better than ``sequence_mask`` on a stale engine and on
-        a 3-bit engine, and was never significantly worse; the sequence-level default there is TRL's (not measured).
+        Why TRL's default: the evidence cannot decide yet. The old mismatch benchmark's case for ``token_truncate``
+        (T <= 9 tokens, per-token KL 0.14-0.30) does not survive a paired, Holm-corrected analysis and had no
+        held-out seeds (docs/trainer.md, "TRL's own correction and the default"; docs/benchmarks.md).
         """
         if self.__dict__.get("_rc_trl_base") is not None:
             return RolloutCorrectionConfig(**self._rc_trl_base).to_dict()
-        if self.importance_sampling_level == "sequence" and self.loss_type != "vespo":
-            return super()._default_correction()
-        return RolloutCorrectionConfig(**translate_trl_correction(True, DEFAULT_TOKEN_MODE)).to_dict()
+        if self.loss_type == "vespo":
+            return RolloutCorrectionConfig(**translate_trl_correction(True, DEFAULT_TOKEN_MODE)).to_dict()
+        return RolloutCorrectionConfig(**translate_trl_correction(True)).to_dict()
 
     def _check_own_fields(self) -> None:
         if self.vllm_dtype not in (None, "auto", "float32", "bfloat16", "float16"):

@@ -30,7 +30,8 @@ TRL_DEFAULT_MODE = "sequence_mask"  # TRL 1.16's defaults: correction on, sequen
 TRL_DEFAULT_CLIP_MAX = 3.0
 TRL_DEFAULT: dict[str, Any] = dict(rollout_is="sequence", rollout_is_bound="mask",
                                    rollout_is_threshold=TRL_DEFAULT_CLIP_MAX)
-# this package's default for a token-level loss (docs/trainer.md, "The default, from the measurement")
+# the default where TRL's own (sequence_mask) cannot apply: loss_type="vespo", for which TRL accepts only its token
+# modes (RolloutCorrGRPOConfig._default_correction; every other loss gets TRL's default)
 DEFAULT_TOKEN_MODE = "token_truncate"
 TRL_IS_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                  "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",

@@ -1,11 +1,14 @@
-"""What the monitor advises after a policy collapse: only the remedies the mismatch benchmark measured to help.
+"""What the monitor advises after a policy collapse: only remedies that survive the mismatch benchmark's analysis.
 
 The benchmark (``benchmarks/mismatch_bench.py``; its results in ``benchmarks/results/mismatch_results.csv`` and the
-table in docs/benchmarks.md) trains every method on each kind of sampler/trainer mismatch.
-Each remedy below names the scenario whose rows back it; ``tests/test_mismatch_benchmark.py`` checks every one against
-that file (significantly above TRL's default and above every collapsing method there). The monitor tells the kinds
-apart by what it is told about the engine (``rollout_lag``): a lag > 0 is a stale engine, 0 a synchronous engine whose
-mismatch persists (quantized / low-precision), ``None`` unknown (both remedies are named).
+table in docs/benchmarks.md) trains every method on each kind of sampler/trainer mismatch. A remedy is listed in
+``REMEDIES`` only where the benchmark's ``recommended()`` names it for that kind's scenario (``SCENARIOS``): above TRL's
+default after a paired, Holm-corrected analysis of the whole table. ``tests/test_mismatch_benchmark.py`` checks that
+``REMEDIES`` is exactly that. Today no remedy survives (the old benchmark: T <= 9 tokens, per-token KL 0.14-0.30, 5
+seeds, no held-out seeds), so the advice names the metrics to watch and points to the benchmark page without
+recommending a preset. The monitor tells the kinds apart by what it is told about the engine (``rollout_lag``): a
+lag > 0 is a stale engine, 0 a synchronous engine whose mismatch persists (quantized / low precision), ``None``
+unknown (both kinds).
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.metric_names import metric
 from ..core.stats import METRIC_PREFIX
+
+# the kinds of mismatch the monitor tells apart: how a message says it, and the benchmark scenario that stands for it
+KINDS = {"stale": "a stale engine", "persistent": "a persistent precision gap"}
+SCENARIOS = {"stale": "stale4", "persistent": "wq3"}
+BENCHMARK_PAGE = 'docs/benchmarks.md, "Which preset for which mismatch"'
 
 
 @dataclass(frozen=True)
@@ -36,23 +45,27 @@ class Remedy:
         return RolloutCorrectionConfig.from_preset(value)
 
 
-REMEDIES = {
-    "stale": Remedy("a stale engine", "ppo_is_bypass", "rollout_correction_preset=ppo_is_bypass", "stale4"),
-    "persistent": Remedy("a persistent precision gap", "trl_token_truncate",
-                         "vllm_importance_sampling_mode=token_truncate", "wq3"),
-}
+# kind -> Remedy, only where the benchmark's paired Holm analysis supports one (none does: the old stale-engine remedy
+# ppo_is_bypass has Holm p 0.054 on stale4, the persistent-gap one, TRL's token_truncate, 0.23 on wq3)
+REMEDIES: dict[str, Remedy] = {}
+
+
+def kinds_for(rollout_lag: int | None) -> list[str]:
+    """The kinds of mismatch what is known about the engine allows: stale (lag > 0), persistent (0) or both."""
+    if rollout_lag is None:
+        return ["stale", "persistent"]
+    return ["stale" if rollout_lag > 0 else "persistent"]
 
 
 def remedies_for(rollout_lag: int | None) -> list[Remedy]:
-    """The remedies for what is known about the engine: stale (lag > 0), persistent (lag 0) or both (unknown)."""
-    if rollout_lag is None:
-        return [REMEDIES["stale"], REMEDIES["persistent"]]
-    return [REMEDIES["stale"] if rollout_lag > 0 else REMEDIES["persistent"]]
+    """The supported remedies for what is known about the engine (possibly none)."""
+    return [REMEDIES[kind] for kind in kinds_for(rollout_lag) if kind in REMEDIES]
 
 
 def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | None, has_metrics: bool) -> str:
-    """The advice after ``policy_collapse``: the measured remedy for the kind of mismatch, or, where the run already
-    uses it (``correction``: the run's resolved config), what remains: the learning rate, the mismatch at its source."""
+    """The advice after ``policy_collapse``: a remedy the benchmark supports for the kind of mismatch, or, where the
+    run already uses it (``correction``: the run's resolved config), what remains; for a kind without one, the metrics
+    to watch and the benchmark page, no preset."""
     if not has_metrics:
         lead = f"No {METRIC_PREFIX}* metrics are logged: enable a rollout correction."
     elif corrected is False:
@@ -63,8 +76,12 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
         lead = f"The engine is known to lag {rollout_lag} optimizer step(s)."
     else:
         lead = "The engine is synchronous, so its mismatch persists (quantization / precision)."
-    parts = []
-    for remedy in remedies_for(rollout_lag):
+    parts, unsupported = [], []
+    for kind in kinds_for(rollout_lag):
+        remedy = REMEDIES.get(kind)
+        if remedy is None:
+            unsupported.append(kind)
+            continue
         where = f"the mismatch benchmark's {remedy.scenario} scenario"
         if correction is not None and correction == remedy.config():
             parts.append(f"For {remedy.kind} this run already uses what trained best in {where} ({remedy.setting}): "
@@ -72,4 +89,12 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
                          "precise engine).")
         else:
             parts.append(f"For {remedy.kind}, {remedy.method} trained best in {where}: {remedy.setting}.")
+    if unsupported:
+        parts.append(
+            f"No correction is confirmed to help with {' or '.join(KINDS[k] for k in unsupported)}: the mismatch "
+            f"benchmark's {' and '.join(SCENARIOS[k] for k in unsupported)} rows single none out after a paired, "
+            f"Holm-corrected analysis, and none was checked on held-out seeds. Watch {metric('kl')} (the mismatch) "
+            f"and {metric('rollout_is_eff_sample_size')}, see {BENCHMARK_PAGE} for your regime (T * per-token KL), "
+            "and act on the cause: a lower learning rate, or less mismatch at its source (sync more often / a more "
+            "precise engine).")
     return " ".join([lead, *parts])

@@ -4,8 +4,9 @@ A ``transformers.TrainerCallback`` that reads the logged metrics. Alerts are out
 correction (rules and formulas in :mod:`trl_rollout_corr.monitor.rules`; every window is in optimizer steps):
 
 * ``policy_collapse``: the smoothed reward falls well below the run's own recent best while the entropy rises or
-  the effective sample size collapses; the message names only remedies the mismatch benchmark measured to help for
-  the kind of mismatch the engine's known lag implies (:mod:`trl_rollout_corr.monitor.advice`);
+  the effective sample size collapses; the message names a remedy only where the mismatch benchmark supports one for
+  the kind of mismatch the engine's known lag implies (none today: it names the metrics and the benchmark page;
+  :mod:`trl_rollout_corr.monitor.advice`);
 * ``all_rejected``: (nearly) every token rejected by the correction;
 * ``ess_collapse``: the IS weights' effective sample size collapsed;
 * ``weights_pinned``: a large fraction of tokens has rho above the truncation bound C;
