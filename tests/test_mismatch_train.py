@@ -141,3 +141,43 @@ def test_smoke_run_writes_its_files(tmp_path):
     text = open(os.path.join(out, "analysis.md")).read()
     assert "pre-registered family" in text and "| S1 | M1 |" in text
     assert os.path.exists(os.path.join(out, "mismatch_train.png"))
+
+
+def _fake_runs(scores: dict) -> list[dict]:
+    """Run records as run_one writes them, with only what the analysis reads."""
+    runs = []
+    for (scenario, method), values in scores.items():
+        for seed, score in enumerate(values):
+            runs.append(dict(scenario=scenario, method=method, seed=seed, score=score, kl_token=0.05, t_kl=2.0,
+                             engine_reward=0.5, collapsed=False))
+    return runs
+
+
+def test_the_analysis_picks_only_a_holm_significant_method_where_the_mismatch_costs():
+    """Ten seeds; in S1 on_policy beats M0 on every seed (the scenario counts) and M3 beats M1 on every seed: the
+    exact sign-flip p of 10 positive differences is 2 / 2**10, Holm over the 8-row family multiplies the smallest by
+    8 (0.015625); S2 costs nothing (on_policy = M0 + alternating +-0.01), so its rows cannot give a candidate."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    wiggle = [0.01 * (-1) ** i for i in range(10)]
+    shift = [0.05 + 0.001 * i for i in range(10)]
+    scores = {("all", "on_policy"): [b + 0.1 for b in base]}
+    for method in ("M0", "M1", "M2", "M4"):
+        scores[("S1", method)] = [b + (0.002 * i if method == "M2" else 0) for i, b in enumerate(base)]
+        scores[("S2", method)] = [b + 0.1 + w for b, w in zip(base, wiggle)]
+    scores[("S1", "M3")] = [b + s for b, s in zip(base, shift)]
+    scores[("S2", "M3")] = [b + 0.1 - w for b, w in zip(base, wiggle)]
+    text, result = mt.analyse(_fake_runs(scores), list(range(10)))
+    assert result["gap"]["S1"]["counts"] and not result["gap"]["S2"]["counts"]
+    rows = {(r["scenario"], r["method"]): r for r in result["family"]}
+    assert len(rows) == 8
+    m3 = rows[("S1", "M3")]
+    assert m3["p_sign_flip"] == pytest.approx(2 / 2 ** 10)
+    assert m3["p_sign_flip_holm"] == pytest.approx(8 * 2 / 2 ** 10)
+    assert m3["diff"] == pytest.approx(sum(shift) / 10)
+    assert m3["gap_closed"] == pytest.approx(sum(shift) / 10 / 0.1)  # (M3 - M0) / (on_policy - M0), M0 = M1 here
+    assert result["candidate"] == {"scenario": "S1", "method": "M3", "diff": pytest.approx(sum(shift) / 10)}
+    assert "**Candidate**: M3 in S1" in text
+    # the same data with S1's gap removed: nothing counts, so there is no candidate
+    scores[("all", "on_policy")] = list(scores[("S1", "M0")])
+    _, result = mt.analyse(_fake_runs(scores), list(range(10)))
+    assert not result["gap"]["S1"]["counts"] and result["candidate"] is None
