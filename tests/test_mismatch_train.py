@@ -1,0 +1,183 @@
+"""benchmarks/mismatch_train.py: the smoke run writes its files, the pre-registered family is what the code says,
+TRL's path really runs TRL's loss (checked on one batch against TRL's sequence_mask formula computed by hand), and
+the psum task's reward."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import mismatch_train as mt  # noqa: E402
+from trl_rollout_corr.testing import psum_task  # noqa: E402
+
+
+def test_psum_reward_is_the_correct_prefix():
+    prompt = "psum 3 1 4 1 5 ="
+    assert psum_task.psum_target(prompt) == ["3", "4", "8", "9", "4"]
+    rewards = psum_task.psum_reward([prompt] * 4, ["3 4 8 9 4", "3 4 7 9 4", "5 4 8 9 4", "3 4"])
+    assert rewards == [1.0, 2 / 5, 0.0, 2 / 5]  # the first wrong digit ends the credit
+
+
+def test_the_preregistered_family_is_what_the_code_says():
+    assert mt.REFERENCE == "M1"
+    assert mt.FAMILY == (("S1", "M0"), ("S1", "M2"), ("S1", "M3"), ("S1", "M4"),
+                         ("S2", "M0"), ("S2", "M2"), ("S2", "M3"), ("S2", "M4"))
+    assert mt.TOST_MARGIN == 0.02 and mt.COST_SCENARIO == "S0" and mt.HELD_OUT_SEEDS == (10, 11, 12, 13, 14)
+    # TRL's default and token_truncate run by TRL's own trainer; the others by this package's
+    assert mt.METHODS["M1"] == ("trl", dict(vllm_importance_sampling_mode="sequence_mask",
+                                            vllm_importance_sampling_clip_max=3.0))
+    assert mt.METHODS["M2"][0] == "trl" and mt.METHODS["M2"][1]["vllm_importance_sampling_mode"] == "token_truncate"
+    assert {m: k for m, (k, _) in mt.METHODS.items()} == dict(on_policy="ours", M0="ours", M1="trl", M2="trl",
+                                                              M3="ours", M4="ours")
+    assert mt.STEPS_PER_GENERATION >= 2  # the PPO clip against pi_old is live
+    from trl_rollout_corr.config import RolloutCorrectionConfig
+
+    # M4 is IcePop as the field defines it: token weight pi_old / pi_rollout zeroed outside [0.5, 5], kept in the count
+    assert RolloutCorrectionConfig.from_preset(mt.METHODS["M4"][1]["rollout_correction_preset"]) == \
+        RolloutCorrectionConfig(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold=5.0,
+                                rollout_is_threshold_lower=0.5)
+
+
+def _tiny(tmp_path, method, noise):
+    from datasets import Dataset
+
+    size = dict(mt.SMOKE)
+    tok = psum_task.build_tokenizer()
+
+    def factory():
+        return psum_task.build_model(size["hidden"], size["layers"], seed=0, num_heads=size["heads"],
+                                     n_digits=size["n_digits"])
+
+    engine = mt.Engine("S1", 0, tok, factory, size["n_digits"], noise=noise)
+    dataset = Dataset.from_dict({"prompt": psum_task.psum_prompts(64, size["n_digits"], seed=0)})
+    fields = mt.grpo_fields(str(tmp_path), 2, size["n_digits"], 1e-3, 0)
+    return mt.build_trainer(method, factory(), tok, engine, dataset, fields, []), engine
+
+
+def _per_token_logps(model, batch):
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -width - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
+
+
+def test_trl_path_runs_trls_sequence_mask_loss(tmp_path):
+    """M1's trainer is TRL's GRPOTrainer; its loss on one micro-batch equals TRL's sequence_mask formula by hand:
+    w = exp(sum_t (log pi_old - log pi_engine)) per sequence, zeroed above 3; loss = sum_t -min(r A, clip(r) A) w m / N
+    (dapo, N = the generation batch's token count / steps_per_generation), r = pi_theta / pi_old."""
+    from trl import GRPOTrainer
+
+    from test_trl_equivalence import one_micro_batch, perturb_
+
+    trainer, engine = _tiny(tmp_path, "M1", noise=(1.5, 0.3, 8.0, 1e-2))
+    assert type(trainer) is GRPOTrainer  # TRL's class, unmodified
+    rows = [{"prompt": p} for p in psum_task.psum_prompts(mt.GEN_PROMPTS, mt.SMOKE["n_digits"], seed=5)
+            for _ in range(mt.NUM_GENERATIONS)]
+    batch = one_micro_batch(trainer, rows)
+    assert engine.log and engine.log[0]["kl_token"] > 0  # the engine sampled it
+    model = trainer.model
+    with torch.no_grad():
+        old = _per_token_logps(model, batch)  # pi_old: the policy at generation, computed here independently
+    m = batch["completion_mask"].float()
+    sampling = batch["sampling_per_token_logps"]
+    w = torch.exp(((old - sampling) * m).sum(-1))
+    w = torch.where(w > 3.0, torch.zeros_like(w), w)  # TRL's default: masked above C=3, no lower bound
+    assert (w == 0).any() and ((w > 0) & (w < 3)).any(), w  # the mask bites on this batch, and not everywhere
+    torch.testing.assert_close(batch["importance_sampling_ratio"].squeeze(-1), w, rtol=1e-4, atol=1e-6)
+    # an untrained tiny policy earns no reward, so every advantage is 0: give the batch varied advantages (the loss
+    # reads them from the batch like any other field)
+    batch["advantages"] = torch.linspace(-1.5, 1.5, len(batch["advantages"]))[torch.randperm(len(w))]
+    perturb_(model)
+    model.zero_grad()
+    loss = trainer.compute_loss(model, batch)
+    logp = _per_token_logps(model, batch)
+    r = torch.exp(logp - old)
+    a = batch["advantages"][:, None]
+    per_token = -torch.minimum(r * a, torch.clamp(r, 1 - 0.2, 1 + 0.2) * a) * w[:, None]
+    n = batch["num_items_in_batch"] / mt.STEPS_PER_GENERATION
+    expected = (per_token * m).sum() / n
+    assert loss.item() != 0.0
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-4, atol=1e-6)
+
+
+def test_the_engine_returns_its_own_logprobs(tmp_path):
+    """S1's engine samples from the perturbed logits and returns their log-probs (not the policy's): the per-token
+    KL it logs is positive, and with no noise it returns the policy's log-probs (S0)."""
+    trainer, engine = _tiny(tmp_path, "M0", noise=(0.0, 0.0, 0.0, 1e-2))
+    prompts = psum_task.psum_prompts(2, mt.SMOKE["n_digits"], seed=3)
+    out = engine(prompts, trainer)
+    batch_ids = torch.tensor([p + c for p, c in zip(out["prompt_ids"], out["completion_ids"])
+                              if len(c) == len(out["completion_ids"][0])])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch_ids).logits.float()
+    p_len = len(out["prompt_ids"][0])
+    width = len(out["completion_ids"][0])
+    lp = torch.log_softmax(logits[:, p_len - 1: p_len - 1 + width], -1).gather(
+        -1, batch_ids[:, p_len:, None]).squeeze(-1)
+    same = [lps for c, lps in zip(out["completion_ids"], out["logprobs"]) if len(c) == width]
+    torch.testing.assert_close(lp, torch.tensor(same), rtol=1e-4, atol=1e-5)
+    assert engine.log[-1]["kl_token"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_smoke_run_writes_its_files(tmp_path):
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S1", "--methods", "M1", "--seeds", "0-1"])
+    runs = sorted(os.listdir(os.path.join(out, "runs")))
+    assert runs == ["S1__M1__seed0.json", "S1__M1__seed1.json", "all__on_policy__seed0.json",
+                    "all__on_policy__seed1.json"]
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(math.isfinite(float(r["score"])) for r in rows)
+    assert {r["trainer"] for r in rows if r["method"] == "M1"} == {"trl"}
+    assert all(float(r["kl_token"]) > 0 for r in rows if r["method"] == "M1")  # S1's engine differs from the policy
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert "pre-registered family" in text and "| S1 | M1 |" in text
+    assert os.path.exists(os.path.join(out, "mismatch_train.png"))
+
+
+def _fake_runs(scores: dict) -> list[dict]:
+    """Run records as run_one writes them, with only what the analysis reads."""
+    runs = []
+    for (scenario, method), values in scores.items():
+        for seed, score in enumerate(values):
+            runs.append(dict(scenario=scenario, method=method, seed=seed, score=score, kl_token=0.05, t_kl=2.0,
+                             engine_reward=0.5, collapsed=False))
+    return runs
+
+
+def test_the_analysis_picks_only_a_holm_significant_method_where_the_mismatch_costs():
+    """Ten seeds; in S1 on_policy beats M0 on every seed (the scenario counts) and M3 beats M1 on every seed: the
+    exact sign-flip p of 10 positive differences is 2 / 2**10, Holm over the 8-row family multiplies the smallest by
+    8 (0.015625); S2 costs nothing (on_policy = M0 + alternating +-0.01), so its rows cannot give a candidate."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    wiggle = [0.01 * (-1) ** i for i in range(10)]
+    shift = [0.05 + 0.001 * i for i in range(10)]
+    scores = {("all", "on_policy"): [b + 0.1 for b in base]}
+    for method in ("M0", "M1", "M2", "M4"):
+        scores[("S1", method)] = [b + (0.002 * i if method == "M2" else 0) for i, b in enumerate(base)]
+        scores[("S2", method)] = [b + 0.1 + w for b, w in zip(base, wiggle)]
+    scores[("S1", "M3")] = [b + s for b, s in zip(base, shift)]
+    scores[("S2", "M3")] = [b + 0.1 - w for b, w in zip(base, wiggle)]
+    text, result = mt.analyse(_fake_runs(scores), list(range(10)))
+    assert result["gap"]["S1"]["counts"] and not result["gap"]["S2"]["counts"]
+    rows = {(r["scenario"], r["method"]): r for r in result["family"]}
+    assert len(rows) == 8
+    m3 = rows[("S1", "M3")]
+    assert m3["p_sign_flip"] == pytest.approx(2 / 2 ** 10)
+    assert m3["p_sign_flip_holm"] == pytest.approx(8 * 2 / 2 ** 10)
+    assert m3["diff"] == pytest.approx(sum(shift) / 10)
+    assert m3["gap_closed"] == pytest.approx(sum(shift) / 10 / 0.1)  # (M3 - M0) / (on_policy - M0), M0 = M1 here
+    assert result["candidate"] == {"scenario": "S1", "method": "M3", "diff": pytest.approx(sum(shift) / 10)}
+    assert "**Candidate**: M3 in S1" in text
+    # the same data with S1's gap removed: nothing counts, so there is no candidate
+    scores[("all", "on_policy")] = list(scores[("S1", "M0")])
+    _, result = mt.analyse(_fake_runs(scores), list(range(10)))
+    assert not result["gap"]["S1"]["counts"] and result["candidate"] is None
