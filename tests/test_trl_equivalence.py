@@ -313,7 +313,10 @@ def test_is_weights_multiply_each_token_and_rejected_tokens_leave_every_count(tm
     assert loss.item() != 0.0
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-7)
     for a, p in zip(ours, trainer.model.parameters()):
-        torch.testing.assert_close(a, p.grad.to(a.dtype), rtol=1e-4, atol=1e-7)
+        # two float32 paths to one gradient: elements near 0 differ by float32 rounding of the summed terms (seen:
+        # 1.4e-7 in one element of 16 for luspo-sequence); a missing weight or a rejected token left in moves
+        # elements by >= 1e-3
+        torch.testing.assert_close(a, p.grad.to(a.dtype), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "sapo", "vespo"])

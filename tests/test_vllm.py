@@ -344,6 +344,37 @@ def test_server_mode_trains_with_a_real_weight_sync(model_dir, tmp_path, server)
     assert stale[2]["rollout_corr/log_ppl_abs_diff"] > 1e-3
 
 
+# ---------------------------------------------------------------- the pre-flight probe on the real engine
+def probe_engine(model_dir, out, **overrides):
+    from trl_rollout_corr.probe import probe
+
+    kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.01, vllm_dtype="float32")
+    kwargs.update(overrides)
+    trainer, _ = make_trainer(out, model=model_dir, max_steps=1, **kwargs)
+    return probe(trainer, 1, ("trl_default", "decoupled_token_is"))
+
+
+@requires_vllm
+def test_probe_on_colocated_vllm_measures_precision_and_separates_top_p(model_dir, tmp_path):
+    """A bf16 engine (vLLM's auto dtype) with top_p=0.7 against the fp32 trainer: after renormalizing over vLLM's
+    kept set, what stays is the bf16 gap measured in training (k3 1e-7..1e-5, as in
+    test_bfloat16_engine_mismatch_is_measured); before, the truncation dominates."""
+    report = probe_engine(model_dir, tmp_path, vllm_dtype=None, top_p=0.7)
+    assert report["samples_without_rollout_logprobs"] == 0 and report["tokens"]["count"] > 0
+    assert 1e-7 < report["tokens"]["k3"] < 1e-5
+    assert report["truncation"]["before_renormalization"]["k3"] > 100 * report["tokens"]["k3"]
+    assert report["truncation"]["kept_mass_mean"] < 0.95
+    assert any("vLLM dtype" in note for note in report["configuration"])
+
+
+@requires_vllm
+def test_probe_against_a_vllm_server(model_dir, tmp_path, server):
+    """The server (float32, synced at the probe's first generation) agrees with the fp32 trainer."""
+    report = probe_engine(model_dir, tmp_path, **server_args(server))
+    assert report["tokens"]["count"] > 0 and report["tokens"]["k3"] < 1e-8
+    assert report["methods"]["trl_default"]["rollout_is_eff_sample_size"] > 0.999
+
+
 # ---------------------------------------------------------------- several training processes
 ROOT = Path(__file__).resolve().parents[1]
 DIST_WORKER = str(ROOT / "tests" / "vllm_dist_worker.py")
@@ -483,33 +514,3 @@ def test_server_that_dies_mid_run_fails_clearly(model_dir, tmp_path, server):
         trainer.train()
     assert time.time() - killer.killed_at < 60
 
-
-# ---------------------------------------------------------------- the pre-flight probe on the real engine
-def probe_engine(model_dir, out, **overrides):
-    from trl_rollout_corr.probe import probe
-
-    kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.01, vllm_dtype="float32")
-    kwargs.update(overrides)
-    trainer, _ = make_trainer(out, model=model_dir, max_steps=1, **kwargs)
-    return probe(trainer, 1, ("trl_default", "decoupled_token_is"))
-
-
-@requires_vllm
-def test_probe_on_colocated_vllm_measures_precision_and_separates_top_p(model_dir, tmp_path):
-    """A bf16 engine (vLLM's auto dtype) with top_p=0.7 against the fp32 trainer: after renormalizing over vLLM's
-    kept set, what stays is the bf16 gap measured in training (k3 1e-7..1e-5, as in
-    test_bfloat16_engine_mismatch_is_measured); before, the truncation dominates."""
-    report = probe_engine(model_dir, tmp_path, vllm_dtype=None, top_p=0.7)
-    assert report["samples_without_rollout_logprobs"] == 0 and report["tokens"]["count"] > 0
-    assert 1e-7 < report["tokens"]["k3"] < 1e-5
-    assert report["truncation"]["before_renormalization"]["k3"] > 100 * report["tokens"]["k3"]
-    assert report["truncation"]["kept_mass_mean"] < 0.95
-    assert any("vLLM dtype" in note for note in report["configuration"])
-
-
-@requires_vllm
-def test_probe_against_a_vllm_server(model_dir, tmp_path, server):
-    """The server (float32, synced at the probe's first generation) agrees with the fp32 trainer."""
-    report = probe_engine(model_dir, tmp_path, **server_args(server))
-    assert report["tokens"]["count"] > 0 and report["tokens"]["k3"] < 1e-8
-    assert report["methods"]["trl_default"]["rollout_is_eff_sample_size"] > 0.999
