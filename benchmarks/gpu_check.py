@@ -307,7 +307,10 @@ def phase_env(result: dict, ctx: Context) -> None:
         raise RuntimeError("no CUDA device (run with --toy on a CPU)")
     # a None entry is the package's guard marking the module absent (TRL_ROLLOUT_CORR_NO_VLLM), not an import
     result["imported"] = {name: sys.modules.get(name) is not None for name in ("vllm", "deepspeed")}
-    result["package_from"] = os.path.dirname(trl_rollout_corr.__file__)
+    # relative to this checkout (a path outside it is named as such, never a machine's absolute path)
+    package = os.path.dirname(trl_rollout_corr.__file__)
+    inside = os.path.commonpath([package, ROOT]) == ROOT
+    result["package_from"] = os.path.relpath(package, ROOT) if inside else "outside this checkout"
 
 
 # ---------------------------------------------------------------------------------------------- 2. model

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for benchmarks/gpu_check.py on the lent GPU machine (no network there): only what its image lacks.
 #
-# The device image (/work/.library/device/KINDS.md, "Python packages already there") has torch 2.11+cu130,
+# The lent GPU machine's image (its package list, as documented where the machine is lent) has torch 2.11+cu130,
 # transformers 5.17, accelerate 1.15, peft, tokenizers, huggingface-hub, numpy, pandas, pyarrow, fsspec, xxhash,
 # psutil, jinja2, pyyaml, tqdm, requests, httpx, filelock, packaging. Missing: TRL and datasets, and datasets' dill and
 # multiprocess. Carry nothing the image has: `pip install --target /tmp/site` puts /tmp/site first on PYTHONPATH,

@@ -3,7 +3,8 @@ is the output of ``python benchmarks/async_staleness.py ... --results`` (the com
 page's table is what the benchmark's own ``markdown`` generates from it; >= 5 seeds per row, TRL's trainer as is
 at both staleness bounds; the paired statistics follow from the per-seed values (an independent recomputation:
 scipy's ttest_rel, sign patterns enumerated, Holm by its definition, TOST's two one-sided t-tests from scipy's t
-distribution) and agree with the review's own recomputation (/work/shared/notes/benchmark-review-2026-11.md)."""
+distribution) and agree with the review's own recomputation (benchmark-review-2026-11.md, the project's shared
+notes)."""
 
 import itertools
 import math

@@ -8,7 +8,8 @@ the floor and the ceiling, with >= 5 seeds per row; the paired statistics (diffe
 exact sign-flip, Holm over the 33 comparisons, gap closed with Fieller's interval) follow from the per-seed values by
 an independent recomputation (scipy's ttest_rel, sign patterns enumerated, Holm by its definition, Fieller's
 endpoints put back in its equation) and agree with the review's own recomputation
-(/work/shared/notes/benchmark-review-2026-11.md); and the monitor names a remedy only where the benchmark supports one.
+(benchmark-review-2026-11.md in the project's shared notes); and the monitor names a remedy only where the benchmark
+supports one.
 """
 
 import itertools

