@@ -90,18 +90,6 @@ def psum_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
 def supervised_warmup(model, tokenizer, steps: int = 200, batch_size: int = 64, lr: float = 3e-3,
                       n_digits: int = N_DIGITS, seed: int = 0) -> None:
     """AdamW steps of teacher forcing on the task so that GRPO starts from a non-trivial policy."""
-    import torch
+    from .toy_task import teacher_forcing
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for step in range(steps):
-        prompts = psum_prompts(batch_size, n_digits, seed=seed * 100003 + step)
-        texts = [p + " " + " ".join(psum_target(p)) + " <eos>" for p in prompts]
-        ids = torch.tensor([tokenizer.convert_tokens_to_ids(t.split()) for t in texts])  # (B, L)
-        labels = ids.clone()
-        labels[:, : n_digits + 2] = -100  # learn the answer only
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
+    teacher_forcing(model, tokenizer, psum_prompts, psum_target, steps, batch_size, lr, n_digits, seed)

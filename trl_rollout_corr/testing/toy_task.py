@@ -70,13 +70,20 @@ def reverse_reward(prompts: list[str], completions: list[str], **_) -> list[floa
 def supervised_warmup(model, tokenizer, steps: int = 90, batch_size: int = 64, lr: float = 1e-3,
                       n_digits: int = 6, seed: int = 0) -> None:
     """A few AdamW steps of teacher forcing on the task so that GRPO starts from a non-trivial policy."""
+    teacher_forcing(model, tokenizer, reverse_prompts, reverse_target, steps, batch_size, lr, n_digits, seed)
+
+
+def teacher_forcing(model, tokenizer, make_prompts, target, steps: int, batch_size: int, lr: float, n_digits: int,
+                    seed: int) -> None:
+    """AdamW steps on ``prompt answer <eos>`` with the loss on the answer only (a task's supervised warm-up):
+    ``make_prompts(n, n_digits, seed=...)`` draws the prompts, ``target(prompt)`` gives the answer's tokens."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for step in range(steps):
-        prompts = reverse_prompts(batch_size, n_digits, seed=seed * 100003 + step)
-        texts = [p + " " + " ".join(reverse_target(p)) + " <eos>" for p in prompts]
+        prompts = make_prompts(batch_size, n_digits, seed=seed * 100003 + step)
+        texts = [p + " " + " ".join(target(p)) + " <eos>" for p in prompts]
         ids = torch.tensor([tokenizer.convert_tokens_to_ids(t.split()) for t in texts])  # (B, L)
         labels = ids.clone()
         labels[:, : n_digits + 2] = -100  # learn the answer only
