@@ -3,7 +3,7 @@
 vLLM loads every installed general plugin in each process it starts (engine core, workers, the model-inspection
 subprocess), for every ``vllm serve`` of the environment, not only this package's. The plugin is needed only where
 torch is a CPU build: there it hides CUDA builds of torchvision / torchaudio / torchcodec before model code imports
-transformers (``trl_rollout_corr._cpu_guard``). With a CUDA or ROCm torch ``register`` returns at once and
+transformers (``trl_rollout_corr.runtime.cpu_guard``). With a CUDA or ROCm torch ``register`` returns at once and
 ``trl_rollout_corr`` is not imported (its config, core and the exit hook stay out of vLLM's processes).
 """
 
@@ -19,6 +19,6 @@ def register() -> None:
 
     if torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None:
         return
-    from trl_rollout_corr._cpu_guard import hide_cuda_only_extensions
+    from trl_rollout_corr.runtime.cpu_guard import hide_cuda_only_extensions
 
     hide_cuda_only_extensions()

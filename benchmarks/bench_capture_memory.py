@@ -123,7 +123,7 @@ def run_variant(opts) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
                               processing_class=tokenizer)
     else:
-        import trl_rollout_corr.trainer as ours
+        import trl_rollout_corr.grpo.trainer as ours
 
         if variant == "ours_output_scores":
             ours.capture_sampling_logprobs = output_scores_capture

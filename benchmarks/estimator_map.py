@@ -352,7 +352,7 @@ def package_inputs(cfg, base: dict, train_logp: torch.Tensor, engine_logp: torch
     """The micro-batch this package's trainer hands TRL's loss (``trainer._correction`` / ``_corrected_inputs``, one
     generation batch = one micro-batch, pi_old = pi_theta), from the core's weights and mask."""
     from trl_rollout_corr.core import compute_rollout_correction_stats
-    from trl_rollout_corr.losses import PI_ROLLOUT, corrected_loss_mask, safe_anchor, weighted_advantages
+    from trl_rollout_corr.core.losses import PI_ROLLOUT, corrected_loss_mask, safe_anchor, weighted_advantages
 
     mask = base["completion_mask"]  # (B, T)
     m2po = getattr(cfg, "zeroes_advantages", False)  # M2PO's trust region reads the advantages' signs
@@ -368,7 +368,7 @@ def package_inputs(cfg, base: dict, train_logp: torch.Tensor, engine_logp: torch
     patched["tool_mask"] = corrected_loss_mask(mask, base.get("tool_mask"), keep)  # (B, T)
     patched["advantages"] = weighted_advantages(base["advantages"], is_weights, cfg.rollout_is == "sequence")
     if m2po and result.advantage_mask is not None:  # losses.zeroed_advantages: A = 0, token kept in the count
-        from trl_rollout_corr.losses import zeroed_advantages
+        from trl_rollout_corr.core.losses import zeroed_advantages
 
         patched["advantages"] = zeroed_advantages(patched["advantages"], result.advantage_mask)  # (B, T)
     kept = mask * keep  # (B, T)

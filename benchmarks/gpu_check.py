@@ -26,7 +26,7 @@ presets) are skipped and marked so. The costs below are estimates for one H100 (
    tokens (no EOS) with the package's log-prob capture (the trainer's transformers path); TRL's forward (the one both
    trainers run) scores them. Per-token k1 and k3 KL, max |log ratio|, T * KL, over the first T tokens for each T.
    Decoding is launch-bound, ~15-30 ms per token step: 2048 steps, 30-60 s. ~60 s.
-6. ``preflight``: ``trl-rollout-corr probe``'s work (``trl_rollout_corr.probe``) on one generation batch of 16 x 512
+6. ``preflight``: ``trl-rollout-corr probe``'s work (``trl_rollout_corr.cli.probe``) on one generation batch of 16 x 512
    tokens with top-p 0.95: its cost and what it reports. ~40 s.
 7. ``presets``: every preset of ``RolloutCorrectionConfig.preset_names()`` (this package's, then verl's names), then
    top-p 0.9 and top-k 50 sampling (the probe in the loss), each a fresh RolloutCorrGRPOTrainer on the transformers
@@ -670,11 +670,11 @@ def phase_mismatch(result: dict, ctx: Context) -> None:
 
 # ---------------------------------------------------------------------------------------------- 6. the probe
 def phase_preflight(result: dict, ctx: Context) -> None:
-    """``trl-rollout-corr probe``'s work (trl_rollout_corr/probe.py) on this model: one generation batch of
+    """``trl-rollout-corr probe``'s work (trl_rollout_corr/cli/probe.py) on this model: one generation batch of
     ``preflight_batch`` x ``preflight_length`` tokens with top-p 0.95, generated and scored as training would; its
     cost and what it reports."""
     from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-    from trl_rollout_corr.probe import probe
+    from trl_rollout_corr.cli.probe import probe
 
     length, batch = ctx.sizes["preflight_length"], ctx.sizes["preflight_batch"]
     args = RolloutCorrGRPOConfig(**ctx.common_args(length, batch, 1), top_p=0.95)
@@ -702,7 +702,7 @@ def phase_preflight(result: dict, ctx: Context) -> None:
 # ---------------------------------------------------------------------------------------------- 6. presets
 def phase_presets(result: dict, ctx: Context, report: Report) -> None:
     from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-    from trl_rollout_corr.config import RolloutCorrectionConfig
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
 
     length, batch, steps = ctx.sizes["preset_length"], ctx.sizes["preset_batch"], ctx.sizes["preset_steps"]
     runs = {name: (name, {}) for name in RolloutCorrectionConfig.preset_names()}

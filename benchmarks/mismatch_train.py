@@ -482,7 +482,7 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float) 
     import transformers  # noqa: F401
     import trl  # noqa: F401
 
-    import trl_rollout_corr.trainer  # noqa: F401
+    import trl_rollout_corr.grpo.trainer  # noqa: F401
 
     torch.set_num_threads(1)
     running: dict[int, tuple[str, float]] = {}

@@ -47,7 +47,7 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
     from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
     from trl_rollout_corr.testing.toy_task import (build_model, build_tokenizer, held_out_reward, reverse_prompts,
                                                    reverse_reward, supervised_warmup)
-    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+    from trl_rollout_corr.grpo.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
     t0 = time.time()

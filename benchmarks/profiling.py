@@ -39,7 +39,7 @@ import torch
 import trl_rollout_corr
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(trl_rollout_corr.__file__))
-_EXCLUDED = tuple(os.path.join(_PACKAGE_DIR, name) for name in ("demo", "cli.py"))  # not the training path
+_EXCLUDED = tuple(os.path.join(_PACKAGE_DIR, name) for name in ("demo", "cli"))  # not the training path
 _CPU_PIPELINE = (os.path.join(_PACKAGE_DIR, "trl_hooks", "async_grpo_data.py"),)  # collates CPU batches
 _METHODS = ("item", "cpu", "numpy", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "equal",
             "allclose", "masked_select", "unique")

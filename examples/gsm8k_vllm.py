@@ -11,7 +11,7 @@ import argparse
 from datasets import load_dataset
 
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-from trl_rollout_corr.rewards import math_answer_reward
+from trl_rollout_corr.cli.rewards import math_answer_reward
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")

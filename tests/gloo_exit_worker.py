@@ -1,4 +1,4 @@
-"""A process of tests/test_distributed_exit.py (the teardown abort of trl_rollout_corr/distributed_exit.py).
+"""A process of tests/test_distributed_exit.py (the teardown abort of trl_rollout_corr/runtime/distributed_exit.py).
 
 Usage: python gloo_exit_worker.py {drained|bare} gather              (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
        python gloo_exit_worker.py {drained|bare} waiter MARKER PORT  (one process)

@@ -1,4 +1,4 @@
-"""The CPU stand-in for TRL's tree attention kernel (trl_rollout_corr.async_grpo.tree_attention) against plain
+"""The CPU stand-in for TRL's tree attention kernel (trl_rollout_corr.trl_hooks.tree_attention) against plain
 attention: TRL's own packing (a prefix trie of samples sharing a prompt), TRL's fused log-prob head, and a per-sample
 eager forward of the same model as the reference."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_rollout_corr.async_grpo.tree_attention import flash_attn_varlen_func
+from trl_rollout_corr.trl_hooks.tree_attention import flash_attn_varlen_func
 from trl_rollout_corr.testing.toy_task import build_model
 
 
@@ -43,7 +43,7 @@ def test_packed_trie_log_probs_equal_a_plain_forward_per_sample(monkeypatch):
     from trl.experimental.async_grpo import packing
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_rollout_corr.async_grpo.tree_attention import KERNEL
+    from trl_rollout_corr.trl_hooks.tree_attention import KERNEL
 
     monkeypatch.setattr(packing, "_flash_attn", lambda: KERNEL)
     packing.register_tree_attention()

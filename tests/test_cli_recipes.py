@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from trl_rollout_corr import RolloutCorrectionConfig
-from trl_rollout_corr.cli import parse_train_args
+from trl_rollout_corr.cli.main import parse_train_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = ["--use_cpu", "true"]  # the recipes use bf16 for GPUs; this machine has none
@@ -59,7 +59,7 @@ def test_recipes_written_out_work_from_any_directory(tmp_path, monkeypatch, caps
 
     import yaml
 
-    from trl_rollout_corr.cli import main
+    from trl_rollout_corr.cli.main import main
 
     elsewhere, out = tmp_path / "elsewhere", tmp_path / "my_recipes"
     elsewhere.mkdir()

@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 from trl_rollout_corr import RolloutCorrectionConfig, RolloutCorrGRPOConfig
-from trl_rollout_corr.config import CONFIG_NAME
+from trl_rollout_corr.config.correction import CONFIG_NAME
 from trainer_utils import make_trainer
 
 CORRECTION_FIELDS = [f.name for f in dataclasses.fields(RolloutCorrectionConfig)]

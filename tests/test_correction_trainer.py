@@ -1,4 +1,5 @@
-"""The layer both trainers share (trl_rollout_corr.correction_trainer): counts by hand, the args check, and that
+"""The layer both trainers share (trl_rollout_corr.training.correction_trainer): counts by hand, the args check, and
+that
 neither trainer writes the shared part again."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 from trl_rollout_corr.async_grpo import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
 from trl_rollout_corr.core.stats import RolloutStats
-from trl_rollout_corr.correction_trainer import (ALL_REJECTED, CorrectionTrainerMixin, micro_batch_counts,
+from trl_rollout_corr.training.correction_trainer import (ALL_REJECTED, CorrectionTrainerMixin, micro_batch_counts,
                                                  require_correction_config)
 
 SHARED = ("_rc_freeze", "_rc_reduce", "_rc_metrics", "save_model")

@@ -1,4 +1,5 @@
-"""A finished multi-process gloo run exits 0 through normal interpreter teardown (trl_rollout_corr/distributed_exit.py).
+"""A finished multi-process gloo run exits 0 through normal interpreter teardown
+(trl_rollout_corr/runtime/distributed_exit.py).
 
 The abort is a race (gloo's worker thread frees a tensor as the interpreter finalizes): measured with the switch
 interval raised, 2-rank torchrun launches of the same collectives without a print (an earlier form of ``gather``)

@@ -89,8 +89,8 @@ def test_the_readme_s_relative_links_resolve():
 
 # ---------------------------------------------------------------- presets, recipes and counts
 def _registry():
-    from trl_rollout_corr.config import RolloutCorrectionConfig
-    from trl_rollout_corr.verl_names import VERL_PRESETS
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
+    from trl_rollout_corr.config.verl_names import VERL_PRESETS
 
     return RolloutCorrectionConfig.preset_names(), RolloutCorrectionConfig.PRESETS, VERL_PRESETS
 
@@ -155,12 +155,12 @@ def _shown(value: object) -> str:
 
 
 def test_the_configuration_table_has_every_field_and_its_default():
-    from trl_rollout_corr.config import RolloutCorrectionConfig
-    from trl_rollout_corr.correction_fields import RolloutCorrectionFields
-    from trl_rollout_corr.server_fields import VllmServerFields
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
+    from trl_rollout_corr.config.fields import RolloutCorrectionFields
+    from trl_rollout_corr.config.server_fields import VllmServerFields
 
     flat = {f.name: f.default for f in dataclasses.fields(RolloutCorrectionFields)}
-    flat.update(_dataclass_defaults(ROOT / "trl_rollout_corr" / "grpo_config.py", "RolloutCorrGRPOConfig"))
+    flat.update(_dataclass_defaults(ROOT / "trl_rollout_corr" / "grpo" / "config.py", "RolloutCorrGRPOConfig"))
     flat.update({f.name: f.default for f in dataclasses.fields(VllmServerFields)})  # shared with the async config
     core = {f.name: f.default for f in dataclasses.fields(RolloutCorrectionConfig)}
     rows = table_rows(doc_block("config-fields", "docs/trainer.md"))
@@ -310,6 +310,6 @@ def test_no_page_points_to_readme_sections_that_moved():
 
 def test_the_documented_level_of_the_plan_s_log_line_is_the_code_s():
     """docs/exactness.md says at which level the trainer logs its correction plan; that is what trainer.py does."""
-    source = (ROOT / "trl_rollout_corr" / "trainer.py").read_text(encoding="utf-8")
+    source = (ROOT / "trl_rollout_corr" / "grpo" / "trainer.py").read_text(encoding="utf-8")
     level = re.search(r"logger\.(\w+)\(\s*\"Rollout correction: %s\"", source).group(1)
     assert f"at {level.upper()} level" in " ".join(PAGE["exactness.md"].split()), level

@@ -57,7 +57,7 @@ def test_every_number_is_finite(report):
 
 
 def test_every_preset_and_truncated_sampling_trained_with_finite_values(report):
-    from trl_rollout_corr.config import RolloutCorrectionConfig
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
 
     runs = report["phases"]["presets"]["result"]["runs"]
     assert list(runs) == [*RolloutCorrectionConfig.preset_names(), "top_p_0.9", "top_k_50"]

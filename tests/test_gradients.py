@@ -73,8 +73,8 @@ CASES = {
 def refused(case: dict, shape: dict) -> bool:
     """Bypass with a generation-batch statistic and several optimizer steps per split batch is refused by design
     (tests/test_plan.py checks the refusal)."""
-    from trl_rollout_corr.config import RolloutCorrectionConfig
-    from trl_rollout_corr.plan import plan_correction
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
+    from trl_rollout_corr.config.plan import plan_correction
 
     fields = {k: v for k, v in case.items() if k.startswith("rollout_")}
     rc = RolloutCorrectionConfig.from_preset(case["preset"], **fields)

@@ -10,7 +10,7 @@ import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 from trl_rollout_corr.core.group_baseline import fully_rejected, group_advantages
-from trl_rollout_corr.plan import plan_correction
+from trl_rollout_corr.config.plan import plan_correction
 
 ONE = torch.ones(1)
 

@@ -14,7 +14,7 @@ import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 from trl_rollout_corr import compute_rollout_correction_and_rejection_mask as correct
-from trl_rollout_corr.correction_fields import _explicit_value
+from trl_rollout_corr.config.fields import _explicit_value
 
 # rho per token: 1, 6 (> 5), 0.4 (< 0.5), 4.5, 0.55, and one padding position
 RHO = [[1.0, 6.0, 0.4], [4.5, 0.55, 1.0]]

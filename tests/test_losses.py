@@ -1,4 +1,4 @@
-"""How the correction enters TRL's loss (trl_rollout_corr.losses): hand-computed cases, shapes and dtypes."""
+"""How the correction enters TRL's loss (trl_rollout_corr.core.losses): hand-computed cases, shapes and dtypes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from trl_rollout_corr import RolloutCorrectionConfig
 from trl_rollout_corr.core.pipeline import finite_rows_mask, rollout_usable_mask
-from trl_rollout_corr.losses import (PI_OLD, PI_ROLLOUT, PI_THETA, corrected_loss_mask, loss_anchor, safe_anchor,
+from trl_rollout_corr.core.losses import (PI_OLD, PI_ROLLOUT, PI_THETA, corrected_loss_mask, loss_anchor, safe_anchor,
                                      vespo_sampler_ratio, weighted_advantages, weights_advantage,
                                      zeroed_advantages)
 

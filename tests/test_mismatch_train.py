@@ -37,7 +37,7 @@ def test_the_preregistered_family_is_what_the_code_says():
     assert {m: k for m, (k, _) in mt.METHODS.items()} == dict(on_policy="ours", M0="ours", M1="trl", M2="trl",
                                                               M3="ours", M4="ours")
     assert mt.STEPS_PER_GENERATION >= 2  # the PPO clip against pi_old is live
-    from trl_rollout_corr.config import RolloutCorrectionConfig
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
 
     # M4 is IcePop as the field defines it: token weight pi_old / pi_rollout zeroed outside [0.5, 5], kept in the count
     assert RolloutCorrectionConfig.from_preset(mt.METHODS["M4"][1]["rollout_correction_preset"]) == \

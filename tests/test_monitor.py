@@ -268,7 +268,7 @@ def test_resumed_replay_matches_an_uninterrupted_one():
 
 # ---------------------------------------------------------------- the CLI / YAML switch
 def parse(argv):
-    from trl_rollout_corr.cli import parse_train_args
+    from trl_rollout_corr.cli.main import parse_train_args
 
     return parse_train_args(["--use_cpu", "true", *argv])[3]
 

@@ -1,4 +1,4 @@
-"""Where pi_old comes from and where the correction is computed (trl_rollout_corr.plan), and what is refused."""
+"""Where pi_old comes from and where the correction is computed (trl_rollout_corr.config.plan), and what is refused."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 from trl_rollout_corr import RolloutCorrGRPOConfig
-from trl_rollout_corr.plan import check_composition, plan_correction
+from trl_rollout_corr.config.plan import check_composition, plan_correction
 from trl_rollout_corr.trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
 
 BN = dict(rollout_is_batch_normalize=True)

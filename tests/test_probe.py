@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trl_rollout_corr.core.mismatch import method_predictions, mismatch_summary
-from trl_rollout_corr.probe import analyse, collect, correction_params, format_report, probe, write_report
+from trl_rollout_corr.cli.probe import analyse, collect, correction_params, format_report, probe, write_report
 from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 
 from trainer_utils import make_trainer
@@ -149,7 +149,7 @@ def test_report_files_and_table(trainer_with, tmp_path):
 
 def test_probe_command_end_to_end(tmp_path, capsys):
     """``trl-rollout-corr probe`` with train's arguments on a local model and data directory."""
-    from trl_rollout_corr.cli import main
+    from trl_rollout_corr.cli.main import main
     from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts
 
     build_model(hidden_size=32).save_pretrained(tmp_path / "model")
@@ -169,7 +169,7 @@ def test_probe_command_end_to_end(tmp_path, capsys):
 
 
 def test_the_setup_notes_name_a_sampler_setting_the_trainer_cannot_reproduce(trainer_with):
-    from trl_rollout_corr.probe import configuration_notes
+    from trl_rollout_corr.cli.probe import configuration_notes
 
     trainer = trainer_with("none", repetition_penalty=1.3)
     notes = configuration_notes(trainer)
@@ -179,7 +179,7 @@ def test_the_setup_notes_name_a_sampler_setting_the_trainer_cannot_reproduce(tra
 
 def test_the_nearest_estimator_map_cell(tmp_path):
     """Nearest by |log T - log T_u| + |log T*KL - log T*KL_u| over a two-cell map written here."""
-    from trl_rollout_corr.probe import format_map_cell, nearest_map_cell
+    from trl_rollout_corr.cli.probe import format_map_cell, nearest_map_cell
 
     path = tmp_path / "map.csv"
     header = "T,source,level,method,kl_k3,t_kl,mse,bias2,bias2_se,relvar,ess_token,masked_seq\n"

@@ -7,7 +7,7 @@ import torch
 
 from test_rollout_func import TOK, build, make_rollout_func
 from trainer_utils import make_trainer
-from trl_rollout_corr.cli import parse_train_args
+from trl_rollout_corr.cli.main import parse_train_args
 
 
 def first_log(logs):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_rollout_corr.resume import STATE_NAME, correction_changes, vllm_weights_lost_at_resume
+from trl_rollout_corr.training.resume import STATE_NAME, correction_changes, vllm_weights_lost_at_resume
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -81,19 +81,19 @@ def test_the_stale_engine_the_monitor_and_the_correction_continue(runs):
 
 def test_a_changed_correction_is_named_at_resume_and_the_same_one_is_quiet(runs, tmp_path, caplog):
     from trainer_utils import make_trainer
-    from trl_rollout_corr.resume import restore_rollout_state
+    from trl_rollout_corr.training.resume import restore_rollout_state
 
     for preset, speaks in (("decoupled_token_is", False), ("ppo_is_bypass", True)):
         trainer, _ = make_trainer(tmp_path / preset, preset=preset)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.resume"):
+        with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.training.resume"):
             restore_rollout_state(trainer, str(runs["checkpoint"]))
         assert ("bypass_mode: False -> True" in caplog.text) is speaks, caplog.text
 
 
 def test_an_engine_other_than_the_checkpoint_s_is_refused(runs, tmp_path):
     from trainer_utils import make_trainer
-    from trl_rollout_corr.resume import restore_rollout_state
+    from trl_rollout_corr.training.resume import restore_rollout_state
     from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
 
     trainer, _ = make_trainer(tmp_path, preset="decoupled_token_is", rollout_sampler=EmulatedRolloutEngine("stale", 4))
@@ -116,7 +116,7 @@ def test_a_resumed_vllm_sync_schedule_keeps_its_phase(tmp_path):
     0, 8, 16, 24; the resumed one loads the checkpoint's weights once at 10 and then syncs at 16, 24 as well."""
     from types import SimpleNamespace
 
-    from trl_rollout_corr.resume import restore_rollout_state, save_rollout_state
+    from trl_rollout_corr.training.resume import restore_rollout_state, save_rollout_state
     from trl_rollout_corr.vllm.engine import _install_sync_schedule
 
     def fake_trainer():

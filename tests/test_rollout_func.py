@@ -44,7 +44,7 @@ def test_rollout_func_logprobs_reach_the_loss(tmp_path, preset):
 
 def test_rollout_func_without_logprobs_trains_uncorrected_warns_once_and_counts(tmp_path, caplog):
     trainer, col = build(tmp_path, make_rollout_func(drop_key=True), "decoupled_seq_is_rs", max_steps=2)
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
         trainer.train()
     logs = [entry for entry in col.logs if "loss" in entry]
     assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
@@ -56,7 +56,7 @@ def test_rollout_func_without_logprobs_trains_uncorrected_warns_once_and_counts(
 
 def test_rollout_logprobs_present_stay_quiet(tmp_path, caplog):
     trainer, col = build(tmp_path, make_rollout_func())
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
         trainer.train()
     log = [entry for entry in col.logs if "loss" in entry][0]
     assert log["rollout_corr/missing_rollout_logprobs_fraction"] == 0.0

@@ -17,8 +17,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from trl_rollout_corr import supported_versions
-from trl_rollout_corr.supported_versions import ALLOW_ENV, SUPPORTED, UnsupportedVersion, check_version
+from trl_rollout_corr.runtime import versions as supported_versions
+from trl_rollout_corr.runtime.versions import ALLOW_ENV, SUPPORTED, UnsupportedVersion, check_version
 
 sys.path.insert(0, os.path.dirname(__file__))
 ROOT = Path(__file__).resolve().parents[1]

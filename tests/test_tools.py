@@ -112,7 +112,7 @@ def test_a_mocked_generate_trains_uncorrected_like_trl_warns_once_and_counts(tmp
     trainer, collector = make(tmp_path, tool_task, per_device=3, max_steps=3, learning_rate=0.1)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with patch.object(trainer.model, "generate", side_effect=fake_generate_factory(tool_task[0])), \
-            caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+            caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
         trainer.train()
     logs = train_logs(collector)
     assert len(logs) == 3

@@ -14,9 +14,9 @@ import pytest
 
 import accelerate.commands.config
 from trl_rollout_corr import RolloutCorrectionConfig
-from trl_rollout_corr.cli import main as cli_main
-from trl_rollout_corr.train_command import main as train_main
-from trl_rollout_corr.train_command import parse_train_args, resolve_reward_funcs
+from trl_rollout_corr.cli.main import main as cli_main
+from trl_rollout_corr.cli.train import main as train_main
+from trl_rollout_corr.cli.train import parse_train_args, resolve_reward_funcs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD_MODULE = textwrap.dedent('''
@@ -134,7 +134,7 @@ def test_every_trl_grpo_argument_is_accepted():
     from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig
     from trl.scripts.grpo import make_parser as trl_grpo_parser
 
-    ours = {action.dest for action in __import__("trl_rollout_corr.train_command", fromlist=["make_parser"])
+    ours = {action.dest for action in __import__("trl_rollout_corr.cli.train", fromlist=["make_parser"])
             .make_parser()._actions}
     theirs = {action.dest for action in trl_grpo_parser()._actions}
     assert theirs <= ours, sorted(theirs - ours)
@@ -181,7 +181,7 @@ def test_a_field_switched_off_survives_a_round_trip_through_the_saved_fields(tmp
     veto switched off is written back as 'none' (None would mean 'not set here' and bring the preset's back)."""
     import yaml
 
-    from trl_rollout_corr.correction_fields import CORRECTION_FIELDS
+    from trl_rollout_corr.config.fields import CORRECTION_FIELDS
 
     base = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--use_cpu"]
     args = parse_train_args(base + ["--rollout_correction_preset", "decoupled_geo_rs",

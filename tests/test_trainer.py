@@ -179,7 +179,7 @@ def test_all_rejected_batch_gives_zero_loss_and_warning(tmp_path, caplog):
     trainer, col = make_trainer(tmp_path, rollout_is="none", rollout_rs="token", rollout_rs_threshold=1.0 + 1e-9,
                                 rollout_rs_threshold_lower=1.0, max_steps=1,
                                 rollout_sampler=EmulatedRolloutEngine("wq2"))
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
         trainer.train()
     log = train_logs(col)[0]
     assert log["loss"] == 0.0

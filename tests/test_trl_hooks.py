@@ -21,7 +21,7 @@ import torch
 import trl
 from trl import GRPOConfig, GRPOTrainer
 
-import trl_rollout_corr.trainer as trainer_module
+import trl_rollout_corr.grpo.trainer as trainer_module
 from test_trl_equivalence import LOSS_TYPES, ROWS, TOK, build, one_micro_batch
 from trainer_utils import tiny_model_dir
 from trl_rollout_corr import RolloutCorrGRPOTrainer

@@ -15,7 +15,7 @@ import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 from trl_rollout_corr import compute_rollout_correction_and_rejection_mask as correct
-from trl_rollout_corr.verl_names import VERL_PRESETS
+from trl_rollout_corr.config.verl_names import VERL_PRESETS
 
 
 def verl_keep(log_ratio, mask, rollout_rs, threshold):
@@ -123,7 +123,7 @@ def test_the_tensors_command_applies_every_field_of_the_preset(preset, capsys):
     import torch
 
     from trl_rollout_corr import RolloutCorrectionConfig
-    from trl_rollout_corr.cli import main
+    from trl_rollout_corr.cli.main import main
     from trl_rollout_corr.core import compute_rollout_correction_and_rejection_mask
 
     main(["tensors", "--preset", preset])

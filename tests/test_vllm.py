@@ -80,7 +80,7 @@ def test_config_refuses_bad_vllm_fields(tmp_path):
 
 
 def test_cpu_guard_detects_cuda_linked_libraries(tmp_path):
-    from trl_rollout_corr._cpu_guard import _links_cuda
+    from trl_rollout_corr.runtime.cpu_guard import _links_cuda
 
     cpu, cuda = tmp_path / "cpu_pkg", tmp_path / "cuda_pkg"
     cpu.mkdir(), cuda.mkdir()
@@ -183,7 +183,7 @@ def test_sync_interval_makes_a_stale_engine_and_a_resumed_run_keeps_its_schedule
         assert 1e-5 < k3[synced + 1] < k3[synced + 3]  # the gap (k3 >= 0; k1 is noisy in sign) grows until the next
 
     # resumed at step 4, a sync step: the engine loads the checkpoint's weights there, as the uninterrupted one did
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.resume"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.training.resume"):
         resumed, logs4 = train(model_dir, tmp_path / "at_sync", max_steps=8, resume=str(tmp_path / "full" /
                                                                                           "checkpoint-4"), **save)
     assert "not at a vLLM weight sync" not in caplog.text
@@ -195,7 +195,7 @@ def test_sync_interval_makes_a_stale_engine_and_a_resumed_run_keeps_its_schedule
     # checkpoint's (on-policy at step 7, where the uninterrupted engine lags) and says so; the phase stays (no sync
     # recorded at 6: the next one is at 8)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.resume"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.training.resume"):
         between, logs6 = train(model_dir, tmp_path / "between", max_steps=8, resume=str(tmp_path / "full" /
                                                                                          "checkpoint-6"), **save)
     assert "(step 6) is not at a vLLM weight sync (last sync at step 4, vllm_sync_interval=4)" in caplog.text
@@ -346,7 +346,7 @@ def test_server_mode_trains_with_a_real_weight_sync(model_dir, tmp_path, server)
 
 # ---------------------------------------------------------------- the pre-flight probe on the real engine
 def probe_engine(model_dir, out, **overrides):
-    from trl_rollout_corr.probe import probe
+    from trl_rollout_corr.cli.probe import probe
 
     kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.01, vllm_dtype="float32")
     kwargs.update(overrides)

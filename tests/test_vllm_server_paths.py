@@ -355,7 +355,7 @@ def test_vllm_serve_runs_the_launcher_of_vllm_0_31(cache, monkeypatch):
 
 # ---------------------------------------------------------------- F15: samplers that change pi_rollout
 def test_penalties_biases_and_constrained_decoding_are_named():
-    from trl_rollout_corr.trainer import pi_rollout_modifiers
+    from trl_rollout_corr.grpo.trainer import pi_rollout_modifiers
 
     def args(**kwargs):
         return SimpleNamespace(generation_kwargs=kwargs.pop("generation_kwargs", None), **kwargs)
@@ -381,7 +381,7 @@ def test_the_trainer_warns_for_a_sampler_setting_it_does_not_reproduce(tmp_path,
 
     from trainer_utils import make_trainer
 
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
         make_trainer(tmp_path, generation_kwargs={"no_repeat_ngram_size": 2})
     assert "no_repeat_ngram_size=2 change pi_rollout in a way the trainer does not reproduce" in caplog.text
 

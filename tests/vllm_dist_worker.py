@@ -91,7 +91,8 @@ def main() -> None:
         # does it (it destroys its groups, then the default one: destroying that first makes its hook fail)
         dist.barrier()
         dist.destroy_process_group()
-    # then the interpreter exits normally: the package's exit hook (trl_rollout_corr/distributed_exit.py) prevents the
+    # then the interpreter exits normally: the package's exit hook (trl_rollout_corr/runtime/distributed_exit.py)
+    # prevents the
     # teardown abort once seen here ("terminate called without an active exception") and the test checks rc == 0
 
 

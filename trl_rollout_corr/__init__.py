@@ -1,14 +1,14 @@
 """trl_rollout_corr: rollout correction (TIS, rejection sampling, veto, bypass, PG) for TRL's GRPOTrainer."""
 
-from ._cpu_guard import hide_cuda_only_extensions as _hide_cuda_only_extensions
+from .runtime.cpu_guard import hide_cuda_only_extensions as _hide_cuda_only_extensions
 
 _hide_cuda_only_extensions()  # before transformers/vLLM look for torchvision & co. (see _cpu_guard)
 
-from .distributed_exit import drain_gloo_workers_at_exit as _drain_gloo_workers_at_exit
+from .runtime.distributed_exit import drain_gloo_workers_at_exit as _drain_gloo_workers_at_exit
 
 _drain_gloo_workers_at_exit()  # a finished multi-process CPU run exits 0, not SIGABRT (see distributed_exit)
 
-from .config import RolloutCorrectionConfig
+from .config.correction import RolloutCorrectionConfig
 from .core import (
     compute_offpolicy_metrics,
     compute_rollout_correction_and_rejection_mask,
@@ -39,7 +39,7 @@ __all__ = [
 def __getattr__(name: str):
     # The trainer imports TRL (slow); load it only when asked for.
     if name in ("RolloutCorrGRPOConfig", "RolloutCorrGRPOTrainer"):
-        from . import trainer
+        from .grpo import trainer
 
         return getattr(trainer, name)
     if name in ("RolloutCorrAsyncGRPOConfig", "RolloutCorrAsyncGRPOTrainer"):

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import RolloutCorrectionConfig
-from ..correction_fields import RolloutCorrectionFields
-from ..server_fields import VllmServerFields
+from ..config.correction import RolloutCorrectionConfig
+from ..config.fields import RolloutCorrectionFields
+from ..config.server_fields import VllmServerFields
 
 
 @dataclass

@@ -46,8 +46,8 @@ from ..core.lag import lag_stats
 from ..core.metric_names import metric
 from ..core.pipeline import finite_rows_mask
 from ..core.stats import STAT_DTYPE, RolloutStats
-from ..correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
-from ..losses import PI_ROLLOUT, weights_advantage
+from ..training.correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
+from ..core.losses import PI_ROLLOUT, weights_advantage
 from ..trl_hooks import async_grpo as trl_async
 from ..trl_hooks.async_grpo_data import ADDED_KEYS, carrying_sample_versions
 from .config import RolloutCorrAsyncGRPOConfig
@@ -79,7 +79,7 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
         if args is None:  # the default config, named as TRL names its own
             args = RolloutCorrAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         require_correction_config(args, RolloutCorrAsyncGRPOConfig, "RolloutCorrAsyncGRPOTrainer")
-        from ..supported_versions import check_version
+        from ..runtime.versions import check_version
         from ..trl_hooks import async_grpo_cpu
 
         check_version("trl")

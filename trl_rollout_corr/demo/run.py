@@ -77,7 +77,7 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     from ..rollout.emulated import EmulatedRolloutEngine
     from ..testing.toy_task import (build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward,
                                     supervised_warmup)
-    from ..trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+    from ..grpo.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
     logging.getLogger("trl_rollout_corr.monitor").setLevel(logging.ERROR)  # alerts go to the table, not stderr
@@ -270,7 +270,7 @@ def int8_diagnostics(steps: int = 20) -> str:
 
     from ..rollout.emulated import EmulatedRolloutEngine
     from ..testing.toy_task import build_model, build_tokenizer, reverse_prompts, reverse_reward, supervised_warmup
-    from ..trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+    from ..grpo.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(2)

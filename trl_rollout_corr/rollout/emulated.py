@@ -11,7 +11,7 @@ A sampler is a separate copy of the policy that follows it the way a real engine
 Memory: the engine is one full copy of the policy on the policy's device (under ZeRO-3 built from the config there,
 while every rank gathers the whole policy for the copy). A stale engine also keeps up to ``lag + 1`` snapshots of the
 policy's state dict on the CPU (host memory: ``lag + 1`` times the model's size), and they travel in every
-checkpoint (:mod:`trl_rollout_corr.resume`).
+checkpoint (:mod:`trl_rollout_corr.training.resume`).
 """
 
 from __future__ import annotations

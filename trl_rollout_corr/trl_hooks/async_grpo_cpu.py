@@ -2,7 +2,7 @@
 
 - **Tree attention**: TRL packs a rank's samples into a prefix trie and runs attention with the Hub kernel
   ``kernels-community/flash-attn3`` (CUDA only, downloaded at first use). On CPU,
-  ``packing._flash_attn`` returns :mod:`trl_rollout_corr.async_grpo.tree_attention`'s PyTorch stand-in (same
+  ``packing._flash_attn`` returns :mod:`trl_rollout_corr.trl_hooks.tree_attention`'s PyTorch stand-in (same
   signature, same result; tested against a plain forward per sample).
 - **MFU probe**: ``get_peak_flops_per_device`` asks ``torch.cuda.get_device_name``, an error on a CPU build of
   torch; on a non-CUDA device it returns None (TRL then disables MFU metrics, as for an unknown GPU).
@@ -33,7 +33,7 @@ def install_cpu_support() -> bool:
         return False
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
-    from ..async_grpo.tree_attention import KERNEL
+    from .tree_attention import KERNEL
 
     flash_attn = _require(packing, "_flash_attn")
     if not getattr(flash_attn, "_trl_rollout_corr", False):

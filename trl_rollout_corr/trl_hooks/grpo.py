@@ -41,7 +41,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ..plan import one_optimizer_step_per_generation_batch
+from ..config.plan import one_optimizer_step_per_generation_batch
 from .base import TrlInternalsChanged, inherited_method, require_hooks, require_parameters
 
 _FORWARD_CONTROL_ARGS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",

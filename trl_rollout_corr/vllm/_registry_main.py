@@ -1,7 +1,7 @@
 """vLLM's model-inspection subprocess, behind the CPU-torch guard (see ``_cpu_guard`` and
 ``cpu.guard_subprocesses``)."""
 
-from trl_rollout_corr._cpu_guard import hide_cuda_only_extensions
+from trl_rollout_corr.runtime.cpu_guard import hide_cuda_only_extensions
 
 hide_cuda_only_extensions()
 

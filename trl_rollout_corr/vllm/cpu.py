@@ -75,7 +75,7 @@ def guard_subprocesses() -> None:
     """
     import sys
 
-    from .._cpu_guard import hidden
+    from ..runtime.cpu_guard import hidden
 
     if not hidden:
         return

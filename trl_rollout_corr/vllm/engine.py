@@ -181,7 +181,7 @@ def _install_sync_schedule(trainer, interval: int) -> None:
     TRL calls ``sync_weights`` before the first generation of every optimizer step; with ``interval=k`` only every
     k-th call reaches the engine, so pi_rollout lags pi_theta by 0..k-1 steps. ``trainer.vllm_sync_steps`` lists
     the global steps at which the engine was synced. ``trainer.vllm_refresh_pending`` (set on a resume whose
-    engine weights cannot be restored, :mod:`trl_rollout_corr.resume`) loads the current weights once without
+    engine weights cannot be restored, :mod:`trl_rollout_corr.training.resume`) loads the current weights once without
     moving the schedule.
 
     With ``vllm_enable_sleep_mode`` TRL puts a colocated engine to sleep at level 2 after each generation (its

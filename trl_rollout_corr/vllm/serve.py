@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
 
 def run_server(argv: list[str], build, module: str, prog: str) -> None:
     """Run vLLM's OpenAI server in this process with the flags and environment ``build(argv)`` returns."""
-    from ..supported_versions import check_version
+    from ..runtime.versions import check_version
 
     check_version("trl")
     check_version("vllm")
@@ -93,7 +93,7 @@ def run_server(argv: list[str], build, module: str, prog: str) -> None:
         # vLLM's CPU engine process is spawned; spawn re-imports the parent's main module (and with it the guard)
         # except a package's __main__: re-run as this module so the engine process gets the guard too
         os.execv(sys.executable, [sys.executable, "-m", module, *argv])
-    from .._cpu_guard import hide_cuda_only_extensions
+    from ..runtime.cpu_guard import hide_cuda_only_extensions
 
     hide_cuda_only_extensions()
     from .security import TOKEN_ENV, write_token

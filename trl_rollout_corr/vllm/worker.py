@@ -12,7 +12,7 @@ Importing this module in a worker applies the CPU fixes (``trl_rollout_corr.vllm
 
 from __future__ import annotations
 
-from .._cpu_guard import hide_cuda_only_extensions
+from ..runtime.cpu_guard import hide_cuda_only_extensions
 from .cpu import apply_cpu_fixes
 
 hide_cuda_only_extensions()

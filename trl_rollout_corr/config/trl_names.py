@@ -9,7 +9,7 @@ pi_old from a no-grad forward and pi_rollout from vLLM, d_t = m_t (log pi_old - 
 and multiplies each token's policy loss by w (not the KL term), leaving every token in the loss's token count. Here
 that is decoupled mode with ``rollout_is`` = the level, ``rollout_is_bound`` = truncate | mask,
 ``rollout_is_threshold`` = C_max and ``rollout_is_threshold_lower`` = C_min; pi_old = pi_theta before the step,
-from a forward where pi_theta moves within the generation batch (:mod:`trl_rollout_corr.plan`), as TRL's.
+from a forward where pi_theta moves within the generation batch (:mod:`trl_rollout_corr.config.plan`), as TRL's.
 
 One difference, deliberate: TRL gives a token whose pi_rollout is NaN the weight 1 (``nan_to_num``); here a sample
 with a non-finite log-prob leaves the loss and is counted in ``invalid_logprob_fraction``.

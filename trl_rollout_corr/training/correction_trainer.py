@@ -7,7 +7,8 @@
 * saving the resolved correction next to the model (``save_model``).
 
 The rule that says which anchor TRL's loss gets and whether the IS weight multiplies the advantage is
-:func:`trl_rollout_corr.losses.loss_anchor`, a pure function both trainers call. What differs stays in each trainer:
+:func:`trl_rollout_corr.core.losses.loss_anchor`, a pure function both trainers call. What differs stays in each
+trainer:
 the synchronous one corrects a (B, T) generation batch and plans where pi_old comes from; the asynchronous one maps
 TRL's flat loss terms to rows and carries each sample's policy version.
 
@@ -21,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .config import RolloutCorrectionConfig
-from .core.metric_names import metric
-from .core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
-from .trl_hooks.grpo_forwards import check_forward_mismatch
+from ..config.correction import RolloutCorrectionConfig
+from ..core.metric_names import metric
+from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
+from ..trl_hooks.grpo_forwards import check_forward_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class CorrectionTrainerMixin:
     def _rc_metrics(self, stats: RolloutStats) -> dict[str, float]:
         """The ``rollout_corr/*`` metrics of everything every process saw since the last log (one host sync), with
         ``all_rejected_micro_batches`` where the loss counted micro-batches; warns (main process) if any was empty."""
-        from .core.metrics import finalize_floats
+        from ..core.metrics import finalize_floats
 
         floats = stats.all_reduce(self._rc_reduce).to_floats()  # the one host sync of this logging step
         check_forward_mismatch(floats)  # the trainer's deferred check of TRL's forward request (trl_hooks)

@@ -81,7 +81,7 @@ def vllm_weights_lost_at_resume(sync_steps: list[int], step: int, interval: int)
 
 def restore_rollout_state(trainer: Any, checkpoint: str) -> None:
     """Before ``Trainer.train`` resumes from ``checkpoint``: the engine's state back, the correction compared."""
-    from .config import CONFIG_NAME, RolloutCorrectionConfig
+    from ..config.correction import CONFIG_NAME, RolloutCorrectionConfig
 
     config_path = os.path.join(checkpoint, CONFIG_NAME)
     if os.path.isfile(config_path) and trainer.accelerator.is_main_process:

@@ -12,15 +12,15 @@ from typing import Any, ClassVar
 
 from huggingface_hub import ModelHubMixin
 
-from .core.divergence import parse_divergence_criteria
-from .core.params import CorrectionParams
-from .losses import loss_anchor, weights_advantage
+from ..core.divergence import parse_divergence_criteria
+from ..core.params import CorrectionParams
+from ..core.losses import loss_anchor, weights_advantage
 from .trl_names import TRL_DEFAULT
 from .verl_names import (ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
                          translate_rollout_rs)
-from .core.rejection import RS_LEVELS
-from .core.second_moment import M2_SCOPES
-from .core.weights import IS_BOUNDS, IS_LEVELS
+from ..core.rejection import RS_LEVELS
+from ..core.second_moment import M2_SCOPES
+from ..core.weights import IS_BOUNDS, IS_LEVELS
 
 CONFIG_NAME = "rollout_correction_config.json"
 NONE_STRINGS = ("none", "null", "None", "")
@@ -278,7 +278,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     @property
     def loss_anchor(self) -> str:
         """The anchor of TRL's PPO ratio in this mode: pi_rollout, pi_old or pi_theta
-        (``trl_rollout_corr.losses.loss_anchor``)."""
+        (``trl_rollout_corr.core.losses.loss_anchor``)."""
         return loss_anchor(self.bypass_mode, self.use_policy_gradient)
 
     @property
@@ -480,7 +480,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @classmethod
     def preset_names(cls) -> tuple[str, ...]:
-        """This package's presets, then verl's (see ``trl_rollout_corr.verl_names``).
+        """This package's presets, then verl's (see ``trl_rollout_corr.config.verl_names``).
 
         Returns:
             Every name ``from_preset`` accepts.

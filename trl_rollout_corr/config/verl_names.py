@@ -95,7 +95,7 @@ def parse_is_threshold(value: Any) -> tuple[Any, float | None]:
 
 def is_criteria_string(value: Any) -> bool:
     """Whether ``value`` is a verl ``rollout_rs`` criteria string (``"token_k1"``, ``"seq_mean_k3,seq_max_k2"``)."""
-    from .core.divergence import DIVERGENCE_CRITERIA
+    from ..core.divergence import DIVERGENCE_CRITERIA
 
     if not isinstance(value, str) or not value.strip():
         return False

@@ -7,12 +7,12 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from .config import RolloutCorrectionConfig
-from .correction_fields import RolloutCorrectionFields
-from .server_fields import VllmServerFields
-from .trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
-from .plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
-from .trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
+from ..config.correction import RolloutCorrectionConfig
+from ..config.fields import RolloutCorrectionFields
+from ..config.server_fields import VllmServerFields
+from ..config.trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
+from ..config.plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
+from ..trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
 
 # TRL fields the correction plan depends on: a change re-checks the composition and the plan
 _PLAN_INPUTS = ("loss_type", "importance_sampling_level", "pi_old_source", "gradient_accumulation_steps",
@@ -30,7 +30,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     correction field
     set here (not ``None``) overrides it. Use the string ``"none"`` to switch ``rollout_is``/``rollout_rs`` off
     explicitly. The resolved config is ``args.rollout_correction``; where pi_old comes from and where the correction
-    is computed is ``args.correction_plan()`` (see :mod:`trl_rollout_corr.plan`). Every combination that the
+    is computed is ``args.correction_plan()`` (see :mod:`trl_rollout_corr.config.plan`). Every combination that the
     correction cannot compute exactly fails here, naming the field.
     """
 
@@ -41,7 +41,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     truncated_support_correction: bool | None = field(default=None, metadata={
         "help": "Apply top-k/top-p/min-p to the training logits before the ratio with pi_rollout (default: on when "
                 "any of them is set)."})
-    # TRL's own correction, in TRL's spelling: translated into the rollout_* fields (trl_rollout_corr.trl_names) and
+    # TRL's own correction, in TRL's spelling: translated into the rollout_* fields (trl_rollout_corr.config.trl_names)
+    # and
     # computed by this package; after construction they read False / None (what runs is in the rollout_* fields)
     vllm_importance_sampling_correction: bool | None = field(default=None, metadata={
         "help": "TRL's vLLM IS switch, as in TRL: False = no correction (preset disabled); True or unset = TRL's "

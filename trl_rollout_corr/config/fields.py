@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .config import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
+from .correction import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
 from .verl_names import is_band_string, is_criteria_string
 
 CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))

@@ -5,12 +5,13 @@ Data flow, one generation batch at a time:
 1. ``_generate_single_turn`` (transformers path) captures pi_rollout from ``generate``'s own sampling distribution;
    vLLM and a ``rollout_func`` hand it over. ``_generate`` checks it per sample (missing, misaligned).
 2. ``_generate_and_score_completions`` runs TRL's scoring. TRL's own pi_old forward is never used: the trainer's
-   :class:`~trl_rollout_corr.plan.CorrectionPlan` decides, once, whether one no-grad policy forward per generation
+   :class:`~trl_rollout_corr.config.plan.CorrectionPlan` decides, once, whether one no-grad policy forward per
+   generation
    batch is needed (decoupled pi_old when pi_theta moves within the batch, or a statistic over the whole generation
    batch). If so, weights, kept mask and PPO anchor are computed here and travel with the samples.
 3. ``compute_loss`` runs the policy forward, computes the correction now if it was not computed at generation
    time (rho from pi_theta detached), and runs TRL's own ``compute_loss`` on a corrected copy of the micro-batch
-   (:mod:`trl_rollout_corr.losses`); TRL's request for the policy forward gets the one already run.
+   (:mod:`trl_rollout_corr.core.losses`); TRL's request for the policy forward gets the one already run.
 4. ``log`` reduces the ``rollout_corr/*`` statistics across processes once per logging step.
 
 Every assumption about TRL's call order and data layout lives in :mod:`trl_rollout_corr.trl_hooks` and is checked
@@ -25,24 +26,24 @@ from typing import Any, NamedTuple
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .core import compute_rollout_correction_stats
-from .core.group_baseline import baseline_stats, fully_rejected, group_advantages
-from .core.pipeline import rollout_usable_mask
-from .core.metric_names import metric
-from .core.stats import STAT_DTYPE, RolloutStats
-from .core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
-from .correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
-from .grpo_config import RolloutCorrGRPOConfig
-from .losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor, vespo_sampler_ratio,
+from ..core import compute_rollout_correction_stats
+from ..core.group_baseline import baseline_stats, fully_rejected, group_advantages
+from ..core.pipeline import rollout_usable_mask
+from ..core.metric_names import metric
+from ..core.stats import STAT_DTYPE, RolloutStats
+from ..core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
+from ..training.correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
+from .config import RolloutCorrGRPOConfig
+from ..core.losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor, vespo_sampler_ratio,
                      weighted_advantages, zeroed_advantages)
-from .resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
-from .rollout.capture import capture_sampling_logprobs, refuse_beam_search
-from .rollout.logprobs import check_rollout_logprobs
-from .rollout.support import KeptMassProbe
-from .trl_hooks import TrlInternalsChanged
-from .trl_hooks import grpo as trl_grpo
-from .trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES, checkpoint_dir, forward_input_names, trl_runs_pi_old_forward
-from .trl_hooks.grpo_forwards import FORWARD_MISMATCH, TrlForwardCalls
+from ..training.resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
+from ..rollout.capture import capture_sampling_logprobs, refuse_beam_search
+from ..rollout.logprobs import check_rollout_logprobs
+from ..rollout.support import KeptMassProbe
+from ..trl_hooks import TrlInternalsChanged
+from ..trl_hooks import grpo as trl_grpo
+from ..trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES, checkpoint_dir, forward_input_names, trl_runs_pi_old_forward
+from ..trl_hooks.grpo_forwards import FORWARD_MISMATCH, TrlForwardCalls
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, *rest: Any,
                  rollout_sampler: Any = None, **kwargs: Any) -> None:
-        from .supported_versions import check_version
-        from .vllm.engine import vllm_engine_setup
+        from ..runtime.versions import check_version
+        from ..vllm.engine import vllm_engine_setup
 
         check_version("trl")
         trl_grpo.check_hooks(__class__, type(self))
@@ -139,7 +140,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         if self.accelerator.is_main_process:
             logger.info("Rollout correction: %s", self.correction_plan.describe())
         if self.use_vllm:  # engine dtype log, vllm_sync_interval, CPU server sync (trl_rollout_corr.vllm.engine)
-            from .vllm.engine import finish_vllm_setup
+            from ..vllm.engine import finish_vllm_setup
 
             finish_vllm_setup(self, vllm_setup)
 
@@ -163,7 +164,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
 
     def _check_supported(self) -> None:
         """Refuse only what contradicts the correction (TRL's loss types, GSPO, the entropy bonus and filter and the
-        off-policy mask compose with it: see :mod:`trl_rollout_corr.losses`)."""
+        off-policy mask compose with it: see :mod:`trl_rollout_corr.core.losses`)."""
         if self.use_transformers_continuous_batching:
             raise ValueError(
                 "RolloutCorrGRPOTrainer does not support use_transformers_continuous_batching=True: TRL's continuous "
@@ -382,7 +383,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ 3. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's own loss on the corrected micro-batch (see :mod:`trl_rollout_corr.losses`)."""
+        """TRL's own loss on the corrected micro-batch (see :mod:`trl_rollout_corr.core.losses`)."""
         mode = self._mode()
         carried = mode == "train" and self.correction_plan.at_generation
         lost = [k for k in ("rc_rollout_seen", "rc_keep_mask" if carried else None) if k and k not in inputs]
@@ -462,7 +463,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             save_rollout_state(checkpoint_dir(self, trial), self.rollout_sampler,
                                getattr(self, "vllm_sync_steps", None))
 
-    # ------------------------------------------------------------------ 5. resuming (trl_rollout_corr.resume)
+    # ------------------------------------------------------------------ 5. resuming (trl_rollout_corr.training.resume)
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if checkpoint is not None:

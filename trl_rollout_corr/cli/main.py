@@ -29,7 +29,7 @@ def tensor_demo(preset: str) -> None:
     """Run the correction on sample log-probs of a drifted sampler and print weights, mask and metrics."""
     import torch
 
-    from . import RolloutCorrectionConfig, compute_rollout_correction_and_rejection_mask
+    from .. import RolloutCorrectionConfig, compute_rollout_correction_and_rejection_mask
 
     cfg = RolloutCorrectionConfig.from_preset(preset)
     g = torch.Generator().manual_seed(0)
@@ -49,7 +49,7 @@ def tensor_demo(preset: str) -> None:
 
 def parse_train_args(argv: list[str]):
     """(script_args, training_args, model_args, monitor_args, dataset_args) of ``train`` (strict)."""
-    from .train_command import parse_train_args as parse
+    from .train import parse_train_args as parse
 
     return parse(argv)
 
@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     command = argv[0] if argv and not argv[0].startswith("-") else "demo"
     rest = argv[1:] if argv and not argv[0].startswith("-") else argv
     if command == "demo":
-        from .demo import run_demo_cli
+        from ..demo import run_demo_cli
 
         run_demo_cli(rest)
     elif command == "train":
-        from .train_command import main as train
+        from .train import main as train
 
         train(rest)
     elif command == "probe":
@@ -74,15 +74,15 @@ def main(argv: list[str] | None = None) -> None:
 
         probe(rest)
     elif command == "vllm-serve":
-        from .vllm.serve import main as serve
+        from ..vllm.serve import main as serve
 
         serve(rest)
     elif command == "vllm-serve-async":
-        from .vllm.serve_async import main as serve_async
+        from ..vllm.serve_async import main as serve_async
 
         serve_async(rest)
     elif command == "recipes":
-        from .recipes_command import main as recipes
+        from .recipes import main as recipes
 
         recipes(rest)
     elif command == "tensors":

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import RolloutCorrectionConfig
+from .correction import RolloutCorrectionConfig
 
 PI_OLD_SOURCES = ("auto", "forward", "free")
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .core.mismatch import LENGTH_BUCKETS, method_predictions, mismatch_summary
-from .core.truncation import truncated_support_logprobs
+from ..core.mismatch import LENGTH_BUCKETS, method_predictions, mismatch_summary
+from ..core.truncation import truncated_support_logprobs
 
 #: the corrections the report predicts by default (TRL's default first)
 DEFAULT_METHODS = ("trl_default", "trl_token_truncate", "trl_token_mask", "trl_sequence_truncate",
@@ -36,8 +36,8 @@ DEFAULT_METHODS = ("trl_default", "trl_token_truncate", "trl_token_mask", "trl_s
 
 def correction_params(name: str):
     """A preset by name, or ``trl_<mode>`` for TRL's ``vllm_importance_sampling_mode`` (C=3, TRL's defaults)."""
-    from .config import RolloutCorrectionConfig
-    from .trl_names import TRL_MODES, translate_trl_correction
+    from ..config.correction import RolloutCorrectionConfig
+    from ..config.trl_names import TRL_MODES, translate_trl_correction
 
     mode = name.removeprefix("trl_")
     if mode != name and mode in TRL_MODES:
@@ -92,7 +92,7 @@ def collect(trainer: Any, batches: int) -> dict[str, Any]:
 
 
 def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) -> dict[str, Any]:
-    """The report of :mod:`trl_rollout_corr.probe` on collected tensors (see :func:`collect`)."""
+    """The report of :mod:`trl_rollout_corr.cli.probe` on collected tensors (see :func:`collect`)."""
     seen = data["rollout_seen"].bool()  # (B,)
     if not seen.any():
         raise ValueError("The engine returned no log-probs for any sample, so there is no pi_rollout to compare: "
@@ -127,7 +127,7 @@ def configuration_notes(trainer: Any) -> list[str]:
     autocast = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     notes.append(f"trainer parameters {train_dtype}, autocast {autocast or 'off'}"
                  + (f", vLLM dtype {getattr(args, 'vllm_dtype', None) or 'auto'}" if args.use_vllm else ""))
-    from .trainer import pi_rollout_modifiers
+    from ..grpo.trainer import pi_rollout_modifiers
 
     for setting in pi_rollout_modifiers(args, trainer.repetition_penalty):
         notes.append(f"{setting} changes pi_rollout in a way the trainer does not reproduce: the ratios of the "
@@ -151,7 +151,7 @@ def probe(trainer: Any, batches: int = 2, methods: tuple[str, ...] = DEFAULT_MET
 
 def _log_rho_by_bucket(data: dict[str, Any]) -> dict[str, list[float]]:
     """log rho of every valid token, grouped by its sequence's length bucket (for the plot)."""
-    from .core.mismatch import bucket_label
+    from ..core.mismatch import bucket_label
 
     mask = data["mask"].bool() & data["rollout_seen"].bool()[:, None]  # (B, T)
     log_rho = (data.get("ratio_logps", data["train_logps"]) - data["rollout_logps"]).double()  # (B, T)
@@ -297,9 +297,9 @@ def main(argv: list[str]) -> None:
     """``trl-rollout-corr probe``: ``train``'s arguments (``--config run.yaml`` ...) plus :class:`ProbeArguments`."""
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
-    from .grpo_config import RolloutCorrGRPOConfig
-    from .monitor.args import MonitorArguments
-    from .train_command import TrainScriptArguments, build_trainer
+    from ..grpo.config import RolloutCorrGRPOConfig
+    from ..monitor.args import MonitorArguments
+    from .train import TrainScriptArguments, build_trainer
 
     parser = TrlParser((TrainScriptArguments, RolloutCorrGRPOConfig, ModelConfig, MonitorArguments,
                         DatasetMixtureConfig, ProbeArguments), prog="trl-rollout-corr probe")

@@ -22,7 +22,7 @@ from typing import Any
 
 from trl.scripts.grpo import GRPOScriptArguments
 
-from .monitor.args import MonitorArguments
+from ..monitor.args import MonitorArguments
 
 
 @dataclass
@@ -38,7 +38,7 @@ class TrainScriptArguments(GRPOScriptArguments):
 def make_parser(prog: str = "trl-rollout-corr train"):
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
-    from .grpo_config import RolloutCorrGRPOConfig
+    from ..grpo.config import RolloutCorrGRPOConfig
 
     # MonitorArguments before DatasetMixtureConfig keeps the first four positions of the old parser's result
     return TrlParser((TrainScriptArguments, RolloutCorrGRPOConfig, ModelConfig, MonitorArguments,
@@ -56,7 +56,7 @@ def reward_registry() -> dict[str, Callable]:
                              think_format_reward)
 
     from .rewards import math_answer_reward
-    from .testing.toy_task import reverse_reward
+    from ..testing.toy_task import reverse_reward
 
     return {
         "accuracy_reward": accuracy_reward,
@@ -132,8 +132,8 @@ def build_trainer(script_args: TrainScriptArguments, training_args, model_args, 
     """The ``RolloutCorrGRPOTrainer`` a ``train`` run builds from its arguments (``probe`` builds the same one)."""
     from trl import get_peft_config, get_quantization_config
 
-    from .rollout.emulated import EmulatedRolloutEngine
-    from .trainer import RolloutCorrGRPOTrainer
+    from ..rollout.emulated import EmulatedRolloutEngine
+    from ..grpo.trainer import RolloutCorrGRPOTrainer
 
     if not model_args.model_name_or_path:
         raise ValueError("train needs --model_name_or_path (a Hub id or a local directory). For the CPU demo on a "

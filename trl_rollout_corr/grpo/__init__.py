@@ -1,0 +1,1 @@
+"""TRL's synchronous GRPOTrainer with rollout correction: the trainer and its config."""

@@ -1,0 +1,1 @@
+"""Process-level helpers: supported versions, the CPU guard, a clean multi-process exit."""

@@ -1,0 +1,1 @@
+"""What both trainers share: the correction mixin and the resume state."""
