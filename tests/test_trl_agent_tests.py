@@ -78,6 +78,16 @@ def test_the_standin_ids_decode_as_trls_comments_say():
     assert len(tokenizer) == 151669 and tokenizer.convert_ids_to_tokens(151667) == "<think>"
 
 
+def assert_trained_uncorrected(trainer, classes):
+    """Not in TRL's tests: a mocked ``generate`` has no pi_rollout, so with this package's classes every sample is
+    counted missing and trains uncorrected, nothing rejected (rejecting them all leaves every parameter unchanged:
+    TRL's own last assertion then fails)."""
+    if classes == "rollout_corr":
+        last = trainer.state.log_history[-1]
+        assert last["rollout_corr/missing_rollout_logprobs_fraction"] == 1.0
+        assert last["rollout_corr/rejected_token_fraction"] == 0.0
+
+
 def multiply_tool(a: int, b: int) -> int:
     """
     Multiplies two integers.
@@ -122,6 +132,7 @@ def test_train_with_malformed_tool_calls(tmp_path, hub_standins, classes):
         trainer.train()
 
     assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert_trained_uncorrected(trainer, classes)
 
     # Check that the params have changed
     for n, param in previous_trainable_params.items():
@@ -221,6 +232,7 @@ def test_train_with_multiple_environments(tmp_path, hub_standins, classes):
     # Both environments were selected and reset, and `environment` is a control field not forwarded to `reset`.
     assert reset_kwargs_seen["counter"] and reset_kwargs_seen["echo"]
     assert all("environment" not in kwargs for kwargs in reset_kwargs_seen["counter"] + reset_kwargs_seen["echo"])
+    assert_trained_uncorrected(trainer, classes)
 
     # Check that the params have changed
     for n, param in previous_trainable_params.items():
