@@ -87,12 +87,27 @@ def collect(trainer: Any, batches: int) -> dict[str, Any]:
             continue
         out[key] = torch.cat([torch.nn.functional.pad(b[key], (0, width - b[key].size(1))) for b in scored])
     out["rollout_seen"] = torch.cat([b["rollout_seen"] for b in scored])
+    # the trainer's own choices: whether its ratio uses pi_train renormalized over a truncated sampler's kept set,
+    # and the correction it was configured with (a preset plus any field overridden)
+    out["apply_truncation"] = bool(getattr(trainer, "_rc_apply_truncation", True))
+    run = getattr(trainer, "rollout_correction", None)
+    out["run_correction"] = run.params() if run is not None else None
     out["batches"] = scored  # each batch as scored (its input_ids and attention_mask included)
     return out
 
 
+#: the key of the trainer's own correction in the report's ``methods`` (its preset with every field it overrides)
+THIS_RUN = "this_run"
+
+
 def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) -> dict[str, Any]:
-    """The report of :mod:`trl_rollout_corr.probe` on collected tensors (see :func:`collect`)."""
+    """The report of :mod:`trl_rollout_corr.probe` on collected tensors (see :func:`collect`).
+
+    The methods see the ratio the trainer would form: log pi_train renormalized over a truncating sampler's kept set
+    when the trainer renormalizes (``truncated_support_correction``, on by default), else raw. With the trainer's own
+    correction in ``data["run_correction"]`` (:func:`collect` puts it there), ``methods[THIS_RUN]`` is what that
+    trainer logs on the same batch (``rollout_corr/*``; tests/test_probe_agreement.py).
+    """
     seen = data["rollout_seen"].bool()  # (B,)
     if not seen.any():
         raise ValueError("The engine returned no log-probs for any sample, so there is no pi_rollout to compare: "
@@ -103,15 +118,21 @@ def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) ->
     report: dict[str, Any] = {"samples": int(seen.numel()), "samples_without_rollout_logprobs": int((~seen).sum())}
     if data.get("log_mass") is not None:
         renormalized = truncated_support_logprobs(train, data["log_mass"], data["in_support"])  # (B, T)
+        applied = data.get("apply_truncation", True)
         report["truncation"] = {
             "kept_mass_mean": float((data["log_mass"].exp() * mask).sum() / mask.sum()),
             "outside_support_fraction": float(((~data["in_support"].bool()) & mask.bool()).sum() / mask.sum()),
             "before_renormalization": mismatch_summary(train, data["rollout_logps"], mask)["tokens"],
+            "after_renormalization": mismatch_summary(renormalized, data["rollout_logps"], mask)["tokens"],
+            "applied_by_trainer": applied,
         }
-        train = renormalized
-    data["ratio_logps"] = train  # what the ratio uses: pi_train, renormalized over the kept set if truncated
+        if applied:
+            train = renormalized
+    data["ratio_logps"] = train  # what the ratio uses: pi_train, renormalized over the kept set if the trainer does
     report.update(mismatch_summary(train, data["rollout_logps"], mask))
     corrections = {name: correction_params(name) for name in methods}
+    if data.get("run_correction") is not None:
+        corrections = {THIS_RUN: data["run_correction"], **corrections}
     report["methods"] = method_predictions(train, data["rollout_logps"], mask, corrections)
     seqs = report["sequences"]
     report["regime"] = {"T": seqs.get("mean_length"), "per_token_kl": report["tokens"]["k3"],
@@ -236,8 +257,10 @@ def format_report(report: dict[str, Any]) -> str:
     if "truncation" in report:
         tr = report["truncation"]
         lines.append(f"truncated sampling: kept mass {tr['kept_mass_mean']:.3f}; k3 before renormalizing "
-                     f"{tr['before_renormalization']['k3']:.3g}, after {tok['k3']:.3g} (the rest is precision, "
-                     "kernels and batch shape)")
+                     f"{tr['before_renormalization']['k3']:.3g}, after {tr['after_renormalization']['k3']:.3g}"
+                     + ("" if tr.get("applied_by_trainer", True) else
+                        " (truncated_support_correction=False: the trainer's ratio keeps the truncation's share, "
+                        "and so do the lines above and the methods)"))
     lines += ["", f"{'length':>10} {'seqs':>6} {'mean T':>7} {'k3/token':>10} {'T*KL':>9} {'seq ESS':>8}"]
     for label, b in report["by_length"].items():
         lines.append(f"{label:>10} {b['count']:>6} {b['mean_length']:>7.0f} {b['k3']:>10.3g} {b['t_kl_mean']:>9.3g} "
