@@ -21,7 +21,8 @@ from trainer_utils import make_trainer
 #: what the probe predicts and the trainer logs under the same name (rollout_corr/<name>)
 COMPARED = ("rollout_is_eff_sample_size", "rollout_is_min", "rollout_is_max", "rollout_is_seq_min",
             "rollout_is_seq_max", "rollout_is_ratio_fraction_high", "rollout_is_masked_fraction",
-            "rollout_is_seq_masked_fraction", "rejected_token_fraction", "rollout_rs_seq_masked_fraction")
+            "rollout_is_seq_masked_fraction", "rejected_token_fraction", "rollout_rs_seq_masked_fraction",
+            "rollout_m2_masked_fraction")
 
 
 def probe_then_train(tmp_path, monkeypatch, preset, **overrides):
@@ -65,22 +66,28 @@ def probe_then_train(tmp_path, monkeypatch, preset, **overrides):
     (None, {}, "loss"),  # TRL's default sequence_mask (C=3), one micro-batch, truncation renormalized
     ("decoupled_seq_is_rs", {"rollout_rs_threshold_lower": 0.9, "gradient_accumulation_steps": 2}, "generation"),
     ("decoupled_token_is", {"truncated_support_correction": False}, "loss"),
-], ids=["trl_default", "seq_is_rs_overridden_two_micro_batches", "no_renormalization"])
+    ("m2po", {"rollout_m2_threshold": 0.002}, None),  # the trust region reads A: the probe passes TRL's
+], ids=["trl_default", "seq_is_rs_overridden_two_micro_batches", "no_renormalization", "m2po_advantages"])
 def test_the_probe_predicts_what_the_trainer_logs_on_the_same_batch(tmp_path, monkeypatch, preset, overrides, where):
     report, logged, corrections = probe_then_train(tmp_path, monkeypatch, preset, **overrides)
     predicted = report["methods"][THIS_RUN]
     compared = [k for k in COMPARED if k in predicted]
-    assert {"rollout_is_eff_sample_size", "rejected_token_fraction"} <= set(compared)
+    assert "rejected_token_fraction" in compared
     for name in compared:
         assert predicted[name] == pytest.approx(logged[name], rel=1e-6, abs=1e-9), name
     # the per-token KL the probe reports is the trainer's rollout_corr/k3_kl (float32 accumulation in the trainer)
     assert report["tokens"]["k3"] == pytest.approx(logged["k3_kl"], rel=1e-5)
     assert report["truncation"]["kept_mass_mean"] == pytest.approx(logged["kept_mass_mean"], rel=1e-6)
     # the range of the weights the trainer's loss applies on the tokens it keeps
-    weights = torch.cat([w[kept] for w, kept in corrections if w is not None])  # (N,)
-    assert predicted["weight_min"] == pytest.approx(float(weights.min()), rel=1e-6)
-    assert predicted["weight_max"] == pytest.approx(float(weights.max()), rel=1e-6)
-    assert len(corrections) == (1 if where == "generation" else overrides.get("gradient_accumulation_steps", 1))
+    weights = [w[kept] for w, kept in corrections if w is not None]  # (N,) each
+    assert ("weight_min" in predicted) == bool(weights)
+    if weights:
+        assert predicted["weight_min"] == pytest.approx(float(torch.cat(weights).min()), rel=1e-6)
+        assert predicted["weight_max"] == pytest.approx(float(torch.cat(weights).max()), rel=1e-6)
+    if where is not None:
+        assert len(corrections) == (1 if where == "generation" else overrides.get("gradient_accumulation_steps", 1))
+    if preset == "m2po":
+        assert predicted["rollout_m2_masked_fraction"] > 0  # the second-moment mask acts on this batch
     if preset == "decoupled_seq_is_rs":  # the override acts: rejection happens, and the bare preset predicts less
         assert predicted["rollout_rs_seq_masked_fraction"] > 0
         assert report["methods"][preset]["rejected_token_fraction"] < predicted["rejected_token_fraction"]

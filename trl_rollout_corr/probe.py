@@ -103,6 +103,8 @@ def collect(trainer: Any, batches: int, split: bool = True, engine_dtype: str | 
             continue
         out[key] = torch.cat([torch.nn.functional.pad(b[key], (0, width - b[key].size(1))) for b in scored])
     out["rollout_seen"] = torch.cat([b["rollout_seen"] for b in scored])
+    if all(b.get("advantages") is not None for b in scored):  # (B,) TRL's: M2PO's trust region reads them
+        out["advantages"] = torch.cat([b["advantages"] for b in scored])
     # the trainer's own choices: whether its ratio uses pi_train renormalized over a truncated sampler's kept set,
     # and the correction it was configured with (a preset plus any field overridden)
     out["apply_truncation"] = bool(getattr(trainer, "_rc_apply_truncation", True))
@@ -282,7 +284,8 @@ def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) ->
     corrections = {name: correction_params(name) for name in methods}
     if data.get("run_correction") is not None:
         corrections = {THIS_RUN: data["run_correction"], **corrections}
-    report["methods"] = method_predictions(train, data["rollout_logps"], mask, corrections)
+    report["methods"] = method_predictions(train, data["rollout_logps"], mask, corrections,
+                                           advantages=data.get("advantages"))
     seqs = report["sequences"]
     report["regime"] = {"T": seqs.get("mean_length"), "per_token_kl": report["tokens"]["k3"],
                         "T_times_kl": seqs.get("t_kl_mean")}

@@ -34,7 +34,8 @@ _QUANTILES = (0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999)
 #: what the report keeps of each method's metrics (the rest is in the trainer's logs)
 METHOD_METRICS = ("rollout_is_eff_sample_size", "rollout_is_seq_min", "rollout_is_seq_max", "rollout_is_min",
                   "rollout_is_max", "rollout_is_ratio_fraction_high", "rollout_is_masked_fraction",
-                  "rollout_is_seq_masked_fraction", "rejected_token_fraction", "rollout_rs_seq_masked_fraction")
+                  "rollout_is_seq_masked_fraction", "rejected_token_fraction", "rollout_rs_seq_masked_fraction",
+                  "rollout_m2_masked_fraction")
 
 
 def _quantiles(x: torch.Tensor) -> dict[str, float]:
@@ -135,11 +136,14 @@ def _sequence_summary(log_rho: torch.Tensor, k3: torch.Tensor, lengths: torch.Te
 
 
 def method_predictions(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor,
-                       corrections: Mapping[str, CorrectionParams]) -> dict[str, dict[str, float]]:
+                       corrections: Mapping[str, CorrectionParams],
+                       advantages: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
     """Each correction's weights, masks and ESS on these very samples (the core run on the probe's tensors).
 
     pi_train here is the policy the samples were scored with, so a decoupled correction sees what its first
-    optimizer step would see, and a bypass one what its loss would see before the policy moves.
+    optimizer step would see, and a bypass one what its loss would see before the policy moves. ``advantages``
+    (B,) or (B, T): the group advantages A the trainer passes too (M2PO's trust region, ``rollout_m2_scope=
+    'trust_region'``, keeps tokens by the sign of A; a correction that reads them cannot be predicted without).
 
     Returns:
         ``{name: {metric: value}}`` with the metrics of :data:`METHOD_METRICS` the correction emits (without the
@@ -149,7 +153,7 @@ def method_predictions(train_logps: torch.Tensor, rollout_logps: torch.Tensor, m
     out = {}
     for name, params in corrections.items():
         result = compute_rollout_correction_stats(train_logps.detach().float(), rollout_logps.detach().float(),
-                                                  mask, params)
+                                                  mask, params, advantages=advantages)
         metrics = finalize_stats(result.stats)
         short = {k.split("/", 1)[1]: v for k, v in metrics.items()}
         out[name] = {k: short[k] for k in METHOD_METRICS if k in short}
