@@ -177,7 +177,7 @@ def test_a_zero3_tied_head_held_available_under_real_deepspeed(tmp_path):
     the tied head AVAILABLE after the backbone, and with embed_tokens counting it active (TRL's reason for its guard;
     that mark is the one stand-in) a gather would re-partition it on exit and DeepSpeed's free_param refuses. The
     probe leaves it alone and its log M equals that of a plain copy of the same weights. Before the F6 fix (a1f2fa5)
-    this failed at step 2 with "Cannot free a ZeRO-3 parameter while it is still active in submodules". ~16 s: a
+    this failed at step 2 with "Cannot free a ZeRO-3 parameter while it is still active in submodules". 8-22 s: a
     process of its own (DeepSpeed's process group and zero.Init patches stay out of the test process)."""
     import json
     import os
