@@ -110,4 +110,4 @@ def test_the_preflight_probe_ran_on_the_model(report):
     assert result["tokens"] == 4 * 16 and result["seconds"] > 0
     assert abs(result["k3"]) < 1e-6 < result["k3_before_renormalization"]
     assert 0 < result["kept_mass_mean"] <= 1
-    assert set(result["methods"]) == {"trl_default", "trl_token_truncate", "decoupled_token_is", "icepop"}
+    assert set(result["methods"]) == {"this_run", "trl_default", "trl_token_truncate", "decoupled_token_is", "icepop"}

@@ -1,6 +1,7 @@
 """The kept-mass probe (rollout/support.py) projects the LM head as TRL 1.16's fused head does: its logit multiplier,
 its compute dtype (cast_lm_head_to_fp32), an FSDP2 DTensor head, a ZeRO-3 head already gathered (tied). Numbers
-against float64 hand computations. ZeRO-3 with a tied head on two processes: tests/test_distributed.py."""
+against float64 hand computations. ZeRO-3 with a tied head on two processes: tests/test_distributed.py; held
+AVAILABLE under real DeepSpeed in one process: tests/zero3_tied_head_worker.py."""
 
 from __future__ import annotations
 
@@ -169,3 +170,38 @@ def test_the_chunk_is_the_default_on_cpu_and_grows_with_free_cuda_memory(monkeyp
     assert probe_chunk_elements(torch.device("cuda", 0)) == DEFAULT_CHUNK_ELEMENTS
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * gib, 2000 * gib))
     assert probe_chunk_elements(torch.device("cuda", 0)) == 8 * DEFAULT_CHUNK_ELEMENTS
+
+
+def test_a_zero3_tied_head_held_available_under_real_deepspeed(tmp_path):
+    """Real DeepSpeed ZeRO-3 in one CPU process (tests/zero3_tied_head_worker.py): from the second step DeepSpeed keeps
+    the tied head AVAILABLE after the backbone, and with embed_tokens counting it active (TRL's reason for its guard;
+    that mark is the one stand-in) a gather would re-partition it on exit and DeepSpeed's free_param refuses. The
+    probe leaves it alone and its log M equals that of a plain copy of the same weights. Before the F6 fix (a1f2fa5)
+    this failed at step 2 with "Cannot free a ZeRO-3 parameter while it is still active in submodules". 8-22 s: a
+    process of its own (DeepSpeed's process group and zero.Init patches stay out of the test process)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs deepspeed")
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_ROLLOUT_CORR_NO_VLLM": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, str(root / "tests" / "zero3_tied_head_worker.py"), str(out), str(port)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    steps = result["steps"]
+    assert [s.get("error") for s in steps] == [None, None, None], steps
+    assert [s["status"] for s in steps] == ["NOT_AVAILABLE", "AVAILABLE", "AVAILABLE"]  # DeepSpeed's own tracking
+    assert max(result["plain_log_mass"]) < -1e-3  # top-p 0.8 cuts real mass at every position
+    for s in steps:
+        torch.testing.assert_close(torch.tensor(s["log_mass"]), torch.tensor(result["plain_log_mass"]),
+                                   rtol=0, atol=1e-6)

@@ -143,7 +143,7 @@ def test_report_files_and_table(trainer_with, tmp_path):
     paths = write_report(report, str(tmp_path / "out"))
     saved = json.load(open(paths[0]))
     assert saved["tokens"]["k3"] == pytest.approx(report["tokens"]["k3"])
-    assert set(saved["methods"]) == {"trl_default", "decoupled_token_is", "icepop"}
+    assert set(saved["methods"]) == {"this_run", "trl_default", "decoupled_token_is", "icepop"}  # + the trainer's own
     assert any(p.endswith(".png") and os.path.getsize(p) > 0 for p in paths)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..core.mismatch import LENGTH_BUCKETS, method_predictions, mismatch_summary
+from ..core.mismatch import LENGTH_BUCKETS, method_predictions, mismatch_by_source, mismatch_summary
 from ..core.truncation import truncated_support_logprobs
 
 #: the corrections the report predicts by default (TRL's default first)
@@ -54,13 +54,23 @@ class ProbeArguments:
         "help": "Directory for probe.json and probe.png (default: <output_dir>/probe)."})
     probe_methods: str = field(default=",".join(DEFAULT_METHODS), metadata={
         "help": "Comma-separated presets whose weights and masks are computed on the probe's samples."})
+    probe_engine_dtype: str | None = field(default=None, metadata={
+        "help": "The dtype the engine computes in (float32, bfloat16, float16), for the precision share when the "
+                "probe cannot read it (a rollout_func, a custom sampler). Default: vLLM's, the emulated engine's, "
+                "or the policy's own for transformers generate."})
+    probe_split: bool = field(default=True, metadata={
+        "help": "Split the mismatch by source: re-score each batch in the engine's dtype and one sample per "
+                "forward (two more forwards per batch, and a copy of the model in the engine's dtype)."})
 
 
-def collect(trainer: Any, batches: int) -> dict[str, Any]:
+def collect(trainer: Any, batches: int, split: bool = True, engine_dtype: str | torch.dtype | None = None
+            ) -> dict[str, Any]:
     """``batches`` generation batches from ``trainer``'s own dataloader, generated and scored as training would.
 
     Returns the concatenated (B, T) tensors of :meth:`RolloutCorrGRPOTrainer.score_generation_batch` (padded to the
-    longest T with mask 0), on CPU, and under ``batches`` each batch as scored.
+    longest T with mask 0), on CPU, and under ``batches`` each batch as scored. With ``split``, each batch is also
+    re-scored by the trainer's forward in the engine's dtype (``engine_dtype_logps``) and in another batch
+    composition (``reshaped_logps``), and ``split`` describes how (:class:`SourceRescorer`).
     """
     if batches < 1:
         raise ValueError(f"probe_batches must be >= 1, got {batches}.")
@@ -68,6 +78,7 @@ def collect(trainer: Any, batches: int) -> dict[str, Any]:
         raise ValueError("The probe needs prompts: the training dataset is empty (check --dataset_name and "
                          "--dataset_train_split).")
     scored = []
+    rescorer = SourceRescorer(trainer, engine_dtype) if split else None
     loader = iter(trainer.get_train_dataloader())
     for _ in range(batches):
         try:
@@ -77,22 +88,169 @@ def collect(trainer: Any, batches: int) -> dict[str, Any]:
                 raise ValueError("The training dataloader yielded no batch: the dataset has fewer prompts than "
                                  "one generation batch.") from None
             break
-        scored.append({k: (v.cpu() if torch.is_tensor(v) else v)
-                       for k, v in trainer.score_generation_batch(inputs).items()})
+        batch = trainer.score_generation_batch(inputs)
+        if rescorer is not None:
+            batch.update(rescorer(batch))
+        scored.append({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in batch.items()})
+    if rescorer is not None:
+        rescorer.close()
     width = max(b["mask"].size(1) for b in scored)
-    out: dict[str, Any] = {}
-    for key in ("train_logps", "rollout_logps", "mask", "log_mass", "in_support"):
-        if scored[0][key] is None:
+    out: dict[str, Any] = {"split": rescorer.describe() if rescorer is not None else None}
+    for key in ("train_logps", "rollout_logps", "mask", "log_mass", "in_support", "engine_dtype_logps",
+                "reshaped_logps"):
+        if scored[0].get(key) is None:
             out[key] = None
             continue
         out[key] = torch.cat([torch.nn.functional.pad(b[key], (0, width - b[key].size(1))) for b in scored])
     out["rollout_seen"] = torch.cat([b["rollout_seen"] for b in scored])
+    if all(b.get("advantages") is not None for b in scored):  # (B,) TRL's: M2PO's trust region reads them
+        out["advantages"] = torch.cat([b["advantages"] for b in scored])
+    # the trainer's own choices: whether its ratio uses pi_train renormalized over a truncated sampler's kept set,
+    # and the correction it was configured with (a preset plus any field overridden)
+    out["apply_truncation"] = bool(getattr(trainer, "_rc_apply_truncation", True))
+    run = getattr(trainer, "rollout_correction", None)
+    out["run_correction"] = run.params() if run is not None else None
     out["batches"] = scored  # each batch as scored (its input_ids and attention_mask included)
     return out
 
 
+def probe_engine_dtype(trainer: Any) -> torch.dtype | None:
+    """The dtype the engine computes in, where the probe can know it: vLLM's (``trainer.vllm_engine_dtype``), an
+    emulated engine's (``bf16``/``fp16``, else the policy's), the policy's own for transformers ``generate`` (TRL
+    generates without autocast); None for a ``rollout_func`` or another sampler."""
+    policy_dtype = next(trainer.accelerator.unwrap_model(trainer.model).parameters()).dtype
+    if getattr(trainer, "use_vllm", False):
+        name = getattr(trainer, "vllm_engine_dtype", None)
+        return getattr(torch, name, None) if isinstance(name, str) else None
+    if getattr(trainer, "rollout_func", None) is not None:
+        return None
+    sampler = getattr(trainer, "rollout_sampler", None)
+    if sampler is None:
+        return policy_dtype
+    from ..rollout.emulated import EmulatedRolloutEngine
+
+    if isinstance(sampler, EmulatedRolloutEngine):
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(sampler.kind, policy_dtype)
+    return None
+
+
+def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        dtype, dtype)
+    if not isinstance(getattr(torch, name, None), torch.dtype) or not getattr(torch, name).is_floating_point:
+        raise ValueError(f"probe_engine_dtype={dtype!r} is not a torch dtype: use float32, bfloat16 or float16.")
+    return getattr(torch, name)
+
+
+class SourceRescorer:
+    """Re-scores a scored generation batch with the trainer's own forward (TRL's ``_get_per_token_logps``, the
+    fused LM head, the trainer's temperature) twice: (a) in the engine's dtype, weights and compute, autocast off
+    (the policy itself when the engine's dtype is the policy's, else a copy cast to it); (b) at the trainer's own
+    dtype in another batch composition: one sample per forward (the whole batch in reverse order when the trainer
+    already scores one at a time). Not done on a ZeRO-3 or FSDP model (a copy would need the gathered weights)."""
+
+    def __init__(self, trainer: Any, engine_dtype: str | torch.dtype | None = None) -> None:
+        self.trainer = trainer
+        self.model = trainer.accelerator.unwrap_model(trainer.model)
+        self.policy_dtype = next(self.model.parameters()).dtype
+        args = trainer.args
+        self.autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        self.engine_dtype = _as_dtype(engine_dtype) or probe_engine_dtype(trainer)
+        self.seconds = 0.0
+        self._copy: torch.nn.Module | None = None
+        self.precision_note: str | None = None
+        if any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in self.model.parameters()):
+            self.precision_note = "a ZeRO-3/FSDP model: not re-scored"
+            self.engine_dtype = None
+        elif self.engine_dtype is None:
+            self.precision_note = ("the engine's dtype is unknown (a rollout_func or another sampler): pass "
+                                   "--probe_engine_dtype")
+        elif self.autocast is None and self.engine_dtype == self.policy_dtype:
+            self.precision_note = "the trainer computes in the engine's dtype already: nothing to separate"
+
+    def _forward(self, model: torch.nn.Module, batch: dict, batch_size: int, order: torch.Tensor | None = None,
+                 autocast: bool = True) -> torch.Tensor:
+        from ..grpo.trainer import RolloutCorrGRPOTrainer
+        from ..trl_hooks import grpo as trl_grpo
+
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, P+T)
+        if order is not None:
+            input_ids, attention_mask = input_ids[order], attention_mask[order]  # (B, P+T)
+        accelerator = self.trainer.accelerator
+        device_type = input_ids.device.type
+        was_training = model.training
+        model.eval()
+        if not autocast:  # TRL's forward enters accelerator.autocast(): off for the engine-dtype forward
+            accelerator.autocast = lambda *a, **k: torch.autocast(device_type, enabled=False)
+        try:
+            with torch.no_grad():
+                logps, _, _ = trl_grpo.per_token_logps(
+                    self.trainer, RolloutCorrGRPOTrainer, model, input_ids, attention_mask, batch["mask"].size(1),
+                    batch_size=batch_size, **(batch.get("model_inputs") or {}))  # (B, T)
+        finally:
+            accelerator.__dict__.pop("autocast", None)
+            model.train(was_training)
+        if order is not None:
+            logps = logps[torch.argsort(order)]  # (B, T) back in the batch's order
+        return logps
+
+    def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
+        """``engine_dtype_logps`` (B, T) (the trainer's own ``train_logps`` when there is nothing to separate; absent
+        when it cannot be measured) and ``reshaped_logps`` (B, T)."""
+        import time
+
+        start = time.perf_counter()
+        out = {}
+        size = batch["input_ids"].size(0)
+        if self.engine_dtype is not None and self.precision_note is None:
+            model = self.model
+            if self.engine_dtype != self.policy_dtype:
+                if self._copy is None:
+                    import copy
+
+                    self._copy = copy.deepcopy(self.model).to(self.engine_dtype)  # TRL's fused forward goes along
+                model = self._copy
+            out["engine_dtype_logps"] = self._forward(model, batch, self.trainer.args.per_device_train_batch_size,
+                                                      autocast=False).float()  # (B, T)
+        elif self.engine_dtype is not None:
+            out["engine_dtype_logps"] = batch["train_logps"]  # (B, T) the same computation
+        if self.trainer.args.per_device_train_batch_size > 1:
+            out["reshaped_logps"] = self._forward(self.model, batch, 1)  # (B, T)
+        else:
+            out["reshaped_logps"] = self._forward(self.model, batch, size, order=torch.arange(size - 1, -1, -1))
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def close(self) -> None:
+        self._copy = None
+
+    def describe(self) -> dict[str, Any]:
+        size = self.trainer.args.per_device_train_batch_size
+        return {
+            "trainer_dtype": str(self.policy_dtype).removeprefix("torch.")
+            + (f" + autocast {str(self.autocast).removeprefix('torch.')}" if self.autocast else ""),
+            "engine_dtype": None if self.engine_dtype is None else str(self.engine_dtype).removeprefix("torch."),
+            "precision_note": self.precision_note,
+            "batch_shape_composition": (f"one sample per forward against {size}" if size > 1
+                                        else "the whole batch in reverse order against one sample per forward"),
+            "seconds": self.seconds,
+        }
+
+
+#: the key of the trainer's own correction in the report's ``methods`` (its preset with every field it overrides)
+THIS_RUN = "this_run"
+
+
 def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) -> dict[str, Any]:
-    """The report of :mod:`trl_rollout_corr.cli.probe` on collected tensors (see :func:`collect`)."""
+    """The report of :mod:`trl_rollout_corr.cli.probe` on collected tensors (see :func:`collect`).
+
+    The methods see the ratio the trainer would form: log pi_train renormalized over a truncating sampler's kept set
+    when the trainer renormalizes (``truncated_support_correction``, on by default), else raw. With the trainer's own
+    correction in ``data["run_correction"]`` (:func:`collect` puts it there), ``methods[THIS_RUN]`` is what that
+    trainer logs on the same batch (``rollout_corr/*``; tests/test_probe_agreement.py).
+    """
     seen = data["rollout_seen"].bool()  # (B,)
     if not seen.any():
         raise ValueError("The engine returned no log-probs for any sample, so there is no pi_rollout to compare: "
@@ -103,16 +261,31 @@ def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) ->
     report: dict[str, Any] = {"samples": int(seen.numel()), "samples_without_rollout_logprobs": int((~seen).sum())}
     if data.get("log_mass") is not None:
         renormalized = truncated_support_logprobs(train, data["log_mass"], data["in_support"])  # (B, T)
+        applied = data.get("apply_truncation", True)
         report["truncation"] = {
             "kept_mass_mean": float((data["log_mass"].exp() * mask).sum() / mask.sum()),
             "outside_support_fraction": float(((~data["in_support"].bool()) & mask.bool()).sum() / mask.sum()),
             "before_renormalization": mismatch_summary(train, data["rollout_logps"], mask)["tokens"],
+            "after_renormalization": mismatch_summary(renormalized, data["rollout_logps"], mask)["tokens"],
+            "applied_by_trainer": applied,
         }
-        train = renormalized
-    data["ratio_logps"] = train  # what the ratio uses: pi_train, renormalized over the kept set if truncated
+        if applied:
+            train = renormalized
+    data["ratio_logps"] = train  # what the ratio uses: pi_train, renormalized over the kept set if the trainer does
     report.update(mismatch_summary(train, data["rollout_logps"], mask))
+    if data.get("split") is not None:
+        report["sources"] = {
+            **mismatch_by_source(data["train_logps"], train, data["rollout_logps"], mask,
+                                 data.get("engine_dtype_logps"), data.get("reshaped_logps")),
+            **data["split"]}
+        if "truncation" in report:
+            report["sources"]["truncation_k3"] = (report["truncation"]["before_renormalization"]["k3"]
+                                                  - report["truncation"]["after_renormalization"]["k3"])
     corrections = {name: correction_params(name) for name in methods}
-    report["methods"] = method_predictions(train, data["rollout_logps"], mask, corrections)
+    if data.get("run_correction") is not None:
+        corrections = {THIS_RUN: data["run_correction"], **corrections}
+    report["methods"] = method_predictions(train, data["rollout_logps"], mask, corrections,
+                                           advantages=data.get("advantages"))
     seqs = report["sequences"]
     report["regime"] = {"T": seqs.get("mean_length"), "per_token_kl": report["tokens"]["k3"],
                         "T_times_kl": seqs.get("t_kl_mean")}
@@ -135,12 +308,14 @@ def configuration_notes(trainer: Any) -> list[str]:
     return notes
 
 
-def probe(trainer: Any, batches: int = 2, methods: tuple[str, ...] = DEFAULT_METHODS) -> dict[str, Any]:
-    """Generate and score ``batches`` generation batches with ``trainer`` and report the mismatch (a dict)."""
+def probe(trainer: Any, batches: int = 2, methods: tuple[str, ...] = DEFAULT_METHODS, split: bool = True,
+          engine_dtype: str | torch.dtype | None = None) -> dict[str, Any]:
+    """Generate and score ``batches`` generation batches with ``trainer`` and report the mismatch (a dict); with
+    ``split``, the mismatch by source too (:class:`SourceRescorer`, ``engine_dtype`` as ``--probe_engine_dtype``)."""
     import time
 
     start = time.perf_counter()
-    data = collect(trainer, batches)
+    data = collect(trainer, batches, split, engine_dtype)
     report = analyse(data, methods)
     report["configuration"] = configuration_notes(trainer)
     report["map_cell"] = nearest_map_cell(report["regime"])
@@ -218,6 +393,32 @@ def format_map_cell(cell: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def format_sources(report: dict[str, Any]) -> list[str]:
+    """The mismatch-by-source lines of the terminal table (nothing without ``report["sources"]``)."""
+    src = report.get("sources")
+    if not src:
+        return []
+
+    def row(label, part, what):
+        if part is None:
+            return f"  {label:26} {'-':>10} {'':>7}  {what}"
+        return f"  {label:26} {part['k3']:>10.3g} {part['share_of_k3']:>7.1%}  {what}"
+
+    engine = src["engine_dtype"] or "unknown"
+    lines = ["", f"mismatch by source (k3 per token; share of the k3 above; small independent parts add "
+             f"approximately; re-scoring took {src['seconds']:.1f} s):"]
+    if "truncation_k3" in src:
+        lines.append(f"  {'truncated sampling':26} {src['truncation_k3']:>10.3g} {'':>7}  "
+                     + ("removed by the trainer's renormalization (not in the share)"
+                        if report["truncation"]["applied_by_trainer"] else "kept: the trainer does not renormalize"))
+    lines.append(row(f"precision ({engine})", src["precision"],
+                     src["precision_note"] or f"the trainer ({src['trainer_dtype']}) re-scored in {engine}"))
+    lines.append(row("batch shape", src["batch_shape"], f"the trainer re-scored, {src['batch_shape_composition']}"))
+    lines.append(row("remainder", src["remainder"], "kernels, the engine's batch composition, quantization, "
+                     "staleness, ... (log rho with the trainer in the engine's dtype)"))
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The terminal table."""
     tok, seq = report["tokens"], report["sequences"]
@@ -236,8 +437,11 @@ def format_report(report: dict[str, Any]) -> str:
     if "truncation" in report:
         tr = report["truncation"]
         lines.append(f"truncated sampling: kept mass {tr['kept_mass_mean']:.3f}; k3 before renormalizing "
-                     f"{tr['before_renormalization']['k3']:.3g}, after {tok['k3']:.3g} (the rest is precision, "
-                     "kernels and batch shape)")
+                     f"{tr['before_renormalization']['k3']:.3g}, after {tr['after_renormalization']['k3']:.3g}"
+                     + ("" if tr.get("applied_by_trainer", True) else
+                        " (truncated_support_correction=False: the trainer's ratio keeps the truncation's share, "
+                        "and so do the lines above and the methods)"))
+    lines += format_sources(report)
     lines += ["", f"{'length':>10} {'seqs':>6} {'mean T':>7} {'k3/token':>10} {'T*KL':>9} {'seq ESS':>8}"]
     for label, b in report["by_length"].items():
         lines.append(f"{label:>10} {b['count']:>6} {b['mean_length']:>7.0f} {b['k3']:>10.3g} {b['t_kl_mean']:>9.3g} "
@@ -307,7 +511,7 @@ def main(argv: list[str]) -> None:
         parser.parse_args_and_config(args=argv)
     trainer = build_trainer(script_args, training_args, model_args, monitor_args, dataset_args, monitor=False)
     methods = tuple(m.strip() for m in probe_args.probe_methods.split(",") if m.strip())
-    report = probe(trainer, probe_args.probe_batches, methods)
+    report = probe(trainer, probe_args.probe_batches, methods, probe_args.probe_split, probe_args.probe_engine_dtype)
     print(format_report(report))
     out = probe_args.probe_out or os.path.join(training_args.output_dir, "probe")
     for path in write_report(report, out):

@@ -34,7 +34,8 @@ _QUANTILES = (0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999)
 #: what the report keeps of each method's metrics (the rest is in the trainer's logs)
 METHOD_METRICS = ("rollout_is_eff_sample_size", "rollout_is_seq_min", "rollout_is_seq_max", "rollout_is_min",
                   "rollout_is_max", "rollout_is_ratio_fraction_high", "rollout_is_masked_fraction",
-                  "rollout_is_seq_masked_fraction", "rejected_token_fraction", "rollout_rs_seq_masked_fraction")
+                  "rollout_is_seq_masked_fraction", "rejected_token_fraction", "rollout_rs_seq_masked_fraction",
+                  "rollout_m2_masked_fraction")
 
 
 def _quantiles(x: torch.Tensor) -> dict[str, float]:
@@ -135,11 +136,14 @@ def _sequence_summary(log_rho: torch.Tensor, k3: torch.Tensor, lengths: torch.Te
 
 
 def method_predictions(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor,
-                       corrections: Mapping[str, CorrectionParams]) -> dict[str, dict[str, float]]:
+                       corrections: Mapping[str, CorrectionParams],
+                       advantages: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
     """Each correction's weights, masks and ESS on these very samples (the core run on the probe's tensors).
 
     pi_train here is the policy the samples were scored with, so a decoupled correction sees what its first
-    optimizer step would see, and a bypass one what its loss would see before the policy moves.
+    optimizer step would see, and a bypass one what its loss would see before the policy moves. ``advantages``
+    (B,) or (B, T): the group advantages A the trainer passes too (M2PO's trust region, ``rollout_m2_scope=
+    'trust_region'``, keeps tokens by the sign of A; a correction that reads them cannot be predicted without).
 
     Returns:
         ``{name: {metric: value}}`` with the metrics of :data:`METHOD_METRICS` the correction emits (without the
@@ -149,7 +153,7 @@ def method_predictions(train_logps: torch.Tensor, rollout_logps: torch.Tensor, m
     out = {}
     for name, params in corrections.items():
         result = compute_rollout_correction_stats(train_logps.detach().float(), rollout_logps.detach().float(),
-                                                  mask, params)
+                                                  mask, params, advantages=advantages)
         metrics = finalize_stats(result.stats)
         short = {k.split("/", 1)[1]: v for k, v in metrics.items()}
         out[name] = {k: short[k] for k in METHOD_METRICS if k in short}
@@ -159,3 +163,52 @@ def method_predictions(train_logps: torch.Tensor, rollout_logps: torch.Tensor, m
             out[name]["weight_min"], out[name]["weight_max"] = float(applied.min()), float(applied.max())
             out[name]["weight_zero_fraction"] = float((applied == 0).double().mean())
     return out
+
+
+def mismatch_by_source(train_logps: torch.Tensor, ratio_logps: torch.Tensor, rollout_logps: torch.Tensor,
+                       mask: torch.Tensor, engine_dtype_logps: torch.Tensor | None = None,
+                       reshaped_logps: torch.Tensor | None = None) -> dict[str, Any]:
+    """The mismatch after truncation, split by the source re-scoring can isolate (the probe's ``sources``).
+
+    With log rho = log pi_train^C - log pi_rollout (``ratio_logps``: pi_train renormalized over a truncating
+    sampler's kept set C where the trainer does so) on tokens sampled from pi_rollout, each part is the k3 of a
+    per-token log-ratio on the same tokens:
+
+    * precision: delta_p = log pi_train - log pi_train@dtype, pi_train@dtype the trainer's forward re-run in the
+      engine's dtype (``engine_dtype_logps``): the mismatch the dtype alone explains;
+    * batch shape: delta_b = log pi_train - log pi_train@shape, the same samples re-scored by the trainer in another
+      batch composition (``reshaped_logps``);
+    * remainder: log rho - delta_p = log pi_train@dtype^C - log pi_rollout, what a trainer computing in the engine's
+      dtype would still see (kernels, the engine's own batch composition, quantization, staleness, ...).
+
+    k3 = rho - 1 - log rho (Schulman 2020) is ~(log rho)^2 / 2 for a small mismatch, so the k3 of independent small
+    parts add approximately: the shares need not sum to 1 exactly. A part whose re-scoring is absent is None.
+
+    Args:
+        train_logps: (B, T) log pi_train, the trainer's forward (before any renormalization).
+        ratio_logps: (B, T) what the trainer's ratio uses (``train_logps`` renormalized, or itself).
+        rollout_logps: (B, T) log pi_rollout.
+        mask: (B, T) completion tokens of samples with engine log-probs.
+        engine_dtype_logps, reshaped_logps: (B, T) the re-scorings, or None.
+
+    Returns:
+        ``total``, ``precision``, ``batch_shape``, ``remainder``: each ``{"k3", "k1", "max_abs_log_rho",
+        "share_of_k3"}`` (k3 over the total k3 of log rho), or None.
+    """
+    def part(first: torch.Tensor, second: torch.Tensor, total_k3: float | None) -> dict[str, float]:
+        tokens = mismatch_summary(first, second, mask)["tokens"]
+        out = {k: tokens[k] for k in ("k3", "k1", "max_abs_log_rho")}
+        if total_k3 is not None:
+            out["share_of_k3"] = out["k3"] / total_k3 if total_k3 > 0 else float("nan")
+        return out
+
+    total = part(ratio_logps, rollout_logps, None)
+    total["share_of_k3"] = 1.0
+    report: dict[str, Any] = {"total": total, "precision": None, "batch_shape": None, "remainder": None}
+    if engine_dtype_logps is not None:
+        report["precision"] = part(train_logps, engine_dtype_logps, total["k3"])
+        delta_p = train_logps.double() - engine_dtype_logps.double()  # (B, T)
+        report["remainder"] = part(ratio_logps.double() - delta_p, rollout_logps, total["k3"])  # (B, T)
+    if reshaped_logps is not None:
+        report["batch_shape"] = part(train_logps, reshaped_logps, total["k3"])
+    return report

@@ -314,7 +314,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
             ``train_logps`` (B, T) log pi_train, ``rollout_logps`` (B, T) log pi_rollout, ``mask`` (B, T) completion
             tokens (tool output excluded), ``rollout_seen`` (B,) whether the engine returned log-probs for the
             sample, ``log_mass`` and ``in_support`` (B, T) (None unless the sampler truncates), ``input_ids`` and
-            ``attention_mask`` (B, P+T) (prompt and completion, as the forward saw them).
+            ``attention_mask`` (B, P+T) (prompt and completion, as the forward saw them), ``model_inputs`` (the
+            forward's other inputs: images, token types; empty for text), ``advantages`` (B,) TRL's.
         """
         was_training = self.model.training
         self.model.eval()
@@ -334,7 +335,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         log_mass, in_support = support if support is not None else (None, None)
         return {"train_logps": logps, "rollout_logps": output["sampling_per_token_logps"], "mask": mask,
                 "rollout_seen": output["rc_rollout_seen"], "log_mass": log_mass, "in_support": in_support,
-                "input_ids": input_ids, "attention_mask": attention_mask}
+                "input_ids": input_ids, "attention_mask": attention_mask, "model_inputs": model_inputs,
+                "advantages": output["advantages"]}
 
     def _policy_forward(self, model, input_ids, attention_mask, logits_to_keep, model_inputs, **kwargs):
         """TRL's forward (log-probs, entropies, aux loss), plus the sampler's kept mass when it truncates."""
