@@ -35,8 +35,14 @@ def test_the_preregistered_family_is_what_the_code_says():
                                             vllm_importance_sampling_clip_max=3.0))
     assert mt.METHODS["M2"][0] == "trl" and mt.METHODS["M2"][1]["vllm_importance_sampling_mode"] == "token_truncate"
     assert {m: k for m, (k, _) in mt.METHODS.items()} == dict(on_policy="ours", M0="ours", M1="trl", M2="trl",
-                                                              M3="ours", M4="ours")
+                                                              M3="ours", M4="ours", M1p="ours")
+    assert mt.METHODS["M1p"][1] == dict(rollout_correction_preset="trl_default")  # TRL's default, this package's code
     assert mt.STEPS_PER_GENERATION >= 2  # the PPO clip against pi_old is live
+    # pre-registration 2 (experiments C, L, H), fixed before their first run
+    assert mt.CONFIRM_SEEDS == tuple(range(10, 30)) and mt.CONFIRM_FAMILY == (("S2", "M3"), ("S2", "M2"))
+    assert mt.LONG_FAMILY == (("S2L", "M3"), ("S2L", "M2")) and mt.LONG_SEEDS == tuple(range(30, 40))
+    assert not set(mt.LONG_SEEDS) & set(mt.CONFIRM_SEEDS) and not set(mt.CONFIRM_SEEDS) & set(range(10))
+    assert mt.S2L_DIGITS + 1 >= 100  # T >= 100: T*KL >= 1 is reachable at a per-token KL <= 1e-2
     from trl_rollout_corr.config import RolloutCorrectionConfig
 
     # M4 is IcePop as the field defines it: token weight pi_old / pi_rollout zeroed outside [0.5, 5], kept in the count
