@@ -935,6 +935,34 @@ def hurt_table(runs: list[dict], costly: tuple = COSTLY_SCENARIOS) -> tuple[str,
 
 
 
+def package_vs_trl(runs: list[dict]) -> tuple[str, list[dict]]:
+    """M1p (TRL's default by this package's trainer) - M1 (by TRL's GRPOTrainer), paired per scenario on the seeds
+    both ran (descriptive: package == TRL in training; the losses agree to float rounding, so the runs differ only
+    where a rounding difference changes a sampled token)."""
+    st = _stats()
+    table = score_table(runs)
+    lines = ["**Package == TRL in training**: M1p (preset `trl_default`, this package's trainer) − M1 (TRL's "
+             "GRPOTrainer), paired:\n", "| scenario | n | M1p − M1 | 95% CI | p (t) | largest \\|diff\\| |",
+             "|---|---|---|---|---|---|"]
+    rows = []
+    for scenario in sorted({s for s, m in table if m == "M1p"}):
+        a, b = table.get((scenario, "M1p"), {}), table.get((scenario, "M1"), {})
+        common = sorted(set(a) & set(b))
+        if len(common) < 2:
+            continue
+        x, y = [a[s]["score"] for s in common], [b[s]["score"] for s in common]
+        d = max(abs(u - v) for u, v in zip(x, y))
+        if d == 0:
+            row = dict(scenario=scenario, n=len(common), diff=0.0, diff_lo=0.0, diff_hi=0.0, p=1.0)
+        else:
+            row = {**st.compare_paired(x, y), "scenario": scenario}
+        row["max_abs"] = d
+        rows.append(row)
+        lines.append(f"| {scenario} | {row['n']} | {row['diff']:+.4f} | [{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}]"
+                     f" | {row['p']:.3g} | {d:.4f} |")
+    return "\n".join(lines), rows
+
+
 def pick_candidate(result: dict):
     """The pre-registered choice: among family rows whose scenario counts, significantly above M1 after Holm
     (sign-flip and t both < ALPHA), the one with the largest mean difference; None if there is none."""
@@ -1043,6 +1071,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
         text, result = hurt_table(runs)
+        same, result["package_vs_trl"] = package_vs_trl(runs)
+        text += "\n\n" + same
     with open(os.path.join(out, "analysis.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(out, "analysis.json"), "w") as f:

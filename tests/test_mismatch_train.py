@@ -289,3 +289,17 @@ def test_smoke_long_scenario_writes_hurt_columns(tmp_path):
     assert float(rows["M3"]["t_kl_mean_max"]) >= float(rows["M3"]["t_kl_mean_mean"]) >= 0
     text = open(os.path.join(out, "analysis.md")).read()
     assert "Experiment L" in text and "does it hurt?" in text
+
+
+def test_package_vs_trl_is_paired_by_seed():
+    """M1p - M1 per scenario on the seeds both ran: equal runs give exactly 0; one seed 0.03 below gives a mean of
+    -0.01 over 3 seeds and a largest |diff| of 0.03 (a seed only one of them ran is left out)."""
+    def runs(bump):
+        out = [dict(scenario="S2", method=m, seed=s, score=0.5 + 0.01 * s + (bump if m == "M1p" and s == 1 else 0),
+                    kl_token=0.01, t_kl=0.5, collapsed=False) for m in ("M1", "M1p") for s in range(3)]
+        return out + [dict(scenario="S2", method="M1p", seed=-1, score=0.9, kl_token=0.01, t_kl=0.5, collapsed=False)]
+
+    _, rows = mt.package_vs_trl(runs(0.0))
+    assert rows[0]["n"] == 3 and rows[0]["diff"] == 0.0 and rows[0]["max_abs"] == 0.0
+    _, rows = mt.package_vs_trl(runs(-0.03))
+    assert rows[0]["diff"] == pytest.approx(-0.01) and rows[0]["max_abs"] == pytest.approx(0.03)
