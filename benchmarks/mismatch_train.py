@@ -150,9 +150,18 @@ C_GAP_SEEDS_0_9 = dict(diff=0.122, p=0.00025, p_sign_flip=0.0020)
 # Then the cost check: on_policy vs M0 on LONG_SEEDS; ONLY if the gap is significant (rule (a)) do M1, M3, M2
 # run on the same seeds, family LONG_FAMILY vs M1, Holm over 2, rule (b).
 S2L_DIGITS = 128
-S2L_LAG = 8  # may be lowered by the pilot rule above, before any analysed seed runs (then said in the commit)
 S2L_STEPS = 30
-S2L_PILOT: dict = {}  # (lag, method): (per-token KL run mean, T*KL run mean, score, seconds); filled after the pilot
+# The pilot (seed 99, 2026-11-26 14:02-14:50 UTC, 2-core CPU shared with seven other engineers' work; the base model
+# at 128 digits took 1581 s; reward at step 0 0.312): (lag, method): (per-token KL run mean, T*KL run mean, score,
+# mean completion length, seconds). The pre-registered rule raised the lag 8 -> 12 (T*KL < 1 at KL <= 1e-2); at 12
+# T*KL was still 0.55, so a lag of 16 was piloted too, outside the rule (disclosed): 0.79 at KL 8.0e-3. The
+# completions average ~100 tokens, not 129 (rows end early at EOS), so T*KL >= 1 needs a per-token KL >= ~1e-2: this
+# stale engine at this length cannot enter "T*KL >= 1 at per-token KL <= 1e-2" as a run mean; its last 8 generations
+# at lag 16 reach T*KL 0.5-1.8 at KL 5e-3-1.7e-2 (a staleness that builds over the first 16 steps). No seed of
+# LONG_SEEDS ran before this was written.
+S2L_PILOT = {(8, "on_policy"): (0.0, 0.0, 0.372, 104.3, 275), (8, "M0"): (3.9e-3, 0.40, 0.393, 101.1, 231),
+             (12, "M0"): (5.5e-3, 0.55, 0.390, 99.9, 395), (16, "M0"): (8.0e-3, 0.79, 0.385, 97.7, 397)}
+S2L_LAG = 16  # the closest the pilot came to the target regime (outside the pre-registered 8 -> 12 rule)
 LONG_SEEDS = tuple(range(30, 40))  # fresh seeds, never run in any scenario
 LONG_ARMS_COST = ("on_policy", "M0")
 LONG_ARMS = ("M1", "M3", "M2")  # only if the cost check counts
