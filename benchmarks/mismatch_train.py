@@ -8,6 +8,20 @@ One command, resumable (each finished run is one JSON file that a re-run skips),
     python benchmarks/mismatch_train.py --held_out --seeds 10-14 --steps 30 --out outputs/mismatch_train  # afterwards
     python benchmarks/mismatch_train.py --smoke --out /tmp/smoke          # the suite's seconds-long version
 
+Pre-registration 2 (below the first): experiment C (the S2 lead on fresh seeds 10-29), L (S2L, a 129-token
+completion) and H (the "does it hurt?" metrics), run as
+
+    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M1,M3,M2 --seeds 10-29 \
+        --without_on_policy --out outputs/mismatch_train --jobs 2
+    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M0 --seeds 10-29 \
+        --out outputs/mismatch_train --jobs 2                       # + on_policy: the cost re-check, gap closed
+    python benchmarks/mismatch_train.py --experiment H --scenarios S1 --methods M3,M1p --seeds 10-12 \
+        --without_on_policy --out outputs/mismatch_train --jobs 1   # then S2 M1p and S0 M3, seeds 10-12
+    python benchmarks/mismatch_train.py --experiment L --scenarios S2L --methods M0 --seeds 30-39 \
+        --out outputs/mismatch_train --jobs 2                       # the cost check; M1,M3,M2 only if it counts
+
+(``--report_only --experiment C|L|H --seeds ...`` rewrites ``analysis.md`` for one experiment.)
+
 It writes ``DIR/runs/*.json`` (one per run), ``DIR/results.csv`` (one row per run), ``DIR/analysis.md`` (the
 pre-registered analysis) and ``DIR/mismatch_train.png``.
 
