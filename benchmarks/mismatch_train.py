@@ -907,6 +907,18 @@ def analyse_family(runs: list[dict], seeds: list[int], scenario: str, family: tu
     return "\n".join(lines), result
 
 
+def costly_scenarios(runs: list[dict]) -> tuple:
+    """Experiment H's costly set: the scenarios of COSTLY_SCENARIOS whose gap on_policy - M0 counts (paired t and
+    sign-flip p < ALPHA, positive) on every seed where both ran."""
+    table = score_table(runs)
+    out = []
+    for scenario in COSTLY_SCENARIOS:
+        seeds = sorted(set(table.get((scenario, "on_policy"), {})) & set(table.get((scenario, "M0"), {})))
+        if len(seeds) >= 2 and analyse_family(runs, seeds, scenario, (), scenario)[1]["counts"]:
+            out.append(scenario)
+    return tuple(out)
+
+
 HURT_ARMS = ("M0", "M1p", "M3", "M4")  # this package's trainer: it logs the "does it hurt?" metrics
 
 
@@ -1093,7 +1105,7 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
-        text, result = hurt_table(runs)
+        text, result = hurt_table(runs, costly_scenarios(runs))
         same, result["package_vs_trl"] = package_vs_trl(runs)
         text += "\n\n" + same
     with open(os.path.join(out, "analysis.md"), "w") as f:

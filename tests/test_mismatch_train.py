@@ -303,3 +303,13 @@ def test_package_vs_trl_is_paired_by_seed():
     assert rows[0]["n"] == 3 and rows[0]["diff"] == 0.0 and rows[0]["max_abs"] == 0.0
     _, rows = mt.package_vs_trl(runs(-0.03))
     assert rows[0]["diff"] == pytest.approx(-0.01) and rows[0]["max_abs"] == pytest.approx(0.03)
+
+
+def test_the_costly_set_is_where_the_gap_counts():
+    """H's costly scenarios: S2 (on_policy above M0 by 0.1 on all 10 seeds: sign-flip p 2 / 2**10) counts; S2L (its
+    own on_policy pool, differences alternating +-0.01) does not."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    runs = _family_runs({("all", "on_policy"): [b + 0.1 + 0.001 * i for i, b in enumerate(base)], ("S2", "M0"): base,
+                         ("S2L", "M0"): base})
+    runs += _family_runs({("S2L", "on_policy"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)]}, pool="S2L")
+    assert mt.costly_scenarios(runs) == ("S2",)
