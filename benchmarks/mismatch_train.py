@@ -8,6 +8,20 @@ One command, resumable (each finished run is one JSON file that a re-run skips),
     python benchmarks/mismatch_train.py --held_out --seeds 10-14 --steps 30 --out outputs/mismatch_train  # afterwards
     python benchmarks/mismatch_train.py --smoke --out /tmp/smoke          # the suite's seconds-long version
 
+Pre-registration 2 (below the first): experiment C (the S2 lead on fresh seeds 10-29), L (S2L, a 129-token
+completion) and H (the "does it hurt?" metrics), run as
+
+    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M1,M3,M2 --seeds 10-29 \
+        --without_on_policy --out outputs/mismatch_train --jobs 2
+    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M0 --seeds 10-29 \
+        --out outputs/mismatch_train --jobs 2                       # + on_policy: the cost re-check, gap closed
+    python benchmarks/mismatch_train.py --experiment H --scenarios S1 --methods M3,M1p --seeds 10-12 \
+        --without_on_policy --out outputs/mismatch_train --jobs 1   # then S2 M1p and S0 M3, seeds 10-12
+    python benchmarks/mismatch_train.py --experiment L --scenarios S2L --methods M0 --seeds 30-39 \
+        --out outputs/mismatch_train --jobs 2                       # the cost check; M1,M3,M2 only if it counts
+
+(``--report_only --experiment C|L|H --seeds ...`` rewrites ``analysis.md`` for one experiment.)
+
 It writes ``DIR/runs/*.json`` (one per run), ``DIR/results.csv`` (one row per run), ``DIR/analysis.md`` (the
 pre-registered analysis) and ``DIR/mismatch_train.png``.
 
@@ -78,7 +92,9 @@ SCENARIOS = {
     "S0": "no mismatch (the cost check): the engine is the policy",
     "S1": "heavy-tailed precision-like gap: dense logit noise + rare spikes on low-probability tokens",
     "S2": "staleness: the engine is the policy of S2_LAG optimizer steps ago",
+    "S2L": "S2 at a long completion: n_digits S2L_DIGITS, the policy of S2L_LAG optimizer steps ago",
 }
+LONG_SCENARIOS = ("S2L",)  # their own completion length, base model and on_policy runs
 METHODS = {
     # name: (trainer, settings)  trainer "trl" = TRL's unmodified GRPOTrainer on its vLLM IS path, "ours" = this
     # package's RolloutCorrGRPOTrainer (settings are RolloutCorrGRPOConfig fields)
@@ -90,6 +106,8 @@ METHODS = {
     # IcePop (Ling Team, Ring-1T, arXiv:2510.18855; verl's decoupled_token_icepop): w = pi_old / pi_rollout per
     # token, zeroed outside [0.5, 5], the token kept in the loss's count
     "M4": ("ours", dict(rollout_correction_preset="icepop")),
+    # TRL's default (sequence_mask, C=3) by this package's trainer (preset trl_default): package == TRL in training
+    "M1p": ("ours", dict(rollout_correction_preset="trl_default")),
 }
 METHOD_TEXT = {
     "on_policy": "on-policy (the ceiling: the policy samples itself)",
@@ -98,6 +116,7 @@ METHOD_TEXT = {
     "M2": "TRL's token_truncate C=3 (TRL's GRPOTrainer)",
     "M3": "ppo_is_bypass (this package)",
     "M4": "IcePop token mask [0.5, 5], kept in the count (this package)",
+    "M1p": "TRL's default (sequence_mask C=3) by this package's trainer (preset trl_default)",
 }
 REFERENCE = "M1"  # TRL's default: every family comparison is against it
 FAMILY_SCENARIOS = ("S1", "S2")
@@ -108,6 +127,73 @@ TOST_MARGIN = 0.02  # reward units: "no cost" in S0 = each method within +-0.02 
 ALPHA = 0.05
 COLLAPSE_FRACTION = 0.5
 HELD_OUT_SEEDS = tuple(range(10, 15))  # run only after the analysis of seeds 0-9 picked a candidate
+
+# ------------------------------------------------------------------------------------------------ pre-registration 2
+# Written and committed 2026-11-26 ~14:05 UTC, BEFORE the first run of experiments C, L and H (below); the analysis
+# functions analyse_confirm / analyse_long / hurt_table read only these.
+#
+# Seeds 10-14 were reserved as held-out seeds for a candidate of the first analysis (seeds 0-9); it picked none, so
+# they were never run and nobody has seen a number from them. They are used now, with 15-29, as fresh seeds of
+# experiment C: its family, reference, decision rule and arms are fixed here before any of these seeds runs, and
+# seeds 0-9 (which suggested the S2 lead) are not pooled with them; so C is an independent confirmatory test of a
+# hypothesis chosen on other seeds, which is what held-out seeds are for.
+#
+# Experiment C, confirmation of the S2 lead (seeds 0-9: M3 ppo_is_bypass +0.099 vs M1, M2 token_truncate +0.063,
+# neither significant after Holm): S2 exactly as before (lag S2_LAG, 30 steps, lr LR), fresh seeds 10-29.
+CONFIRM_SEEDS = tuple(range(10, 30))
+CONFIRM_FAMILY_ARMS = ("M1", "M3", "M2")  # run first, seed by seed (a partial run leaves whole paired seeds)
+CONFIRM_ARMS = ("on_policy", "M0")  # run after the family arms: the cost re-check and the gap closed
+CONFIRM_FAMILY = (("S2", "M3"), ("S2", "M2"))  # each - M1 (REFERENCE), Holm over these 2
+# Decision rule: a method is CONFIRMED in a scenario iff (a) the mismatch costs something there: for C, S2's gap
+# on_policy - M0 was established on seeds 0-9 (+0.122, paired t p 0.00025, sign-flip p 0.0020) and is re-checked on
+# C's seeds where on_policy and M0 ran (reported; if it ran on all 20 seeds and is not significant, (a) fails);
+# for L, S2L's gap on LONG_SEEDS (paired t and sign-flip p < ALPHA, positive); and (b) method - M1 > 0 with the
+# Holm-adjusted exact sign-flip p < ALPHA AND the Holm-adjusted paired-t p < ALPHA (Holm over the family).
+# Reported beside it, not deciding: Fieller 95% gap closed (method - M0) / (on_policy - M0) for M1, M2, M3 (only
+# where the gap is significant on the same seeds), collapses (Fisher's exact test vs M1).
+# Budget (measured 13:57 UTC on seed 99, outside every analysed seed: 51-53 s per 30-step S2 run at 2 jobs on the
+# shared 2 cores): the run order is C's family arms, then L's pilot and cost check, then C's on_policy and M0, then
+# H's extra runs; whatever the deadline (15:55 UTC) cuts is reported as not run.
+C_GAP_SEEDS_0_9 = dict(diff=0.122, p=0.00025, p_sign_flip=0.0020)
+#
+# Experiment L, the realistic regime (issue 36's T*KL >= 1 at per-token KL <= 1e-2): scenario S2L = S2's stale engine
+# at a longer completion, n_digits S2L_DIGITS (T = S2L_DIGITS + 1 with EOS), its own base model pre-trained at that
+# length (same recipe), lag S2L_LAG. Pilot (disclosed, not analysed): seed 99 only, M0 and on_policy, S2L_STEPS
+# steps; the lag is lowered (8 -> 6 -> 4) while the pilot's M0 run-mean per-token KL exceeds 1e-2, raised (8 -> 12)
+# if its T*KL is below 1 at KL <= 1e-2, and the pilot's numbers are written into S2L_PILOT.
+# Then the cost check: on_policy vs M0 on LONG_SEEDS; ONLY if the gap is significant (rule (a)) do M1, M3, M2
+# run on the same seeds, family LONG_FAMILY vs M1, Holm over 2, rule (b).
+S2L_DIGITS = 128
+S2L_STEPS = 30
+# The pilot (seed 99, 2026-11-26 14:02-14:50 UTC, 2-core CPU shared with seven other engineers' work; the base model
+# at 128 digits took 1581 s; reward at step 0 0.312): (lag, method): (per-token KL run mean, T*KL run mean, score,
+# mean completion length, seconds). The pre-registered rule raised the lag 8 -> 12 (T*KL < 1 at KL <= 1e-2); at 12
+# T*KL was still 0.55, so a lag of 16 was piloted too, outside the rule (disclosed): 0.79 at KL 8.0e-3. The
+# completions average ~100 tokens, not 129 (rows end early at EOS), so T*KL >= 1 needs a per-token KL >= ~1e-2: this
+# stale engine at this length cannot enter "T*KL >= 1 at per-token KL <= 1e-2" as a run mean; its last 8 generations
+# at lag 16 reach T*KL 0.5-1.8 at KL 5e-3-1.7e-2 (a staleness that builds over the first 16 steps). No seed of
+# LONG_SEEDS ran before this was written.
+S2L_PILOT = {(8, "on_policy"): (0.0, 0.0, 0.372, 104.3, 275), (8, "M0"): (3.9e-3, 0.40, 0.393, 101.1, 231),
+             (12, "M0"): (5.5e-3, 0.55, 0.390, 99.9, 395), (16, "M0"): (8.0e-3, 0.79, 0.385, 97.7, 397)}
+S2L_LAG = 16  # the closest the pilot came to the target regime (outside the pre-registered 8 -> 12 rule)
+LONG_SEEDS = tuple(range(30, 40))  # fresh seeds, never run in any scenario
+LONG_ARMS_COST = ("on_policy", "M0")
+LONG_ARMS = ("M1", "M3", "M2")  # only if the cost check counts
+LONG_FAMILY = (("S2L", "M3"), ("S2L", "M2"))  # each - M1, Holm over these 2
+#
+# Experiment H, "does it hurt?" metrics (issue 37): the package-trainer arms (M3, M4, and M1p = this package's
+# trainer with TRL's default correction, preset "trl_default", which also checks package == TRL in training) log
+# rollout_corr/grad_share_pinned, grad_share_masked, t_kl_mean, t_kl_max, t_kl_above_1_fraction and k3_kl_len_* at
+# every step; each run's mean and max over its logged steps go to the CSV (HURT_METRICS). Runs: M3 from C (S2) and L
+# (S2L); added for H: M1p and M3 in S0 and S1 and M1p in S2, seeds HURT_SEEDS. Healthy = S0, S1 (the mismatch costs
+# nothing: seeds 0-9); costly = S2, S2L (where the cost check counts). Separation rule: a metric separates iff, for an
+# arm, every costly run's run-mean lies strictly beyond every healthy run's run-mean (on one side); only then may a
+# monitor rule use it, at a threshold between the two ranges.
+HURT_SEEDS = tuple(range(10, 13))  # cut to 3 seeds by the budget, before any run
+HURT_CELLS = (("S1", "M3"), ("S1", "M1p"), ("S2", "M1p"), ("S0", "M3"))  # run in this order
+HURT_METRICS = ("grad_share_pinned", "grad_share_masked", "t_kl_mean", "t_kl_max", "t_kl_above_1_fraction",
+                "k3_kl_len_0_63", "k3_kl_len_64_255")
+HEALTHY_SCENARIOS, COSTLY_SCENARIOS = ("S0", "S1"), ("S2", "S2L")
 
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
@@ -127,7 +213,7 @@ N_EVAL, EVAL_EVERY, TAIL, TAIL_EVAL_EVERY = 64, 10, 0.3, 3  # evaluations every 
 S1_SIGMA, S1_SPIKE_P, S1_SPIKE, S1_SPIKE_BELOW = 0.1, 0.1, 10.0, 1e-2
 S2_LAG = 8
 SMOKE = dict(hidden=32, layers=1, heads=2, n_digits=6, base_steps=3, warmup_steps=1, n_eval=8, eval_every=1,
-             steps=2)
+             steps=2, long_digits=8)
 
 
 def _stats():
@@ -215,7 +301,7 @@ class Engine:
         self.scenario, self.tok, self.n_digits, self.lag = scenario, tokenizer, n_digits, lag
         self.generator = torch.Generator().manual_seed(1_000_003 * seed + 17)
         self.perturb = heavy_tailed(*noise) if scenario == "S1" else None
-        self.stale = policy_factory() if scenario == "S2" else None
+        self.stale = policy_factory() if scenario in ("S2", *LONG_SCENARIOS) else None
         self.snapshots: dict[int, dict] = {}
         self.log: list[dict] = []
 
@@ -277,8 +363,21 @@ def policy_reward(model, tokenizer, prompts, n_digits: int, seed: int = 1234) ->
                                                   for c in completions]))
 
 
-def base_model_path(out: str) -> str:
-    return os.path.join(out, "base", "base.pt")
+def base_model_path(out: str, n_digits: int | None = None) -> str:
+    """The shared base model of ``out``; a long scenario's (``n_digits`` given) is its own, pre-trained at its
+    length."""
+    return os.path.join(out, "base", "base.pt" if n_digits is None else f"base_n{n_digits}.pt")
+
+
+def cell_size(scenario: str, size: dict) -> dict:
+    """The sizes of one scenario's runs: a long scenario's completion length replaces ``n_digits``."""
+    if scenario in LONG_SCENARIOS:
+        return {**size, "n_digits": size["long_digits"]}
+    return size
+
+
+def cell_base(out: str, scenario: str, size: dict) -> str:
+    return base_model_path(out, size["long_digits"] if scenario in LONG_SCENARIOS else None)
 
 
 def pretrain_base(size: dict):
@@ -311,11 +410,11 @@ def pretrain_base(size: dict):
     return model
 
 
-def build_base(out: str, size: dict) -> str:
-    """The shared pre-trained checkpoint (:func:`pretrain_base`), built once per output folder."""
+def build_base(out: str, size: dict, path: str | None = None) -> str:
+    """The shared pre-trained checkpoint (:func:`pretrain_base`), built once per output folder (and length)."""
     import torch
 
-    path = base_model_path(out)
+    path = path or base_model_path(out)
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -329,9 +428,10 @@ def build_base(out: str, size: dict) -> str:
 
 
 def run_path(out: str, scenario: str, method: str, seed: int) -> str:
-    """S0's M0 is the on_policy run (the same sampler, the same loss); on_policy is shared by every scenario."""
+    """S0's M0 is the on_policy run (the same sampler, the same loss); on_policy is shared by every scenario of the
+    same length (a long scenario has its own)."""
     if method == "on_policy" or (scenario == COST_SCENARIO and method == "M0"):
-        scenario, method = "all", "on_policy"
+        scenario, method = (scenario if scenario in LONG_SCENARIOS else "all"), "on_policy"
     return os.path.join(out, "runs", f"{scenario}__{method}__seed{seed}.json")
 
 
@@ -374,6 +474,19 @@ def grpo_fields(output_dir: str, steps: int, n_digits: int, lr: float, seed: int
                 gradient_checkpointing=False, seed=seed, disable_tqdm=True, dataloader_num_workers=0)
 
 
+def hurt_summary(logs: list[dict]) -> dict:
+    """Experiment H: each "does it hurt?" metric's mean and max over a run's logged steps (``rollout_corr/<name>``,
+    logged by this package's trainer only; absent -> NaN, a bucket without tokens is not logged at that step)."""
+    from trl_rollout_corr.core.metric_names import metric
+
+    out = {}
+    for name in HURT_METRICS:
+        values = [row[metric(name)] for row in logs if metric(name) in row and math.isfinite(row[metric(name)])]
+        out[f"{name}_mean"] = statistics.fmean(values) if values else math.nan
+        out[f"{name}_max"] = max(values) if values else math.nan
+    return out
+
+
 def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, base: str, size: dict,
             lr: float = LR, threads: int = 1) -> dict:
     """Train one (scenario, method, seed) and write its JSON."""
@@ -398,7 +511,8 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
                            n_digits=n_digits)
 
     model = factory()
-    warm = os.path.join(os.path.dirname(base), f"warmup_seed{seed}.pt")  # the seed's warm-up, shared by its runs
+    stem = "" if os.path.basename(base) == "base.pt" else f"n{n_digits}_"
+    warm = os.path.join(os.path.dirname(base), f"warmup_{stem}seed{seed}.pt")  # the seed's warm-up, shared by its runs
     if os.path.exists(warm):
         model.load_state_dict(torch.load(warm))
     else:
@@ -425,20 +539,23 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
 
     logs_list = logs
     engine_scenario = "S0" if method == "on_policy" else scenario
-    engine = Engine(engine_scenario, seed, tok, factory, n_digits)
+    engine = Engine(engine_scenario, seed, tok, factory, n_digits,
+                    lag=S2L_LAG if scenario in LONG_SCENARIOS else S2_LAG)
     with tempfile.TemporaryDirectory() as tmp:
         fields = grpo_fields(tmp, steps, n_digits, lr, seed)
         dataset = Dataset.from_dict({"prompt": psum_prompts(steps * GEN_PROMPTS + 64, n_digits, seed=seed)})
         trainer = build_trainer(method, model, tok, engine, dataset, fields, [Recorder()])
         trainer.train()
     tail = [r for s, r in curve if s >= (1 - TAIL) * steps and s > 0]
+    pool = (scenario if scenario in LONG_SCENARIOS else "all") if method == "on_policy" else scenario
     result = dict(scenario=scenario, method=method, seed=seed, steps=steps, lr=lr, trainer=METHODS[method][0],
+                  pool=pool, n_digits=n_digits, lag=engine.lag if engine.stale is not None else 0,
                   score=statistics.fmean(tail), curve=curve, initial=curve[0][1], final=curve[-1][1],
                   collapsed=curve[-1][1] < COLLAPSE_FRACTION * curve[0][1],
                   kl_token=statistics.fmean(g["kl_token"] for g in engine.log),
                   t_kl=statistics.fmean(g["t_kl"] for g in engine.log),
                   engine_reward=statistics.fmean(g["engine_reward"] for g in engine.log),
-                  generations=engine.log, logs=logs, seconds=time.time() - t0)
+                  generations=engine.log, logs=logs, seconds=time.time() - t0, **hurt_summary(logs))
     if out_path:
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
         with open(out_path + ".tmp", "w") as f:
@@ -448,13 +565,14 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
 
 
 # ------------------------------------------------------------------------------------------------ the driver
-def cells(scenarios, methods, seeds) -> list[tuple[str, str, int]]:
+def cells(scenarios, methods, seeds, on_policy: bool = True) -> list[tuple[str, str, int]]:
     """Every (scenario, method, seed) to run: scenario by scenario in the order given, seed by seed within one (a
-    partial run leaves whole paired comparisons); on_policy once per seed (shared by the scenarios)."""
+    partial run leaves whole paired comparisons); on_policy once per seed (shared by the scenarios of one length),
+    unless ``on_policy`` is False."""
     out = []
     for scenario in scenarios:
         for seed in seeds:
-            for method in ["on_policy", *methods]:
+            for method in (["on_policy"] if on_policy else []) + list(methods):
                 out.append((scenario, method, seed))
     return out
 
@@ -496,7 +614,8 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float) 
                 try:
                     devnull = os.open(os.devnull, os.O_WRONLY)
                     os.dup2(devnull, 1)  # TRL prints its logs
-                    run_one(scenario, method, seed, steps, path, base_model_path(out), size, lr=lr)
+                    run_one(scenario, method, seed, steps, path, cell_base(out, scenario, size),
+                            cell_size(scenario, size), lr=lr)
                     code = 0
                 except BaseException:
                     with open(path + ".err", "w") as f:
@@ -532,25 +651,33 @@ def load_runs(out: str) -> list[dict]:
 def score_table(runs: list[dict]) -> dict:
     """(scenario, method) -> {seed: run}, with on_policy under every scenario and S0's M0 = on_policy."""
     table: dict = {}
-    scenarios = sorted({r["scenario"] for r in runs if r["method"] != "on_policy"} | {COST_SCENARIO})
+    pools = {r.get("pool", "all") for r in runs if r["method"] == "on_policy"} - {"all"}
+    scenarios = sorted({r["scenario"] for r in runs if r["method"] != "on_policy"} | {COST_SCENARIO} | pools)
     for r in runs:
         if r["method"] == "on_policy":
-            for s in scenarios:
-                table.setdefault((s, "on_policy"), {})[r["seed"]] = r
-            table.setdefault((COST_SCENARIO, "M0"), {})[r["seed"]] = r
+            pool = r.get("pool", "all")  # records written before the long scenarios have none: "all"
+            for s in scenarios if pool == "all" else [pool]:
+                if pool != "all" or s not in LONG_SCENARIOS:
+                    table.setdefault((s, "on_policy"), {})[r["seed"]] = r
+            if pool == "all":
+                table.setdefault((COST_SCENARIO, "M0"), {})[r["seed"]] = r
         else:
             table.setdefault((r["scenario"], r["method"]), {})[r["seed"]] = r
     return table
 
 
 def write_csv(runs: list[dict], path: str) -> None:
-    cols = ["scenario", "method", "seed", "trainer", "steps", "lr", "score", "initial", "final", "collapsed",
-            "kl_token", "t_kl", "engine_reward", "seconds"]
+    cols = ["scenario", "method", "seed", "trainer", "steps", "lr", "n_digits", "lag", "score", "initial", "final",
+            "collapsed", "kl_token", "t_kl", "engine_reward", "seconds"]
+    cols += [f"{m}_{agg}" for m in HURT_METRICS for agg in ("mean", "max")]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         for r in sorted(runs, key=lambda r: (r["scenario"], r["method"], r["seed"])):
-            w.writerow({c: r[c] for c in cols})
+            row = {c: r.get(c, "") for c in cols}
+            if row["n_digits"] == "":  # written before the long scenarios: the 48-digit task
+                row["n_digits"] = 48
+            w.writerow(row)
 
 
 def paired(table, scenario, method, ref, seeds):
@@ -676,6 +803,201 @@ def analyse(runs: list[dict], seeds: list[int]) -> tuple[str, dict]:
     return "\n".join(lines), result
 
 
+def analyse_family(runs: list[dict], seeds: list[int], scenario: str, family: tuple, title: str,
+                   established: dict | None = None) -> tuple[str, dict]:
+    """Experiments C and L (pre-registration 2): the cost check on_policy - M0 in ``scenario`` on ``seeds``, the
+    ``family`` (each method - M1, Holm over the family, exact sign-flip and paired t), the decision rule (a method is
+    confirmed iff the scenario's gap counts and method - M1 > 0 with both Holm-adjusted p's < ALPHA), Fieller gap
+    closed (where the gap counts) and collapses (Fisher vs M1)."""
+    st = _stats()
+    table = score_table(runs)
+    fmt = lambda x: "—" if x is None or not math.isfinite(x) else f"{x:.3g}"  # noqa: E731
+    result: dict = {"scenario": scenario, "seeds": list(seeds), "family": [], "gap_closed": [], "collapse": [],
+                    "confirmed": []}
+    lines = [f"### {title}\n", f"Scenario {scenario}, seeds {seeds[0]}-{seeds[-1]} ({len(seeds)} paired seeds). Score: "
+             "the policy's own held-out reward (mean over the evaluations in the last 30% of the steps).\n",
+             "| method | n | score mean | sd | per-token KL(engine‖policy) | T·KL | mean length | collapsed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for method in ("on_policy", "M0", "M1", "M1p", "M2", "M3", "M4"):
+        rs = [r for s, r in sorted(table.get((scenario, method), {}).items()) if s in seeds]
+        if not rs:
+            continue
+        xs = [r["score"] for r in rs]
+        length = statistics.fmean(g["length"] for r in rs for g in r["generations"]) if all(
+            "generations" in r for r in rs) else math.nan
+        lines.append(f"| {method} | {len(rs)} | {statistics.fmean(xs):.4f} | "
+                     f"{statistics.stdev(xs) if len(xs) > 1 else math.nan:.4f} | "
+                     f"{statistics.fmean(r['kl_token'] for r in rs):.2e} | "
+                     f"{statistics.fmean(r['t_kl'] for r in rs):.2f} | {length:.1f} | "
+                     f"{sum(bool(r['collapsed']) for r in rs)} |")
+    common, o, u = paired(table, scenario, "on_policy", "M0", seeds)
+    counts = False
+    if len(common) >= 2:
+        gap = st.compare_paired(o, u)
+        counts = gap["p"] < ALPHA and gap["p_sign_flip"] < ALPHA and gap["diff"] > 0
+        result["gap"] = {**gap, "counts": counts}
+        lines += ["\n**Does the mismatch cost anything?** on_policy − M0 (paired t, exact sign-flip):\n",
+                  "| n | on_policy − M0 | 95% CI | p (t) | p (sign-flip) | counts |", "|---|---|---|---|---|---|",
+                  f"| {gap['n']} | {gap['diff']:+.4f} | [{gap['diff_lo']:+.4f}, {gap['diff_hi']:+.4f}] | "
+                  f"{fmt(gap['p'])} | {fmt(gap['p_sign_flip'])} | {'yes' if counts else 'no'} |"]
+    gap_counts = counts  # the gap on these seeds (decides the gap closed)
+    if established is not None:  # C: the gap was established on other seeds; these can only overturn it (all run)
+        counts = not (len(common) == len(seeds) and not gap_counts)
+        ran = "was re-checked on all of them" if len(common) == len(seeds) else f"ran on {len(common)} of them"
+        lines.append(f"\nRule (a) for this experiment: the gap was established on earlier seeds ({established}); "
+                     f"on these seeds it {ran}: (a) {'holds' if counts else 'fails'}.")
+    result["counts"] = counts
+    rows = []
+    for sc, method in family:
+        common, x, ref = paired(table, sc, method, REFERENCE, seeds)
+        if len(common) < 2:
+            continue
+        row = st.compare_paired(x, ref)
+        row.update(scenario=sc, method=method)
+        rows.append(row)
+    if rows:
+        st.add_holm(rows, "p_sign_flip")
+        st.add_holm(rows, "p")
+    for row in rows:
+        row["confirmed"] = bool(counts and row["diff"] > 0 and row["p_sign_flip_holm"] < ALPHA
+                                and row["p_holm"] < ALPHA)
+    result["family"] = rows
+    result["confirmed"] = [r["method"] for r in rows if r["confirmed"]]
+    lines += [f"\n**The pre-registered family**: {', '.join(f'{m} − M1' for _, m in family)} in {scenario}; Holm over "
+              f"the {len(family)} (sign-flip p's; the paired-t p's adjusted the same way beside them). Confirmed iff "
+              "the gap counts and both Holm p < 0.05 with a positive difference.\n",
+              "| method | n | method − M1 | 95% CI | p sign-flip | Holm | p t | Holm (t) | confirmed |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['n']} | {r['diff']:+.4f} | [{r['diff_lo']:+.4f}, {r['diff_hi']:+.4f}] | "
+                     f"{fmt(r['p_sign_flip'])} | {fmt(r['p_sign_flip_holm'])} | {fmt(r['p'])} | {fmt(r['p_holm'])} | "
+                     f"{'yes' if r['confirmed'] else 'no'} |")
+    lines += ["\n**Gap closed** (method − M0) / (on_policy − M0), Fieller 95% (descriptive; only where the gap "
+              "counts):\n", "| method | n | gap closed | 95% (Fieller) |", "|---|---|---|---|"]
+    if gap_counts:
+        for method in ("M1", "M1p", "M2", "M3", "M4"):
+            by = [table.get((scenario, k), {}) for k in (method, "M0", "on_policy")]
+            common = [s for s in seeds if all(s in b for b in by)]
+            if len(common) < 2:
+                continue
+            m, u, o = ([b[s]["score"] for s in common] for b in by)
+            r = st.fieller(m, u, o)
+            result["gap_closed"].append(dict(method=method, n=len(common), estimate=r.estimate, lo=r.lo, hi=r.hi))
+            lines.append(f"| {method} | {len(common)} | {r.estimate:.2f} | [{r.lo:.2f}, {r.hi:.2f}] |")
+    else:
+        lines.append("| — | — | the gap does not count: not computed | — |")
+    lines += [f"\n**Collapses** (last evaluation < {COLLAPSE_FRACTION} x step-0), Fisher's exact test vs M1:\n",
+              "| method | collapsed / n | M1 collapsed / n | Fisher p |", "|---|---|---|---|"]
+    ref_runs = [table.get((scenario, REFERENCE), {}).get(s) for s in seeds]
+    ref_runs = [r for r in ref_runs if r is not None]
+    for method in ("M0", "M1p", "M2", "M3", "M4"):
+        rs = [table.get((scenario, method), {}).get(s) for s in seeds]
+        rs = [r for r in rs if r is not None]
+        if not rs or not ref_runs:
+            continue
+        ca, cb = sum(bool(r["collapsed"]) for r in rs), sum(bool(r["collapsed"]) for r in ref_runs)
+        p = st.fisher_exact([[ca, len(rs) - ca], [cb, len(ref_runs) - cb]]).p
+        result["collapse"].append(dict(method=method, collapsed=ca, n=len(rs), ref_collapsed=cb, ref_n=len(ref_runs),
+                                       p=p))
+        lines.append(f"| {method} | {ca} / {len(rs)} | {cb} / {len(ref_runs)} | {fmt(p)} |")
+    verdict = (", ".join(result["confirmed"]) + " CONFIRMED above TRL's default" if result["confirmed"] else
+               "no method confirmed above TRL's default" + ("" if counts else " (the mismatch's cost is not "
+                                                                                 "significant on these seeds)"))
+    lines.append(f"\n**Decision (pre-registered rule)**: {verdict} in {scenario}.")
+    return "\n".join(lines), result
+
+
+def costly_scenarios(runs: list[dict]) -> tuple:
+    """Experiment H's costly set: the scenarios of COSTLY_SCENARIOS whose gap on_policy - M0 counts (paired t and
+    sign-flip p < ALPHA, positive) on every seed where both ran."""
+    table = score_table(runs)
+    out = []
+    for scenario in COSTLY_SCENARIOS:
+        seeds = sorted(set(table.get((scenario, "on_policy"), {})) & set(table.get((scenario, "M0"), {})))
+        if len(seeds) >= 2 and analyse_family(runs, seeds, scenario, (), scenario)[1]["counts"]:
+            out.append(scenario)
+    return tuple(out)
+
+
+HURT_ARMS = ("M0", "M1p", "M3", "M4")  # this package's trainer: it logs the "does it hurt?" metrics
+
+
+def hurt_table(runs: list[dict], costly: tuple = COSTLY_SCENARIOS) -> tuple[str, dict]:
+    """Experiment H: per (scenario, arm) of this package's trainer, each metric's run means (their mean and range
+    over the runs) and the largest run maximum; then, per arm and metric, whether the healthy scenarios' run means
+    and the costly ones' separate (every costly run strictly beyond every healthy run, on one side)."""
+    fmt = lambda x: "—" if x is None or not math.isfinite(x) else f"{x:.3g}"  # noqa: E731
+    by: dict = {}
+    for r in runs:
+        scenario = r["scenario"] if r["method"] != "on_policy" else None
+        if scenario is None or r["method"] not in HURT_ARMS or f"{HURT_METRICS[0]}_mean" not in r:
+            continue
+        by.setdefault((scenario, r["method"]), []).append(r)
+    lines = ["| scenario | arm | n | per-token KL | T·KL (engine) | "
+             + " | ".join(f"{m}: run means mean [min, max]; max" for m in HURT_METRICS) + " |",
+             "|---|---|---|---|---|" + "---|" * len(HURT_METRICS)]
+    result: dict = {"cells": {}, "separation": {}}
+    for (scenario, arm), rs in sorted(by.items()):
+        cells_ = []
+        cell: dict = {"n": len(rs)}
+        for m in HURT_METRICS:
+            means = [r[f"{m}_mean"] for r in rs if math.isfinite(r[f"{m}_mean"])]
+            maxes = [r[f"{m}_max"] for r in rs if math.isfinite(r[f"{m}_max"])]
+            cell[m] = dict(mean=statistics.fmean(means) if means else math.nan, lo=min(means, default=math.nan),
+                           hi=max(means, default=math.nan), max=max(maxes, default=math.nan))
+            c = cell[m]
+            cells_.append(f"{fmt(c['mean'])} [{fmt(c['lo'])}, {fmt(c['hi'])}]; {fmt(c['max'])}")
+        result["cells"][f"{scenario}/{arm}"] = cell
+        lines.append(f"| {scenario} | {arm} | {len(rs)} | {statistics.fmean(r['kl_token'] for r in rs):.2e} | "
+                     f"{statistics.fmean(r['t_kl'] for r in rs):.2f} | " + " | ".join(cells_) + " |")
+    lines += ["\n**Separation** (pre-registered: every costly run's mean strictly beyond every healthy run's, per arm; "
+              f"healthy = {', '.join(HEALTHY_SCENARIOS)}, costly = {', '.join(costly) or 'none'}):\n",
+              "| arm | metric | healthy run means [min, max] (n) | costly run means [min, max] (n) | separates |",
+              "|---|---|---|---|---|"]
+    for arm in HURT_ARMS:
+        for m in HURT_METRICS:
+            h = [r[f"{m}_mean"] for (s, a), rs in by.items() if a == arm and s in HEALTHY_SCENARIOS for r in rs]
+            c = [r[f"{m}_mean"] for (s, a), rs in by.items() if a == arm and s in costly for r in rs]
+            h, c = [x for x in h if math.isfinite(x)], [x for x in c if math.isfinite(x)]
+            if not h or not c:
+                continue
+            sep = min(c) > max(h) or max(c) < min(h)
+            result["separation"][f"{arm}/{m}"] = dict(healthy=(min(h), max(h), len(h)), costly=(min(c), max(c), len(c)),
+                                                      separates=sep)
+            lines.append(f"| {arm} | {m} | [{fmt(min(h))}, {fmt(max(h))}] ({len(h)}) | [{fmt(min(c))}, {fmt(max(c))}] "
+                         f"({len(c)}) | {'yes' if sep else 'no'} |")
+    return "\n".join(lines), result
+
+
+
+def package_vs_trl(runs: list[dict]) -> tuple[str, list[dict]]:
+    """M1p (TRL's default by this package's trainer) - M1 (by TRL's GRPOTrainer), paired per scenario on the seeds
+    both ran (descriptive: package == TRL in training; the losses agree to float rounding, so the runs differ only
+    where a rounding difference changes a sampled token)."""
+    st = _stats()
+    table = score_table(runs)
+    lines = ["**Package == TRL in training**: M1p (preset `trl_default`, this package's trainer) − M1 (TRL's "
+             "GRPOTrainer), paired:\n", "| scenario | n | M1p − M1 | 95% CI | p (t) | largest \\|diff\\| |",
+             "|---|---|---|---|---|---|"]
+    rows = []
+    for scenario in sorted({s for s, m in table if m == "M1p"}):
+        a, b = table.get((scenario, "M1p"), {}), table.get((scenario, "M1"), {})
+        common = sorted(set(a) & set(b))
+        if len(common) < 2:
+            continue
+        x, y = [a[s]["score"] for s in common], [b[s]["score"] for s in common]
+        d = max(abs(u - v) for u, v in zip(x, y))
+        if d == 0:
+            row = dict(scenario=scenario, n=len(common), diff=0.0, diff_lo=0.0, diff_hi=0.0, p=1.0)
+        else:
+            row = {**st.compare_paired(x, y), "scenario": scenario}
+        row["max_abs"] = d
+        rows.append(row)
+        lines.append(f"| {scenario} | {row['n']} | {row['diff']:+.4f} | [{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}]"
+                     f" | {row['p']:.3g} | {d:.4f} |")
+    return "\n".join(lines), rows
+
+
 def pick_candidate(result: dict):
     """The pre-registered choice: among family rows whose scenario counts, significantly above M1 after Holm
     (sign-flip and t both < ALPHA), the one with the largest mean difference; None if there is none."""
@@ -759,12 +1081,33 @@ def parse_seeds(text: str) -> list[int]:
     return out
 
 
-def report(out: str, seeds: list[int], held_out: list[int] | None = None) -> str:
+EXPERIMENTS = {  # --experiment: what analysis.md holds
+    "main": "the first family (seeds 0-9): each of M0, M2, M3, M4 vs M1 in S1, S2",
+    "C": "confirmation of the S2 lead: CONFIRM_FAMILY on CONFIRM_SEEDS",
+    "L": "the realistic regime: S2L's cost check, then LONG_FAMILY on LONG_SEEDS",
+    "H": "the 'does it hurt?' metrics of this package's trainer arms, healthy vs costly scenarios",
+}
+
+
+def report(out: str, seeds: list[int], held_out: list[int] | None = None, experiment: str = "main") -> str:
     runs = load_runs(out)
     write_csv(runs, os.path.join(out, "results.csv"))
-    text, result = analyse(runs, seeds)
-    if held_out and result["candidate"] is not None:
-        text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
+    if experiment == "main":
+        text, result = analyse(runs, seeds)
+        if held_out and result["candidate"] is not None:
+            text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
+    elif experiment in ("C", "L"):
+        scenario, family, title = (("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead") if
+                                   experiment == "C" else
+                                   ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"))
+        text, result = analyse_family(runs, seeds, scenario, family, title,
+                                      established=C_GAP_SEEDS_0_9 if experiment == "C" else None)
+        hurt, result["hurt"] = hurt_table(runs)
+        text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
+    else:
+        text, result = hurt_table(runs, costly_scenarios(runs))
+        same, result["package_vs_trl"] = package_vs_trl(runs)
+        text += "\n\n" + same
     with open(os.path.join(out, "analysis.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(out, "analysis.json"), "w") as f:
@@ -806,19 +1149,26 @@ def main(argv=None) -> None:
                         "picked, and M1, in its scenario and S0")
     p.add_argument("--analysis_seeds", default="0-9")
     p.add_argument("--report_only", action="store_true")
+    p.add_argument("--without_on_policy", action="store_true", help="run only --methods (no on_policy run per seed)")
+    p.add_argument("--experiment", default="main", choices=sorted(EXPERIMENTS),
+                   help="the analysis analysis.md holds: " + "; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items()))
+    p.add_argument("--s2l_lag", type=int, default=None, help="S2L's lag (the pilot only; default S2L_LAG)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, in-process: the suite's check (seconds)")
     p.add_argument("--size", default="full", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
-                warmup_steps=WARMUP_STEPS, n_eval=N_EVAL, eval_every=EVAL_EVERY)
+                warmup_steps=WARMUP_STEPS, n_eval=N_EVAL, eval_every=EVAL_EVERY, long_digits=S2L_DIGITS)
+    if a.s2l_lag is not None:
+        global S2L_LAG
+        S2L_LAG = a.s2l_lag
     if a.smoke or a.size == "smoke":
         size.update({k: v for k, v in SMOKE.items() if k != "steps"})
         a.size = "smoke"
     if a.worker:
         scenario, method, seed = a.worker.split(":")
         run_one(scenario, method, int(seed), a.steps, run_path(a.out, scenario, method, int(seed)),
-                base_model_path(a.out), size, lr=a.lr)
+                cell_base(a.out, scenario, size), cell_size(scenario, size), lr=a.lr)
         return
     scenarios = [s for s in a.scenarios.split(",") if s]
     methods = [m for m in a.methods.split(",") if m]
@@ -829,20 +1179,24 @@ def main(argv=None) -> None:
     t0 = time.time()
     if a.smoke:
         steps = SMOKE["steps"]
-        build_base(a.out, size)
+        for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
+            build_base(a.out, cell_size(scenario, size), cell_base(a.out, scenario, size))
         for cell in cells(scenarios, methods, seeds):
             path = run_path(a.out, *cell)
             if not os.path.exists(path):
-                run_one(*cell, steps, path, base_model_path(a.out), size, lr=a.lr, threads=1)
-        print(report(a.out, seeds))
+                run_one(*cell, steps, path, cell_base(a.out, cell[0], size), cell_size(cell[0], size), lr=a.lr,
+                        threads=1)
+        print(report(a.out, seeds, experiment=a.experiment))
         print(f"total {time.time() - t0:.0f} s")
         return
     analysis_seeds = parse_seeds(a.analysis_seeds)
     if not a.report_only:
-        build_base(a.out, size)
-        todo = held_out_cells(a.out, seeds, analysis_seeds) if a.held_out else cells(scenarios, methods, seeds)
+        for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
+            build_base(a.out, cell_size(scenario, size), cell_base(a.out, scenario, size))
+        todo = (held_out_cells(a.out, seeds, analysis_seeds) if a.held_out else
+                cells(scenarios, methods, seeds, on_policy=not a.without_on_policy))
         run_all(todo, a.steps, a.out, a.jobs, size, a.lr)
-    print(report(a.out, analysis_seeds if a.held_out else seeds, seeds if a.held_out else None))
+    print(report(a.out, analysis_seeds if a.held_out else seeds, seeds if a.held_out else None, a.experiment))
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -35,8 +35,14 @@ def test_the_preregistered_family_is_what_the_code_says():
                                             vllm_importance_sampling_clip_max=3.0))
     assert mt.METHODS["M2"][0] == "trl" and mt.METHODS["M2"][1]["vllm_importance_sampling_mode"] == "token_truncate"
     assert {m: k for m, (k, _) in mt.METHODS.items()} == dict(on_policy="ours", M0="ours", M1="trl", M2="trl",
-                                                              M3="ours", M4="ours")
+                                                              M3="ours", M4="ours", M1p="ours")
+    assert mt.METHODS["M1p"][1] == dict(rollout_correction_preset="trl_default")  # TRL's default, this package's code
     assert mt.STEPS_PER_GENERATION >= 2  # the PPO clip against pi_old is live
+    # pre-registration 2 (experiments C, L, H), fixed before their first run
+    assert mt.CONFIRM_SEEDS == tuple(range(10, 30)) and mt.CONFIRM_FAMILY == (("S2", "M3"), ("S2", "M2"))
+    assert mt.LONG_FAMILY == (("S2L", "M3"), ("S2L", "M2")) and mt.LONG_SEEDS == tuple(range(30, 40))
+    assert not set(mt.LONG_SEEDS) & set(mt.CONFIRM_SEEDS) and not set(mt.CONFIRM_SEEDS) & set(range(10))
+    assert mt.S2L_DIGITS + 1 >= 100  # T >= 100: T*KL >= 1 is reachable at a per-token KL <= 1e-2
     from trl_rollout_corr.config.correction import RolloutCorrectionConfig
 
     # M4 is IcePop as the field defines it: token weight pi_old / pi_rollout zeroed outside [0.5, 5], kept in the count
@@ -181,3 +187,129 @@ def test_the_analysis_picks_only_a_holm_significant_method_where_the_mismatch_co
     scores[("all", "on_policy")] = list(scores[("S1", "M0")])
     _, result = mt.analyse(_fake_runs(scores), list(range(10)))
     assert not result["gap"]["S1"]["counts"] and result["candidate"] is None
+
+
+def _family_runs(scores: dict, pool: str = "all") -> list[dict]:
+    runs = _fake_runs(scores)
+    for r in runs:
+        if r["method"] == "on_policy":
+            r["pool"] = pool
+    return runs
+
+
+def test_the_confirmation_holm_over_two_hand_computed():
+    """Experiment C's family {M3 - M1, M2 - M1}: M3 beats M1 on all 10 seeds (exact sign-flip p = 2 / 2**10; Holm
+    over 2 doubles the smallest: 4 / 2**10) and is confirmed; M2's differences alternate +-0.01 around 0 (sign-flip
+    p = 1: Holm keeps it at 1), not confirmed. The gap was established on earlier seeds (rule (a)) and on_policy / M0
+    did not run here, so (a) holds and no gap closed is computed."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    shift = [0.05, 0.01, 0.09, 0.03, 0.07, 0.02, 0.08, 0.04, 0.06, 0.05]
+    scores = {("S2", "M1"): base, ("S2", "M3"): [b + s for b, s in zip(base, shift)],
+              ("S2", "M2"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)]}
+    text, result = mt.analyse_family(_family_runs(scores), list(range(10)), "S2", mt.CONFIRM_FAMILY, "C",
+                                     established=mt.C_GAP_SEEDS_0_9)
+    rows = {r["method"]: r for r in result["family"]}
+    assert rows["M3"]["p_sign_flip"] == pytest.approx(2 / 2 ** 10)
+    assert rows["M3"]["p_sign_flip_holm"] == pytest.approx(2 * 2 / 2 ** 10)
+    assert rows["M2"]["p_sign_flip"] == pytest.approx(1.0) and rows["M2"]["p_sign_flip_holm"] == pytest.approx(1.0)
+    assert rows["M3"]["diff"] == pytest.approx(sum(shift) / 10)
+    # paired t of M3's differences by hand: mean 0.05, sum of squared deviations 0.0060 -> sd sqrt(0.006 / 9)
+    sd = math.sqrt(0.0060 / 9)
+    from scipy import stats as sst
+
+    p_t = 2 * sst.t.sf(0.05 / (sd / math.sqrt(10)), 9)
+    assert 1e-5 < p_t < 1e-3
+    assert rows["M3"]["p"] == pytest.approx(p_t, rel=1e-6) and rows["M3"]["p_holm"] == pytest.approx(2 * p_t, rel=1e-6)
+    assert result["counts"] and result["confirmed"] == ["M3"] and result["gap_closed"] == []
+    assert "M3 CONFIRMED above TRL's default in S2" in text
+    # the gap re-checked on all seeds and not significant: (a) fails and nothing is confirmed
+    scores[("all", "on_policy")] = base
+    scores[("S2", "M0")] = [b + 0.01 * (-1) ** i for i, b in enumerate(base)]
+    _, result = mt.analyse_family(_family_runs(scores), list(range(10)), "S2", mt.CONFIRM_FAMILY, "C",
+                                  established=mt.C_GAP_SEEDS_0_9)
+    assert not result["counts"] and result["confirmed"] == []
+
+
+def test_the_long_scenario_needs_its_own_gap_and_its_own_on_policy():
+    """L: on_policy runs of the 48-digit pool never stand in for S2L's (another length); without S2L's own gap nothing
+    is confirmed; with it (on_policy above M0 on every seed) the same M3 rows are confirmed and the gap closed is
+    (M3 - M0) / (on_policy - M0) = 0.05 / 0.1 on every seed."""
+    base = [0.50, 0.52, 0.48, 0.55, 0.51, 0.49, 0.53, 0.54, 0.50, 0.52]
+    scores = {("S2L", "M0"): base, ("S2L", "M1"): base, ("S2L", "M3"): [b + 0.05 for b in base],
+              ("S2L", "M2"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)],
+              ("all", "on_policy"): [b + 0.1 for b in base]}
+    table = mt.score_table(_family_runs(scores))
+    assert ("S2L", "on_policy") not in table and ("S0", "on_policy") in table
+    _, result = mt.analyse_family(_family_runs(scores), list(range(10)), "S2L", mt.LONG_FAMILY, "L")
+    assert not result["counts"] and result["confirmed"] == []
+    long_pool = _family_runs({("S2L", "on_policy"): [b + 0.1 + 0.001 * (i % 2) for i, b in enumerate(base)]},
+                             pool="S2L")
+    runs = _family_runs({k: v for k, v in scores.items() if k[0] != "all"}) + long_pool
+    _, result = mt.analyse_family(runs, list(range(10)), "S2L", mt.LONG_FAMILY, "L")
+    assert result["counts"] and result["confirmed"] == ["M3"]
+    gc = {g["method"]: g for g in result["gap_closed"]}
+    assert gc["M3"]["estimate"] == pytest.approx(0.05 / (0.1 + 0.0005))  # sum(M3 - M0) / sum(on_policy - M0)
+
+
+def test_hurt_summary_and_the_separation_rule():
+    """A run's metric mean / max over its logged steps (steps without the key skipped; none -> NaN); the separation
+    rule: every costly run's mean strictly beyond every healthy run's."""
+    from trl_rollout_corr.core.metric_names import metric
+
+    logs = [{metric("grad_share_pinned"): 0.1, metric("t_kl_mean"): 2.0}, {metric("grad_share_pinned"): 0.3},
+            {"loss": 1.0}]
+    h = mt.hurt_summary(logs)
+    assert h["grad_share_pinned_mean"] == pytest.approx(0.2) and h["grad_share_pinned_max"] == pytest.approx(0.3)
+    assert h["t_kl_mean_mean"] == 2.0 and math.isnan(h["grad_share_masked_mean"])
+
+    def run(scenario, value):
+        out = dict(scenario=scenario, method="M3", seed=0, score=0.5, kl_token=0.01, t_kl=1.0, collapsed=False)
+        out.update({f"{m}_{agg}": value for m in mt.HURT_METRICS for agg in ("mean", "max")})
+        return out
+
+    _, res = mt.hurt_table([run("S0", 0.0), run("S1", 0.2), run("S2", 0.3), run("S2L", 0.5)])
+    assert res["separation"]["M3/grad_share_pinned"]["separates"]
+    assert res["separation"]["M3/grad_share_pinned"]["healthy"] == (0.0, 0.2, 2)
+    _, res = mt.hurt_table([run("S0", 0.0), run("S1", 0.4), run("S2", 0.3), run("S2L", 0.5)])
+    assert not res["separation"]["M3/grad_share_pinned"]["separates"]  # 0.3 lies inside the healthy [0, 0.4]
+
+
+def test_smoke_long_scenario_writes_hurt_columns(tmp_path):
+    """S2L at smoke size: its own base model and length (long_digits), its own on_policy run, and the package
+    trainer's "does it hurt?" metrics in the CSV."""
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S2L", "--methods", "M3", "--seeds", "0",
+             "--experiment", "L"])
+    assert sorted(os.listdir(os.path.join(out, "runs"))) == ["S2L__M3__seed0.json", "S2L__on_policy__seed0.json"]
+    assert os.path.exists(os.path.join(out, "base", f"base_n{mt.SMOKE['long_digits']}.pt"))
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert {r["n_digits"] for r in rows.values()} == {str(mt.SMOKE["long_digits"])}
+    assert math.isfinite(float(rows["M3"]["grad_share_pinned_mean"]))
+    assert float(rows["M3"]["t_kl_mean_max"]) >= float(rows["M3"]["t_kl_mean_mean"]) >= 0
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert "Experiment L" in text and "does it hurt?" in text
+
+
+def test_package_vs_trl_is_paired_by_seed():
+    """M1p - M1 per scenario on the seeds both ran: equal runs give exactly 0; one seed 0.03 below gives a mean of
+    -0.01 over 3 seeds and a largest |diff| of 0.03 (a seed only one of them ran is left out)."""
+    def runs(bump):
+        out = [dict(scenario="S2", method=m, seed=s, score=0.5 + 0.01 * s + (bump if m == "M1p" and s == 1 else 0),
+                    kl_token=0.01, t_kl=0.5, collapsed=False) for m in ("M1", "M1p") for s in range(3)]
+        return out + [dict(scenario="S2", method="M1p", seed=-1, score=0.9, kl_token=0.01, t_kl=0.5, collapsed=False)]
+
+    _, rows = mt.package_vs_trl(runs(0.0))
+    assert rows[0]["n"] == 3 and rows[0]["diff"] == 0.0 and rows[0]["max_abs"] == 0.0
+    _, rows = mt.package_vs_trl(runs(-0.03))
+    assert rows[0]["diff"] == pytest.approx(-0.01) and rows[0]["max_abs"] == pytest.approx(0.03)
+
+
+def test_the_costly_set_is_where_the_gap_counts():
+    """H's costly scenarios: S2 (on_policy above M0 by 0.1 on all 10 seeds: sign-flip p 2 / 2**10) counts; S2L (its
+    own on_policy pool, differences alternating +-0.01) does not."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    runs = _family_runs({("all", "on_policy"): [b + 0.1 + 0.001 * i for i, b in enumerate(base)], ("S2", "M0"): base,
+                         ("S2L", "M0"): base})
+    runs += _family_runs({("S2L", "on_policy"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)]}, pool="S2L")
+    assert mt.costly_scenarios(runs) == ("S2",)
