@@ -194,3 +194,32 @@ def test_a_criterion_added_to_the_list_is_applied_and_finalized(monkeypatch):
     assert metrics[METRIC_PREFIX + "rejected_token_fraction"] == pytest.approx(11 / 25, abs=1e-15)
     assert math.isfinite(metrics[METRIC_PREFIX + "rollout_is_mean"])
 
+
+
+# ---------------------------------------------------------------- switching a method off over a preset
+@pytest.mark.parametrize(("preset", "switch", "expected"), [
+    ("icepop", "rollout_is", dict(rollout_is=None, rollout_is_bound="truncate", rollout_is_threshold_lower=None)),
+    ("decoupled_seq_is_rs", "rollout_rs", dict(rollout_rs=None, rollout_rs_threshold=None,
+                                               rollout_rs_threshold_lower=None)),
+    ("decoupled_k3_rs_token_tis", "rollout_rs_criteria", dict(rollout_rs_criteria=None,
+                                                              rollout_rs_criteria_threshold=None)),
+    ("m2po", "rollout_m2_threshold", dict(rollout_m2_threshold=None, rollout_m2_scope="all")),
+])
+def test_a_flat_field_switching_a_criterion_off_resets_the_fields_its_criterion_names(tmp_path, preset, switch,
+                                                                                      expected):
+    """``Criterion.switches``: "none" on a trainer's flat field switches the preset's method off and its dependent
+    fields go back to their defaults (the preset's values would otherwise be refused, or silently kept)."""
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+
+    assert any(switch in c.switches for c in CRITERIA)
+    args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                 per_device_train_batch_size=4, num_generations=4,
+                                 rollout_correction_preset=preset, **{switch: "none"})
+    assert {k: getattr(args.rollout_correction, k) for k in expected} == expected
+
+
+def test_every_switch_and_what_it_resets_are_its_criterion_s_own_fields():
+    for criterion in CRITERIA:
+        own = {f.name for f in criterion.fields}
+        for switch, dependents in criterion.switches.items():
+            assert {switch, *dependents} <= own, criterion.name

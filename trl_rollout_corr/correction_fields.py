@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .config import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
-from .core.criteria import correction_fields
+from .core.criteria import CRITERIA, correction_fields
 from .core.criterion import with_fields
 from .verl_names import is_band_string, is_criteria_string
 
@@ -24,6 +24,7 @@ CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionCo
 # value; None (the flat fields' default) means "not set here"
 SWITCHABLE_OFF = ("rollout_is", *(f.name for f in dataclasses.fields(RolloutCorrectionConfig) if f.default is None))
 NUMBER_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig) if "float" in str(f.type))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RolloutCorrectionConfig)}
 _NUMBER = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity)", re.IGNORECASE)  # no "_", no ","
 
 
@@ -134,23 +135,14 @@ class RolloutCorrectionFields:
         given = self.__dict__.get("_rc_explicit", {})
         rollout_rs = none_if_unset(given.get("rollout_rs", base.get("rollout_rs")))
         explicit = {name: _explicit_value(name, value, rollout_rs) for name, value in given.items()}
-        if "rollout_rs" in explicit and explicit["rollout_rs"] is None:
-            # switching RS off also drops the preset's RS thresholds unless they were set here
-            base["rollout_rs_threshold"] = explicit.get("rollout_rs_threshold")
-            base["rollout_rs_threshold_lower"] = explicit.get("rollout_rs_threshold_lower")
-        if "rollout_rs_criteria" in explicit and explicit["rollout_rs_criteria"] is None:
-            base["rollout_rs_criteria_threshold"] = explicit.get("rollout_rs_criteria_threshold")
         if is_band_string(explicit.get("rollout_is_threshold")):
             # verl's IcePop band sets the lower bound and the bound mode itself
             base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
             base["rollout_is_bound"] = explicit.get("rollout_is_bound", "mask")
-        if "rollout_m2_threshold" in explicit and explicit["rollout_m2_threshold"] is None:
-            # switching the mask off also drops the base's scope unless it was set here
-            base["rollout_m2_scope"] = explicit.get("rollout_m2_scope", "all")
-        if "rollout_is" in explicit and explicit["rollout_is"] is None:
-            # switching IS off also drops the base's IS bound settings unless they were set here
-            base["rollout_is_bound"] = explicit.get("rollout_is_bound", "truncate")
-            base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
+        for criterion in CRITERIA:  # a method switched off here drops the base's settings of it not set here
+            for switch, dependents in criterion.switches.items():
+                if switch in explicit and explicit[switch] is None:
+                    base.update({name: explicit.get(name, _DEFAULTS[name]) for name in dependents})
         return RolloutCorrectionConfig(**{**base, **explicit})
 
     # ------------------------------------------------------------------ later changes

@@ -237,11 +237,15 @@ class Criterion:
         name: a short name (the ordered list's entry, the docs' paragraph).
         fields: the correction fields it reads (declared here only).
         metrics: the metric names (without ``rollout_corr/``) its finalize step can emit.
+        switches: the fields that switch it off, and the fields reset with them.
     """
 
     name: ClassVar[str]
     fields: ClassVar[tuple[CorrectionField, ...]] = ()
     metrics: ClassVar[tuple[str, ...]] = ()
+    switches: ClassVar[dict[str, tuple[str, ...]]] = {}
+    """Its fields whose ``None`` switches (part of) it off, each with the fields that then go back to their defaults
+    when a trainer's flat fields switch it off over a preset or saved config (unless they are set too)."""
 
     def check(self, cfg: Any) -> None:
         """Validate (and normalize) this criterion's fields on a ``RolloutCorrectionConfig``; raise ``ValueError``

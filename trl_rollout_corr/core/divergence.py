@@ -302,6 +302,7 @@ class DivergenceRejection(Criterion):
                         "k2/k3 upper.", "str | None", params_type="Any"),
     )
     metrics = tuple(f"rollout_rs_{c}_{name}" for c in DIVERGENCE_CRITERIA for name in DIVERGENCE_METRICS)
+    switches = {"rollout_rs_criteria": ("rollout_rs_criteria_threshold",)}
 
     def check(self, cfg: Any) -> None:
         for name in ("rollout_rs_criteria", "rollout_rs_criteria_threshold"):

@@ -163,6 +163,7 @@ class RejectionSampling(Criterion):
                         "RS lower bound ('none': 1/upper, also where a preset sets one).", "float | str | None"),
     )
     metrics = (*family_metrics("rollout_rs"), *RS_MASK_METRICS)
+    switches = {"rollout_rs": ("rollout_rs_threshold", "rollout_rs_threshold_lower")}
 
     def check(self, cfg: Any) -> None:
         if cfg.rollout_rs is not None and cfg.rollout_rs not in RS_LEVELS:

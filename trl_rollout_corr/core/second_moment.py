@@ -142,6 +142,7 @@ class SecondMomentMask(Criterion):
                         "advantage set to 0, kept in the loss's token count).", "str | None"),
     )
     metrics = (*M2_METRICS, *M2_TRUST_REGION_METRICS)
+    switches = {"rollout_m2_threshold": ("rollout_m2_scope",)}
 
     def check(self, cfg: Any) -> None:
         if cfg.rollout_m2_threshold is not None:

@@ -219,6 +219,7 @@ class ImportanceWeights(Criterion):
                         "TRL's *_mask modes).", "str | None"),
     )
     metrics = (*family_metrics("rollout_is"), *IS_MASK_METRICS, *BATCH_NORM_METRICS)
+    switches = {"rollout_is": ("rollout_is_bound", "rollout_is_threshold_lower")}
 
     def check(self, cfg: Any) -> None:
         if cfg.rollout_is == "geometric":
