@@ -14,7 +14,9 @@ criteria, the second-moment mask). Its file owns everything about it:
 * its **metric names** (:attr:`Criterion.metrics`, the registry ``core/metric_names.py`` unions them) and its
   **finalize** step (:meth:`Criterion.finalize`);
 * whether it needs **batch-scope statistics** (:meth:`Criterion.batch_scope`, read by ``plan.py``) and whether it can
-  remove tokens (:meth:`Criterion.removes_tokens`) or zero advantages (:meth:`Criterion.zeroes_advantages`).
+  remove tokens (:meth:`Criterion.removes_tokens`) or zero advantages (:meth:`Criterion.zeroes_advantages`);
+* which of its fields **switch it off** and which fields go back to their defaults then
+  (:attr:`Criterion.switches`, read by the trainers' configs when a flat field says ``"none"`` over a preset).
 
 ``core/criteria.py`` lists the criteria in the order the pipeline applies them. Notation: rho_t = pi_train(a_t) /
 pi_rollout(a_t) with pi_train = pi_old (decoupled mode) or pi_theta detached (bypass mode); C a bound. Pure Python and
