@@ -57,10 +57,11 @@ def test_every_criterion_field_is_a_field_of_every_config_with_its_declared_defa
     declared = correction_fields()
     assert len(declared) == 13 and len({f.name for f in declared}) == 13
     assert list(params) == [f.name for f in declared]  # CorrectionParams is exactly the criteria's fields
-    for f in declared:
-        assert config[f.name].default == f.default and config[f.name].type == f.type, f.name
+    for f in declared:  # (annotations, not Field.type: transformers' HfArgumentParser rewrites the latter in place)
+        assert config[f.name].default == f.default, f.name
+        assert RolloutCorrectionConfig.__annotations__[f.name] == f.type, f.name
         assert flat[f.name].default is None and flat[f.name].metadata["help"] == f.help, f.name
-        assert flat[f.name].type == f.flat_type, f.name
+        assert RolloutCorrectionFields.__annotations__[f.name] == f.flat_type, f.name
     # the one field with two defaults: a config's default correction has token IS, the core's keywords none
     assert config["rollout_is"].default == "token" and params["rollout_is"].default is None
     assert [f.name for f in declared if params[f.name].default != config[f.name].default] == ["rollout_is"]
