@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,33 +11,20 @@ from typing import Any, ClassVar
 
 from huggingface_hub import ModelHubMixin
 
-from ..core.divergence import parse_divergence_criteria
+from ..core.criteria import CRITERIA, correction_fields
+from ..core.criterion import NONE_STRINGS, none_if_unset, with_fields
 from ..core.params import CorrectionParams
 from ..core.losses import loss_anchor, weights_advantage
 from .trl_names import TRL_DEFAULT
 from .verl_names import (ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
                          translate_rollout_rs)
-from ..core.rejection import RS_LEVELS
-from ..core.second_moment import M2_SCOPES
-from ..core.weights import IS_BOUNDS, IS_LEVELS
 
 CONFIG_NAME = "rollout_correction_config.json"
-NONE_STRINGS = ("none", "null", "None", "")
-
-
-def none_if_unset(value: Any) -> Any:
-    """The strings a CLI or YAML file uses to switch a level off ("none", "null", "") read as ``None``.
-
-    Args:
-        value: any field value.
-
-    Returns:
-        ``None`` for one of ``NONE_STRINGS``, else ``value`` unchanged.
-    """
-    return None if isinstance(value, str) and value in NONE_STRINGS else value
+__all__ = ["CONFIG_NAME", "NONE_STRINGS", "RolloutCorrectionConfig", "none_if_unset"]
 
 
 @dataclass
+@with_fields(correction_fields(), "config")
 class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", tags=["rollout-correction", "trl"]):
     """How to correct for pi_rollout != pi_old: IS weights, rejection, veto, and the two operating modes.
 
@@ -46,7 +32,10 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     ``from_pretrained(dir | file | repo_id)`` reads it, ``push_to_hub(repo_id)`` uploads it (``huggingface_hub``'s
     ``ModelHubMixin``).
 
-    Args:
+    The criteria's fields (``rollout_is`` ... ``rollout_m2_scope``) are declared in their criterion's file (the list in
+    ``trl_rollout_corr/core/criteria.py``); a dataclass field each, like the three that follow them here.
+
+    Attributes:
         rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
         rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none). verl's ``"lower_upper"``
             string (``"0.5_5.0"``) means IcePop: C = upper, ``rollout_is_threshold_lower`` = lower and
@@ -91,19 +80,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     (Schulman, "Approximating KL Divergence").
     """
 
-    rollout_is: str | None = "token"
-    rollout_is_threshold: float = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_is_threshold_lower: float | None = None
-    rollout_is_bound: str = "truncate"
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | None = None
-    rollout_rs_threshold_lower: float | None = None
-    rollout_token_veto_threshold: float | None = None
-    rollout_rs_criteria: str | None = None
-    rollout_rs_criteria_threshold: str | None = None
-    rollout_m2_threshold: float | None = None
-    rollout_m2_scope: str = "all"
+    # the criteria's fields (rollout_is ... rollout_m2_scope) come first, declared in each criterion's file
+    # (trl_rollout_corr/core/criteria.py lists them); then the fields that are no criterion's:
     rollout_rs_exclude_from_baseline: bool = False
     bypass_mode: bool = False
     use_policy_gradient: bool = False
@@ -160,56 +138,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
             self.rollout_rs_criteria, self.rollout_rs_criteria_threshold = translate_rollout_rs(
                 self.rollout_rs, self.rollout_rs_threshold)
             self.rollout_rs = self.rollout_rs_threshold = None
-        if self.rollout_is == "geometric":
-            raise ValueError("rollout_is='geometric' is not an IS level: geometric aggregation is for rejection only. "
-                             "Use rollout_rs='geometric' (with rollout_rs_threshold, e.g. 1.001) instead.")
-        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            raise ValueError(f"rollout_is must be one of 'token', 'sequence' or None, got {self.rollout_is!r}.")
-        if self.rollout_rs is not None and self.rollout_rs not in RS_LEVELS:
-            raise ValueError(
-                f"rollout_rs must be one of 'token', 'sequence', 'geometric' or None, got {self.rollout_rs!r}.")
-        _positive("rollout_is_threshold", self.rollout_is_threshold, "e.g. 2.0, or inf for no upper bound",
-                  allow_inf=True)
-        self._validate_is_bound()
-        if self.rollout_rs is not None:
-            if self.rollout_rs_threshold is None:
-                raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_threshold (the upper bound): "
-                                 "set it, e.g. 2.0 for token/sequence or 1.001 for geometric.")
-            _positive("rollout_rs_threshold", self.rollout_rs_threshold,
-                      "e.g. 2.0 (token/sequence) or 1.001 (geometric)")
-            if self.rollout_rs_threshold_lower is not None:
-                _positive("rollout_rs_threshold_lower", self.rollout_rs_threshold_lower,
-                          "or leave it None for 1/rollout_rs_threshold")
-                if self.rollout_rs_threshold_lower > self.rollout_rs_threshold:
-                    raise ValueError(
-                        f"rollout_rs_threshold_lower ({self.rollout_rs_threshold_lower}) must be <= "
-                        f"rollout_rs_threshold ({self.rollout_rs_threshold}): swap them or leave the lower bound None.")
-        elif self.rollout_rs_threshold is not None or self.rollout_rs_threshold_lower is not None:
-            raise ValueError("rollout_rs_threshold / rollout_rs_threshold_lower are set but rollout_rs is None, so "
-                             "they would be ignored: set rollout_rs ('token', 'sequence' or 'geometric') or unset the "
-                             "thresholds.")
-        for name in ("rollout_rs_criteria", "rollout_rs_criteria_threshold"):
-            value = getattr(self, name)
-            if isinstance(value, (list, tuple)):  # YAML lists are stored in the comma-separated form
-                setattr(self, name, ",".join(str(v) for v in value))
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                setattr(self, name, str(value))
-            setattr(self, name, none_if_unset(getattr(self, name)))
-        parse_divergence_criteria(self.rollout_rs_criteria, self.rollout_rs_criteria_threshold)  # raises with the fix
-        if self.rollout_m2_threshold is not None:
-            _positive("rollout_m2_threshold", self.rollout_m2_threshold, "the bound on the mean (log rho)^2, e.g. 0.04")
-        self.rollout_m2_scope = none_if_unset(self.rollout_m2_scope) or "all"
-        if self.rollout_m2_scope not in M2_SCOPES:
-            raise ValueError(f"rollout_m2_scope must be 'all' (AReaL's second-moment mask: any token, rejected) or "
-                             f"'trust_region' (M2PO's final algorithm: the trust region's active side, advantage set "
-                             f"to 0), got {self.rollout_m2_scope!r}.")
-        if self.rollout_m2_scope != "all" and self.rollout_m2_threshold is None:
-            raise ValueError(f"rollout_m2_scope={self.rollout_m2_scope!r} is set but rollout_m2_threshold is None, so "
-                             "it would be ignored: set rollout_m2_threshold (tau, e.g. 0.04) or leave rollout_m2_scope "
-                             "at 'all'.")
-        if self.rollout_token_veto_threshold is not None:
-            _positive("rollout_token_veto_threshold", self.rollout_token_veto_threshold,
-                      "typically 1e-4 .. 1e-6, or None")
+        for criterion in CRITERIA:  # each checks (and normalizes) its own fields
+            criterion.check(self)
         if self.rollout_rs_exclude_from_baseline and not self.masks_tokens:
             raise ValueError("rollout_rs_exclude_from_baseline=True but nothing can reject a sample (rollout_rs, "
                              "rollout_rs_criteria, rollout_token_veto_threshold and the all-token M2 mask are off; "
@@ -244,28 +174,6 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         if band:
             self.rollout_is_threshold_lower, self.rollout_is_bound = lower, "mask"
 
-    def _validate_is_bound(self) -> None:
-        self.rollout_is_bound = none_if_unset(self.rollout_is_bound) or "truncate"
-        if self.rollout_is_bound not in IS_BOUNDS:
-            raise ValueError(f"rollout_is_bound must be 'truncate' (clip the weight to its bounds) or 'mask' (set it "
-                             f"to 0 outside them), got {self.rollout_is_bound!r}.")
-        if self.rollout_is_threshold_lower is not None:
-            _positive("rollout_is_threshold_lower", self.rollout_is_threshold_lower, "or None for no lower bound")
-            if self.rollout_is_threshold_lower >= self.rollout_is_threshold:
-                raise ValueError(f"rollout_is_threshold_lower ({self.rollout_is_threshold_lower}) must be < "
-                                 f"rollout_is_threshold ({self.rollout_is_threshold}): lower it or leave it None.")
-        is_bound_set = self.rollout_is_bound != "truncate" or self.rollout_is_threshold_lower is not None
-        if self.rollout_is is None and is_bound_set:
-            raise ValueError("rollout_is_bound / rollout_is_threshold_lower are set but rollout_is is None, so they "
-                             "would be ignored: set rollout_is ('token' or 'sequence') or leave them at their "
-                             "defaults.")
-        if self.bypass_mode and not self.use_policy_gradient and self.rollout_is is not None and (
-                self.rollout_is_bound != "truncate" or self.rollout_is_threshold_lower is not None):
-            raise ValueError("rollout_is_bound='mask' / rollout_is_threshold_lower with bypass_mode=True and "
-                             "use_policy_gradient=False: bypass PPO applies no IS weight (its PPO ratio already is "
-                             "pi_theta/pi_rollout), so they would change nothing but a metric. Leave them at their "
-                             "defaults, or use decoupled mode (bypass_mode=False).")
-
     @property
     def rs_threshold_lower(self) -> float | None:
         """The effective lower RS bound (``1 / rollout_rs_threshold`` when unset)."""
@@ -295,30 +203,19 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     def masks_tokens(self) -> bool:
         """Whether rejection (RS, divergence criteria, the all-token second-moment mask) or the veto can remove
         tokens from the loss and its token count."""
-        return (self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
-                or self.rollout_rs_criteria is not None
-                or (self.rollout_m2_threshold is not None and self.rollout_m2_scope == "all"))
+        return any(criterion.removes_tokens(self) for criterion in CRITERIA)
 
     @property
     def zeroes_advantages(self) -> bool:
         """Whether M2PO's trust-region mask can set a token's advantage to 0 (the token kept in the loss's count):
         the trainers then hand the core the advantages."""
-        return self.rollout_m2_threshold is not None and self.rollout_m2_scope == "trust_region"
+        return any(criterion.zeroes_advantages(self) for criterion in CRITERIA)
 
     def params(self) -> CorrectionParams:
         """The frozen view the core reads (``trl_rollout_corr.core.compute_rollout_correction_stats``), the RS
         lower bound resolved (``1 / rollout_rs_threshold`` where unset)."""
-        return CorrectionParams(
-            rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
-            rollout_rs=self.rollout_rs, rollout_rs_threshold=self.rollout_rs_threshold,
-            rollout_rs_threshold_lower=self.rs_threshold_lower,
-            rollout_token_veto_threshold=self.rollout_token_veto_threshold,
-            rollout_is_batch_normalize=self.rollout_is_batch_normalize,
-            rollout_rs_criteria=self.rollout_rs_criteria,
-            rollout_rs_criteria_threshold=self.rollout_rs_criteria_threshold,
-            rollout_is_threshold_lower=self.rollout_is_threshold_lower, rollout_is_bound=self.rollout_is_bound,
-            rollout_m2_threshold=self.rollout_m2_threshold, rollout_m2_scope=self.rollout_m2_scope,
-        )
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(CorrectionParams)}
+        return CorrectionParams(**{**values, "rollout_rs_threshold_lower": self.rs_threshold_lower})
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         """``params`` as keyword arguments, e.g. of verl's signature,
@@ -650,10 +547,3 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         from huggingface_hub import hf_hub_download
 
         return cls.from_file(hf_hub_download(repo_id=path, filename=CONFIG_NAME, **hub_kwargs))
-
-
-def _positive(name: str, value: Any, hint: str, allow_inf: bool = False) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0
-            or (math.isinf(value) and not allow_inf)):
-        kind = "a number > 0 (inf allowed)" if allow_inf else "a finite number > 0"
-        raise ValueError(f"{name} must be {kind}, got {value!r} ({hint}).")

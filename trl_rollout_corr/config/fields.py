@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .correction import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
+from ..core.criteria import CRITERIA, correction_fields
+from ..core.criterion import with_fields
 from .verl_names import is_band_string, is_criteria_string
 
 CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
@@ -22,6 +24,7 @@ CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionCo
 # value; None (the flat fields' default) means "not set here"
 SWITCHABLE_OFF = ("rollout_is", *(f.name for f in dataclasses.fields(RolloutCorrectionConfig) if f.default is None))
 NUMBER_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig) if "float" in str(f.type))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RolloutCorrectionConfig)}
 _NUMBER = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity)", re.IGNORECASE)  # no "_", no ","
 
 
@@ -47,43 +50,20 @@ def _explicit_value(name: str, value: Any, rollout_rs: Any = None) -> Any:
 
 
 @dataclass
+@with_fields(correction_fields(), "flat", after="rollout_correction_config")
 class RolloutCorrectionFields:
-    """The correction fields (flat, CLI/YAML-parsable). Mix in before TRL's config class."""
+    """The correction fields (flat, CLI/YAML-parsable). Mix in before TRL's config class.
+
+    After the preset and the saved-config path come the criteria's fields (declared in each criterion's file,
+    ``trl_rollout_corr/core/criteria.py``; here with default ``None``, "not set here", and their help), then the
+    fields that are no criterion's."""
 
     rollout_correction_preset: str | None = field(default=None, metadata={
         "help": "Preset name, e.g. decoupled_token_is."})
     rollout_correction_config: str | None = field(default=None, metadata={
         "help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
-    rollout_is: str | None = field(default=None, metadata={"help": "IS level: token | sequence | none."})
-    rollout_is_threshold: float | str | None = field(default=None, metadata={
-        "help": "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default); verl's 'lower_upper' "
-                "string (e.g. 0.5_5.0) is IcePop: weights outside the band set to 0."})
-    rollout_is_batch_normalize: bool | None = field(default=None, metadata={
-        "help": "Normalize IS weights to mean 1 over each generation batch."})
-    rollout_is_threshold_lower: float | str | None = field(default=None, metadata={
-        "help": "IS lower bound C_lower (default none; 'none' switches a preset's off)."})
-    rollout_is_bound: str | None = field(default=None, metadata={
-        "help": "IS weight outside [C_lower, C]: truncate (clip to the bound, default) | mask (set to 0; TRL's "
-                "*_mask modes)."})
-    rollout_rs: str | None = field(default=None, metadata={"help": "RS level: token | sequence | geometric | none."})
-    rollout_rs_threshold: float | str | None = field(default=None, metadata={"help": "RS upper bound."})
-    rollout_rs_threshold_lower: float | str | None = field(default=None, metadata={
-        "help": "RS lower bound ('none': 1/upper, also where a preset sets one)."})
-    rollout_token_veto_threshold: float | str | None = field(default=None, metadata={
-        "help": "Veto a sequence if any rho < this ('none' switches a preset's veto off)."})
     bypass_mode: bool | None = field(default=None, metadata={"help": "pi_old := pi_rollout (no extra forward pass)."})
     use_policy_gradient: bool | None = field(default=None, metadata={"help": "REINFORCE loss (bypass only)."})
-    rollout_rs_criteria: str | None = field(default=None, metadata={
-        "help": "Divergence RS criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3."})
-    rollout_rs_criteria_threshold: str | None = field(default=None, metadata={
-        "help": "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); k2/k3 upper."})
-    rollout_m2_threshold: float | str | None = field(default=None, metadata={
-        "help": "Second-moment mask (M2PO): mask the tokens with the largest (log rho)^2 until the batch's mean "
-                "(log rho)^2 is <= this tau (e.g. 0.04); default off. rollout_m2_scope picks the candidates."})
-    rollout_m2_scope: str | None = field(default=None, metadata={
-        "help": "Tokens the second-moment mask may take: all (AReaL's m2_threshold: any token, rejected; default) | "
-                "trust_region (M2PO's final algorithm: A > 0 with rho > 1 or A < 0 with rho < 1, advantage set to 0, "
-                "kept in the loss's token count)."})
     rollout_rs_exclude_from_baseline: bool | None = field(default=None, metadata={
         "help": "Leave samples the correction rejects entirely out of their GRPO group's baseline (advantage 0 for "
                 "them); computes the correction at generation time."})
@@ -155,23 +135,14 @@ class RolloutCorrectionFields:
         given = self.__dict__.get("_rc_explicit", {})
         rollout_rs = none_if_unset(given.get("rollout_rs", base.get("rollout_rs")))
         explicit = {name: _explicit_value(name, value, rollout_rs) for name, value in given.items()}
-        if "rollout_rs" in explicit and explicit["rollout_rs"] is None:
-            # switching RS off also drops the preset's RS thresholds unless they were set here
-            base["rollout_rs_threshold"] = explicit.get("rollout_rs_threshold")
-            base["rollout_rs_threshold_lower"] = explicit.get("rollout_rs_threshold_lower")
-        if "rollout_rs_criteria" in explicit and explicit["rollout_rs_criteria"] is None:
-            base["rollout_rs_criteria_threshold"] = explicit.get("rollout_rs_criteria_threshold")
         if is_band_string(explicit.get("rollout_is_threshold")):
             # verl's IcePop band sets the lower bound and the bound mode itself
             base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
             base["rollout_is_bound"] = explicit.get("rollout_is_bound", "mask")
-        if "rollout_m2_threshold" in explicit and explicit["rollout_m2_threshold"] is None:
-            # switching the mask off also drops the base's scope unless it was set here
-            base["rollout_m2_scope"] = explicit.get("rollout_m2_scope", "all")
-        if "rollout_is" in explicit and explicit["rollout_is"] is None:
-            # switching IS off also drops the base's IS bound settings unless they were set here
-            base["rollout_is_bound"] = explicit.get("rollout_is_bound", "truncate")
-            base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
+        for criterion in CRITERIA:  # a method switched off here drops the base's settings of it not set here
+            for switch, dependents in criterion.switches.items():
+                if switch in explicit and explicit[switch] is None:
+                    base.update({name: explicit.get(name, _DEFAULTS[name]) for name in dependents})
         return RolloutCorrectionConfig(**{**base, **explicit})
 
     # ------------------------------------------------------------------ later changes

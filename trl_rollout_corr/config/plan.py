@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .correction import RolloutCorrectionConfig
+from ..core.criteria import CRITERIA
 
 PI_OLD_SOURCES = ("auto", "forward", "free")
 
@@ -70,12 +71,9 @@ def one_optimizer_step_per_generation_batch(gradient_accumulation_steps: int, st
 
 def batch_scope_statistics(cfg: RolloutCorrectionConfig, loss_type: str,
                            kept_token_normalizer_losses: tuple[str, ...]) -> tuple[str, ...]:
-    """The statistics of this configuration whose scope is the generation batch."""
-    scope = []
-    if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize and cfg.applies_is_weights:
-        scope.append("rollout_is_batch_normalize")
-    if cfg.rollout_m2_threshold is not None:
-        scope.append("the second-moment mask's threshold (rollout_m2_threshold)")
+    """The statistics of this configuration whose scope is the generation batch: each criterion's
+    (``Criterion.batch_scope``), the kept-token count of the losses that divide by it, the group baselines."""
+    scope = [described for criterion in CRITERIA if (described := criterion.batch_scope(cfg)) is not None]
     if cfg.masks_tokens and loss_type in kept_token_normalizer_losses:
         scope.append(f"the kept-token count {loss_type} divides by (RS/veto reject tokens)")
     if cfg.rollout_rs_exclude_from_baseline:

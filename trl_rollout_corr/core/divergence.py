@@ -29,6 +29,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .criterion import SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, stat_key
 from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, masked_max
 from .weights import SAFETY_BOUND
 
@@ -47,6 +49,16 @@ DIVERGENCE_CRITERIA = (
 )
 DIVERGENCE_METRICS = ("mean", "max", "masked_fraction", "seq_masked_fraction")
 """Logged per configured criterion c as ``rollout_rs_<c>_<name>``."""
+DIVERGENCE_STATS = ("n", "stat_sum", "rejected_tok_n", "rejected_seq_n", "stat_max")
+"""Per criterion c, the statistics ``rs_div.<c>.<name>`` (``stat_max`` max-reduced, the others summed)."""
+
+
+def divergence_key(criterion: str, stat: str) -> str:
+    """The declared statistic ``rs_div.<criterion>.<stat>``; ``KeyError`` for a name nothing declared."""
+    return _KEYS[criterion, stat]
+
+
+_KEYS = {(c, k): stat_key(f"rs_div.{c}.{k}", __name__) for c in DIVERGENCE_CRITERIA for k in DIVERGENCE_STATS}
 
 
 @dataclass(frozen=True)
@@ -225,18 +237,18 @@ def compute_divergence_rejection_mask(
                 ok = stat <= criterion.upper  # (B, T)
             rejected = mask & ~ok  # (B, T)
             keep &= ok
-            key = f"rs_div.{criterion.name}"
+            key = functools.partial(divergence_key, criterion.name)
             if criterion.aggregation == "token":
                 sample, sample_mask, n = stat, mask, mask.sum(dtype=STAT_DTYPE)
             else:
                 sample, sample_mask, n = stat[:, 0], seq_valid, seq_valid.sum(dtype=STAT_DTYPE)
             stats.sums.update({
-                f"{key}.n": n,
-                f"{key}.stat_sum": torch.where(sample_mask, sample, torch.zeros_like(sample)).sum(),
-                f"{key}.rejected_tok_n": rejected.sum(dtype=STAT_DTYPE),
-                f"{key}.rejected_seq_n": rejected.any(-1).sum(dtype=STAT_DTYPE),
+                key("n"): n,
+                key("stat_sum"): torch.where(sample_mask, sample, torch.zeros_like(sample)).sum(),
+                key("rejected_tok_n"): rejected.sum(dtype=STAT_DTYPE),
+                key("rejected_seq_n"): rejected.any(-1).sum(dtype=STAT_DTYPE),
             })
-            stats.maxes[f"{key}.stat_max"] = masked_max(sample, sample_mask)
+            stats.maxes[key("stat_max")] = masked_max(sample, sample_mask)
     return keep & mask, stats
 
 
@@ -253,15 +265,69 @@ def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) ->
     """
     metrics: dict[str, float] = {}
     div = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731
+    f = StatFloats(floats)
     for name in DIVERGENCE_CRITERIA:
-        key = f"rs_div.{name}"
-        if f"sum:{key}.n" not in floats:
+        key = functools.partial(divergence_key, name)
+        if not f.has(key("n")):
             continue
-        n = floats[f"sum:{key}.n"]
-        stat_max = floats[f"max:{key}.stat_max"]
+        n = f.sum(key("n"))
+        stat_max = f.max(key("stat_max"))
         metric = f"{METRIC_PREFIX}rollout_rs_{name}"
-        metrics[f"{metric}_mean"] = div(floats[f"sum:{key}.stat_sum"], n)
+        metrics[f"{metric}_mean"] = div(f.sum(key("stat_sum")), n)
         metrics[f"{metric}_max"] = stat_max if math.isfinite(stat_max) else 0.0
-        metrics[f"{metric}_masked_fraction"] = div(floats[f"sum:{key}.rejected_tok_n"], tok_n)
-        metrics[f"{metric}_seq_masked_fraction"] = div(floats[f"sum:{key}.rejected_seq_n"], seq_n)
+        metrics[f"{metric}_masked_fraction"] = div(f.sum(key("rejected_tok_n")), tok_n)
+        metrics[f"{metric}_seq_masked_fraction"] = div(f.sum(key("rejected_seq_n")), seq_n)
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------------- the criterion
+def as_criteria(criteria: Any, thresholds: Any) -> list[DivergenceCriterion]:
+    """Already-parsed criteria pass through; strings/lists of names are parsed with their thresholds."""
+    if criteria and not isinstance(criteria, str) and all(isinstance(c, DivergenceCriterion) for c in criteria):
+        return list(criteria)
+    return parse_divergence_criteria(criteria, thresholds)
+
+
+class DivergenceRejection(Criterion):
+    """Divergence rejection (Schulman's k1/k2/k3 estimators, per token or per sequence; verl's criteria): keep a token
+    only if every configured criterion keeps it; ANDed with the other rejections."""
+
+    name = "divergence"
+    fields = (
+        CorrectionField("rollout_rs_criteria", "str | None", None,
+                        "Divergence RS criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
+                        "seq_max_k2/k3.", "str | None", params_type="Any"),
+        CorrectionField("rollout_rs_criteria_threshold", "str | None", None,
+                        "One threshold per criterion, comma-separated: k1 'lower_upper' ratio bounds (or upper); "
+                        "k2/k3 upper.", "str | None", params_type="Any"),
+    )
+    metrics = tuple(f"rollout_rs_{c}_{name}" for c in DIVERGENCE_CRITERIA for name in DIVERGENCE_METRICS)
+    switches = {"rollout_rs_criteria": ("rollout_rs_criteria_threshold",)}
+
+    def check(self, cfg: Any) -> None:
+        for name in ("rollout_rs_criteria", "rollout_rs_criteria_threshold"):
+            value = getattr(cfg, name)
+            if isinstance(value, (list, tuple)):  # YAML lists are stored in the comma-separated form
+                setattr(cfg, name, ",".join(str(v) for v in value))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                setattr(cfg, name, str(value))
+            setattr(cfg, name, none_if_unset(getattr(cfg, name)))
+        parse_divergence_criteria(cfg.rollout_rs_criteria, cfg.rollout_rs_criteria_threshold)  # raises with the fix
+
+    def removes_tokens(self, cfg: Any) -> bool:
+        return cfg.rollout_rs_criteria is not None
+
+    def apply(self, p: Any, state: CorrectionState) -> None:
+        criteria = as_criteria(p.rollout_rs_criteria, p.rollout_rs_criteria_threshold)
+        if criteria:
+            div_keep, div_stats = compute_divergence_rejection_mask(state.log_ratio, state.valid, criteria)
+            state.stats.update(div_stats)
+            state.keep = state.keep & div_keep  # (B, T)
+
+    def finalize(self, f: StatFloats) -> dict[str, float]:
+        if not f.has(TOK_N):
+            return {}
+        return finalize_divergence(f.floats, f.sum(TOK_N, 0.0), f.sum(SEQ_N, 0.0))
+
+
+DIVERGENCE = DivergenceRejection()

@@ -4,8 +4,9 @@ Code outside the core's finalizers never spells a full key by hand: it asks :fun
 ``ValueError`` for a name the package cannot emit. A reader of a renamed or misspelt metric therefore fails where it
 is defined (usually at import), not silently at run time by finding nothing in the logs.
 
-The names are the core's tuples (``core/metrics.py``, ``core/lag.py``, ``core/divergence.py``,
-``core/truncation.py``, ``core/group_baseline.py``, ``core/impact.py``) and the one the trainers add themselves;
+The names are each correction criterion's (``Criterion.metrics``, the list in ``core/criteria.py``), the core's
+other tuples (``core/metrics.py``, ``core/lag.py``, ``core/truncation.py``, ``core/group_baseline.py``,
+``core/impact.py``) and the one the trainers add themselves;
 ``tests/test_docs.py`` checks that they are exactly the names the core emits and docs/metrics.md lists. Pure: no TRL
 import.
 """
@@ -14,22 +15,11 @@ from __future__ import annotations
 
 import re
 
-from .divergence import DIVERGENCE_CRITERIA, DIVERGENCE_METRICS
+from .criteria import criterion_metrics
 from .group_baseline import BASELINE_METRICS
 from .impact import GRAD_SHARE_METRICS, LENGTH_METRICS, T_KL_METRICS
 from .lag import LAG_METRICS, LAG_SUMMARY_METRICS
-from .metrics import (
-    ALWAYS_METRICS,
-    BATCH_NORM_METRICS,
-    IS_MASK_METRICS,
-    M2_METRICS,
-    M2_TRUST_REGION_METRICS,
-    OFFPOLICY_METRICS,
-    RS_MASK_METRICS,
-    VETO_METRICS,
-    WEIGHT_FAMILIES,
-    WEIGHT_FAMILY_METRICS,
-)
+from .metrics import ALWAYS_METRICS, OFFPOLICY_METRICS
 from .stats import METRIC_PREFIX
 from .truncation import TRUNCATION_METRICS
 
@@ -37,12 +27,9 @@ TRAINER_METRICS = ("all_rejected_micro_batches",)
 """Written by the trainers' ``log`` (micro-batches whose every token was rejected), not by the core's finalizers."""
 
 METRIC_NAMES: frozenset[str] = frozenset((
-    *(f"{family}_{name}" for family in WEIGHT_FAMILIES for name in WEIGHT_FAMILY_METRICS),
-    *OFFPOLICY_METRICS, *VETO_METRICS, *RS_MASK_METRICS, *IS_MASK_METRICS, *M2_METRICS, *M2_TRUST_REGION_METRICS,
-    *ALWAYS_METRICS,
-    *BATCH_NORM_METRICS, *TRUNCATION_METRICS, *LAG_SUMMARY_METRICS, *TRAINER_METRICS, *BASELINE_METRICS,
+    *criterion_metrics(), *OFFPOLICY_METRICS, *ALWAYS_METRICS,
+    *TRUNCATION_METRICS, *LAG_SUMMARY_METRICS, *TRAINER_METRICS, *BASELINE_METRICS,
     *GRAD_SHARE_METRICS, *LENGTH_METRICS, *T_KL_METRICS,
-    *(f"rollout_rs_{criterion}_{name}" for criterion in DIVERGENCE_CRITERIA for name in DIVERGENCE_METRICS),
 ))
 """Every name (without the prefix) but the per-lag ones, ``lag_<k>/<name>`` (see :func:`is_metric`)."""
 

@@ -11,95 +11,39 @@ Conventions. "training" log-probs are pi_old in decoupled mode, pi_theta in bypa
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .criteria import CRITERIA
+from .criterion import TOK_N, StatFloats, ratio, stat_key
+from .family import WEIGHT_FAMILY_METRICS, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
 from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
-from .divergence import finalize_divergence
 from .group_baseline import finalize_baseline
 from .impact import finalize_impact
 from .lag import finalize_lag
 from .truncation import finalize_truncation
 from .weights import SAFETY_BOUND, sequence_log_ratio
 
-WEIGHT_FAMILY_METRICS = (
-    "mean", "std", "min", "max", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low",
-    "seq_mean", "seq_std", "seq_min", "seq_max", "seq_max_deviation", "seq_fraction_high", "seq_fraction_low",
-)
+__all__ = ["WEIGHT_FAMILY_METRICS", "weight_family_stats", "offpolicy_stats", "compute_offpolicy_metrics",
+           "finalize_stats", "finalize_floats", "OFFPOLICY_METRICS", "ALWAYS_METRICS"]
+
+INPUT_TOK_N = stat_key("mask.input_tok_n", __name__)
+"""Tokens in the response mask."""
+INVALID_TOK_N = stat_key("mask.invalid_tok_n", __name__)
+"""Masked tokens with pi_rollout known and a non-finite log-prob."""
+ALL_SEQ_N = stat_key("mask.all_seq_n", __name__)
+"""Sequences with a token in the response mask."""
+MISSING_SEQ_N = stat_key("mask.missing_seq_n", __name__)
+"""Sequences without pi_rollout (left uncorrected)."""
+KEPT_TOK_N = stat_key("mask.kept_tok_n", __name__)
+"""Tokens left in the mask after every rejection."""
 OFFPOLICY_METRICS = (
     "training_ppl", "rollout_ppl", "training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff",
     "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "kl", "k3_kl", "chi2_token", "chi2_seq",
     "max_prob_diff", "max_prob_diff_max", "mean_prob_diff",
 )
-VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction")
-RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
-IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
-M2_METRICS = ("rollout_m2", "rollout_m2_kept", "rollout_m2_masked_fraction")
-M2_TRUST_REGION_METRICS = ("rollout_m2_trust_region_fraction", "rollout_m2_trust_region",
-                           "rollout_m2_trust_region_kept")
-"""``rollout_m2_scope="trust_region"`` only: the share of valid tokens on the trust region's active side, and their
-mean (log rho)^2 before and after the mask (the bound applies to the latter)."""
 ALWAYS_METRICS = ("invalid_logprob_fraction", "rejected_token_fraction", "missing_rollout_logprobs_fraction")
-BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
-WEIGHT_FAMILIES = ("rollout_is", "rollout_rs")
-"""The weight families: each logs ``<family>_<name>`` for every name of WEIGHT_FAMILY_METRICS."""
-
-
-def weight_family_stats(
-    prefix: str,
-    values: torch.Tensor,
-    log_stat: torch.Tensor,
-    response_mask: torch.Tensor,
-    level: str,
-    lower: float,
-    upper: float,
-) -> RolloutStats:
-    """Statistics of one weight family (``rollout_is`` or ``rollout_rs``).
-
-    ``values`` (B, T): the safety-bounded weights / statistic (before truncation or masking);
-    ``log_stat`` (B, T): its unclamped log (used for sequence/geometric max, min and fractions);
-    thresholds: ratio_fraction_high counts values > upper, _low values < lower.
-    """
-    mask = response_mask.bool()  # (B, T)
-    seq_valid = mask.any(-1)  # (B,)
-    clamped = values.clamp(lower, upper)  # (B, T)
-    shifted = clamped - 1.0  # (B, T) shift by the expected value keeps E[c^2]-E[c]^2 precise
-    seq_means = per_sequence_mean(values, mask)  # (B,)
-    seq_shift = seq_means - 1.0  # (B,)
-    sums = {
-        "tok_n": mask.sum(dtype=STAT_DTYPE),
-        "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
-        "w_sum": masked_sum(values, mask),
-        "c_shift_sum": masked_sum(shifted, mask),
-        "c_shift_sq_sum": masked_sum(shifted * shifted, mask),
-        "seq_shift_sum": masked_sum(seq_shift, seq_valid),
-        "seq_shift_sq_sum": masked_sum(seq_shift * seq_shift, seq_valid),
-        "seq_high_n": (seq_valid & (seq_means > upper)).sum(dtype=STAT_DTYPE),
-        "seq_low_n": (seq_valid & (seq_means < lower)).sum(dtype=STAT_DTYPE),
-    }
-    maxes = {"seq_max": masked_max(seq_means, seq_valid), "seq_max_deviation": masked_max(seq_shift.abs(), seq_valid)}
-    mins = {"seq_min": masked_min(seq_means, seq_valid)}
-    if level == "token":
-        sums["high_n"] = (mask & (values > upper)).sum(dtype=STAT_DTYPE)
-        sums["low_n"] = (mask & (values < lower)).sum(dtype=STAT_DTYPE)
-        sums["frac_den"] = sums["tok_n"]
-        maxes["max"] = masked_max(values, mask)
-        mins["min"] = masked_min(values, mask)
-    else:
-        seq_log = log_stat[:, 0] if log_stat.shape[-1] > 0 else log_stat.new_zeros(log_stat.shape[0])  # (B,)
-        sums["high_n"] = (seq_valid & (seq_log > math.log(upper))).sum(dtype=STAT_DTYPE)
-        sums["low_n"] = (seq_valid & (seq_log < math.log(lower))).sum(dtype=STAT_DTYPE)
-        sums["frac_den"] = sums["seq_n"]
-        maxes["max"] = torch.exp(masked_max(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
-        mins["min"] = torch.exp(masked_min(seq_log, seq_valid).clamp(max=SAFETY_BOUND))  # finite even at +1e4
-    p = prefix + "."
-    return RolloutStats(
-        sums={p + k: v for k, v in sums.items()},
-        maxes={p + k: v for k, v in maxes.items()},
-        mins={p + k: v for k, v in mins.items()},
-    )
+"""The pipeline's own metrics, logged whatever the correction (each criterion's are ``Criterion.metrics``)."""
 
 
 def offpolicy_stats(
@@ -170,37 +114,6 @@ def _extreme(value: float, count: float) -> float:
     return value if count > 0 else 0.0
 
 
-def _finalize_family(prefix: str, f: dict[str, float]) -> dict[str, float]:
-    g = lambda tag, k: f[f"{tag}:{prefix}.{k}"]  # noqa: E731
-    tok_n, seq_n = g("sum", "tok_n"), g("sum", "seq_n")
-    mean_c_shift = _div(g("sum", "c_shift_sum"), tok_n)
-    var = max(_div(g("sum", "c_shift_sq_sum"), tok_n) - mean_c_shift**2, 0.0)
-    mean_c = mean_c_shift + 1.0
-    mean_c_sq = _div(g("sum", "c_shift_sq_sum") + 2.0 * g("sum", "c_shift_sum"), tok_n) + 1.0
-    ess = 1.0 / (mean_c_sq / (mean_c + 1e-8) ** 2) if tok_n > 0 else 0.0
-    seq_shift_mean = _div(g("sum", "seq_shift_sum"), seq_n)
-    seq_var = (
-        max(g("sum", "seq_shift_sq_sum") - seq_n * seq_shift_mean**2, 0.0) / (seq_n - 1) if seq_n > 1 else 0.0
-    )
-    out = {
-        "mean": _div(g("sum", "w_sum"), tok_n),
-        "std": math.sqrt(var) if tok_n > 1 else 0.0,
-        "min": _extreme(g("min", "min"), seq_n),
-        "max": _extreme(g("max", "max"), seq_n),
-        "eff_sample_size": ess,
-        "ratio_fraction_high": _div(g("sum", "high_n"), g("sum", "frac_den")),
-        "ratio_fraction_low": _div(g("sum", "low_n"), g("sum", "frac_den")),
-        "seq_mean": seq_shift_mean + 1.0 if seq_n > 0 else 0.0,
-        "seq_std": math.sqrt(seq_var),
-        "seq_min": _extreme(g("min", "seq_min"), seq_n),
-        "seq_max": _extreme(g("max", "seq_max"), seq_n),
-        "seq_max_deviation": _extreme(g("max", "seq_max_deviation"), seq_n),
-        "seq_fraction_high": _div(g("sum", "seq_high_n"), seq_n),
-        "seq_fraction_low": _div(g("sum", "seq_low_n"), seq_n),
-    }
-    return {f"{PREFIX}{prefix}_{k}": v for k, v in out.items()}
-
-
 def _finalize_offpolicy(f: dict[str, float]) -> dict[str, float]:
     g = lambda tag, k: f[f"{tag}:offpolicy.{k}"]  # noqa: E731
     tok_n, seq_n = g("sum", "tok_n"), g("sum", "seq_n")
@@ -230,44 +143,23 @@ def finalize_stats(stats: RolloutStats) -> dict[str, float]:
     return finalize_floats(stats.to_floats())
 
 
-def finalize_floats(f: dict[str, float]) -> dict[str, float]:
-    """:func:`finalize_stats` on the output of :meth:`RolloutStats.to_floats` (no device access)."""
-    s = lambda k: f.get(f"sum:{k}", 0.0)  # noqa: E731
+def finalize_floats(floats: dict[str, float]) -> dict[str, float]:
+    """:func:`finalize_stats` on the output of :meth:`RolloutStats.to_floats` (no device access): the off-policy
+    diagnostics, each criterion's metrics (``Criterion.finalize``), the other families, the pipeline's own."""
+    f = StatFloats(floats)
     metrics: dict[str, float] = {}
-    for family in WEIGHT_FAMILIES:
-        if f"sum:{family}.tok_n" in f:
-            metrics.update(_finalize_family(family, f))
-    if "sum:offpolicy.tok_n" in f:
-        metrics.update(_finalize_offpolicy(f))
-    if "sum:rollout_is.norm_mean_sum" in f:
-        metrics[PREFIX + "rollout_is_batch_norm_factor"] = _div(s("rollout_is.norm_mean_sum"), s("rollout_is.norm_n"))
-    metrics.update(finalize_truncation(f))
-    metrics.update(finalize_lag(f))
-    metrics.update(finalize_baseline(f))
-    metrics.update(finalize_impact(f))
-    if "sum:mask.tok_n" in f:
-        tok_n, seq_n = s("mask.tok_n"), s("mask.seq_n")
-        metrics.update(finalize_divergence(f, tok_n, seq_n))
-        metrics[PREFIX + "rollout_is_veto_fraction"] = _div(s("mask.vetoed_seq_n"), seq_n)
-        metrics[PREFIX + "rollout_is_catastrophic_token_fraction"] = _div(s("mask.catastrophic_tok_n"), tok_n)
-        metrics[PREFIX + "invalid_logprob_fraction"] = _div(s("mask.invalid_tok_n"), s("mask.input_tok_n"))
-        metrics[PREFIX + "rejected_token_fraction"] = _div(s("mask.input_tok_n") - s("mask.kept_tok_n"),
-                                                           s("mask.input_tok_n"))
-        metrics[PREFIX + "missing_rollout_logprobs_fraction"] = _div(s("mask.missing_seq_n"), s("mask.all_seq_n"))
-        if "sum:mask.is_masked_tok_n" in f:  # rollout_is_bound="mask": weights set to 0 (tokens stay in the mask)
-            metrics[PREFIX + "rollout_is_masked_fraction"] = _div(s("mask.is_masked_tok_n"), tok_n)
-            metrics[PREFIX + "rollout_is_seq_masked_fraction"] = _div(s("mask.is_masked_seq_n"), seq_n)
-        if "sum:mask.m2_masked_tok_n" in f:  # second-moment mask: mean (log rho)^2 before / after, tokens masked
-            metrics[PREFIX + "rollout_m2"] = _div(s("m2.v_sum"), tok_n)
-            metrics[PREFIX + "rollout_m2_kept"] = _div(s("m2.v_kept_sum"), tok_n - s("mask.m2_masked_tok_n"))
-            metrics[PREFIX + "rollout_m2_masked_fraction"] = _div(s("mask.m2_masked_tok_n"), tok_n)
-        if "sum:m2.region_tok_n" in f:  # M2PO's trust-region scope: the candidates' share and mean before / after
-            region_n = s("m2.region_tok_n")
-            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = _div(region_n, tok_n)
-            metrics[PREFIX + "rollout_m2_trust_region"] = _div(s("m2.region_v_sum"), region_n)
-            metrics[PREFIX + "rollout_m2_trust_region_kept"] = _div(s("m2.region_v_kept_sum"),
-                                                                    region_n - s("mask.m2_masked_tok_n"))
-        if "sum:mask.rs_rejected_tok_n" in f:
-            metrics[PREFIX + "rollout_rs_masked_fraction"] = _div(s("mask.rs_rejected_tok_n"), tok_n)
-            metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = _div(s("mask.rs_rejected_seq_n"), seq_n)
+    for criterion in CRITERIA:
+        metrics.update(criterion.finalize(f))
+    if "sum:offpolicy.tok_n" in floats:
+        metrics.update(_finalize_offpolicy(floats))
+    metrics.update(finalize_truncation(floats))
+    metrics.update(finalize_lag(floats))
+    metrics.update(finalize_baseline(floats))
+    metrics.update(finalize_impact(floats))
+    if f.has(TOK_N):
+        input_n = f.sum(INPUT_TOK_N, 0.0)
+        metrics[PREFIX + "invalid_logprob_fraction"] = ratio(f.sum(INVALID_TOK_N, 0.0), input_n)
+        metrics[PREFIX + "rejected_token_fraction"] = ratio(input_n - f.sum(KEPT_TOK_N, 0.0), input_n)
+        metrics[PREFIX + "missing_rollout_logprobs_fraction"] = ratio(f.sum(MISSING_SEQ_N, 0.0),
+                                                                      f.sum(ALL_SEQ_N, 0.0))
     return metrics

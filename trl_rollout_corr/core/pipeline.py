@@ -1,4 +1,9 @@
-"""The one-call entry point: IS weights, rejection mask, veto and every metric."""
+"""The one-call entry point: IS weights, rejection mask, veto and every metric.
+
+:func:`compute_rollout_correction_stats` forms the valid tokens and log rho = log pi_train - log pi_rollout once,
+then applies every criterion of ``core/criteria.py`` in order (:class:`~.criterion.Criterion`: IS weights, rejection,
+veto, divergence criteria, the second-moment mask), then adds the pipeline's own counts and the gradient share.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .divergence import DivergenceCriterion, compute_divergence_rejection_mask, parse_divergence_criteria
+from .criteria import CRITERIA
+from .criterion import SEQ_N, TOK_N, CorrectionState
 from .impact import gradient_share_stats, length_stats
-from .metrics import finalize_stats, offpolicy_stats, weight_family_stats
+from .metrics import ALL_SEQ_N, INPUT_TOK_N, INVALID_TOK_N, KEPT_TOK_N, MISSING_SEQ_N, finalize_stats, offpolicy_stats
 from .params import CorrectionParams
-from .rejection import compute_rollout_rejection_mask, compute_veto_mask, rejection_bounds
-from .second_moment import M2_SCOPES, second_moment_mask, trust_region_second_moment_mask
-from .stats import ReduceFn, RolloutStats, count, count_rows, masked_sum, stat_constant
-from .weights import compute_rollout_correction_weights, sequence_log_ratio
+from .stats import ReduceFn, RolloutStats, count, count_rows
 
 
 class RolloutCorrection(NamedTuple):
@@ -90,12 +93,8 @@ def compute_rollout_correction_stats(
     length and the per-sequence T*KL are always computed (:func:`.impact.length_stats`).
     """
     p = _params(params, fields)
-    trust_region = p.rollout_m2_threshold is not None and p.rollout_m2_scope == "trust_region"
-    if p.rollout_m2_scope not in M2_SCOPES:
-        raise ValueError(f"rollout_m2_scope must be one of {M2_SCOPES}, got {p.rollout_m2_scope!r}.")
-    if trust_region and advantages is None:
-        raise ValueError("rollout_m2_scope='trust_region' needs the advantages (the trust region's active side is "
-                         "A > 0 with rho > 1, A < 0 with rho < 1): pass advantages=(B,) or (B, T).")
+    for criterion in CRITERIA:
+        criterion.check_call(p, advantages)
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
             "old_log_prob, rollout_log_prob and response_mask must have the same (B, T) shape, got "
@@ -116,86 +115,30 @@ def compute_rollout_correction_stats(
         log_ratio = train - rollout  # (B, T)
 
         stats = offpolicy_stats(train, rollout, valid).update(length_stats(log_ratio, valid))
-        is_weights = None
-        pinned = torch.zeros_like(valid)  # (B, T) IS weight clipped to a bound (grad_share_pinned)
-        weight_zeroed = torch.zeros_like(valid)  # (B, T) IS weight set to 0 (rollout_is_bound="mask")
-        if p.rollout_is is not None:
-            is_weights, safe, norm_mean = compute_rollout_correction_weights(
-                log_ratio, valid, p.rollout_is, p.rollout_is_threshold, p.rollout_is_batch_normalize, reduce_fn,
-                p.rollout_is_threshold_lower, p.rollout_is_bound,
-            )
-            seq_log = sequence_log_ratio(log_ratio, valid).unsqueeze(1).expand_as(log_ratio)  # (B, T)
-            is_lower = p.rollout_is_threshold_lower
-            is_lower = 1.0 / p.rollout_is_threshold if is_lower is None else is_lower
-            stats.update(weight_family_stats(
-                "rollout_is", safe, seq_log, valid, p.rollout_is, is_lower, p.rollout_is_threshold
-            ))
-            if p.rollout_is_bound == "mask":
-                weight_zeroed = valid & (is_weights == 0)  # (B, T) masked (a valid rho is > 0; normalizing keeps 0)
-                stats.sums["mask.is_masked_tok_n"] = count(weight_zeroed)  # (B, T) -> 0-dim
-                stats.sums["mask.is_masked_seq_n"] = count_rows(weight_zeroed)
-            else:  # truncate: min(rho, C), and max(., C_lower) only when a lower bound is set
-                pinned = safe > p.rollout_is_threshold  # (B, T)
-                if p.rollout_is_threshold_lower is not None:
-                    pinned = pinned | (safe < p.rollout_is_threshold_lower)  # (B, T)
-                pinned = valid & pinned  # (B, T)
-            if norm_mean is not None:  # float64
-                stats.sums["rollout_is.norm_mean_sum"] = norm_mean
-                stats.sums["rollout_is.norm_n"] = stat_constant(1.0, norm_mean)
-
-        keep = valid
-        mask_sums = {
-            "input_tok_n": count(input_mask),
-            "invalid_tok_n": count(invalid_tok),
-            "tok_n": count(valid),
-            "seq_n": count_rows(valid),
-            "all_seq_n": count_rows(input_mask),
-            "missing_seq_n": count_rows(uncorrected),
-        }
-        if p.rollout_rs is not None:
-            lower, upper = rejection_bounds(p.rollout_rs_threshold, p.rollout_rs_threshold_lower)
-            rs_keep, safe_stat, log_stat = compute_rollout_rejection_mask(log_ratio, valid, p.rollout_rs, upper,
-                                                                          lower)
-            stats.update(weight_family_stats("rollout_rs", safe_stat, log_stat, valid, p.rollout_rs, lower, upper))
-            rs_rejected = valid & ~rs_keep  # (B, T)
-            mask_sums["rs_rejected_tok_n"] = count(rs_rejected)
-            mask_sums["rs_rejected_seq_n"] = count_rows(rs_rejected)
-            keep = keep & rs_keep
-        criteria = _as_criteria(p.rollout_rs_criteria, p.rollout_rs_criteria_threshold)
-        if criteria:
-            div_keep, div_stats = compute_divergence_rejection_mask(log_ratio, valid, criteria)
-            stats.update(div_stats)
-            keep = keep & div_keep
-        advantage_mask = None
-        if trust_region:  # M2PO's final algorithm: zero the advantage, keep the token in the count
-            zeroed, region, v = trust_region_second_moment_mask(log_ratio, valid, advantages,
-                                                                p.rollout_m2_threshold, reduce_fn)  # (B, T) each
-            mask_sums["m2_masked_tok_n"] = count(zeroed)
-            stats.sums["m2.v_sum"] = masked_sum(v, valid)
-            stats.sums["m2.v_kept_sum"] = masked_sum(v, valid & ~zeroed)
-            stats.sums["m2.region_tok_n"] = count(region)
-            stats.sums["m2.region_v_sum"] = masked_sum(v, region)
-            stats.sums["m2.region_v_kept_sum"] = masked_sum(v, region & ~zeroed)
-            advantage_mask = (~zeroed).to(response_mask.dtype)  # (B, T) 1 on every token it leaves alone
-        elif p.rollout_m2_threshold is not None:
-            m2_keep, v = second_moment_mask(log_ratio, valid, p.rollout_m2_threshold, reduce_fn)  # (B, T) each
-            mask_sums["m2_masked_tok_n"] = count(valid & ~m2_keep)
-            stats.sums["m2.v_sum"] = masked_sum(v, valid)
-            stats.sums["m2.v_kept_sum"] = masked_sum(v, m2_keep)
-            keep = keep & m2_keep
-        if p.rollout_token_veto_threshold is not None:
-            veto_keep, catastrophic = compute_veto_mask(log_ratio, valid, p.rollout_token_veto_threshold)
-            mask_sums["catastrophic_tok_n"] = count(catastrophic)
-            mask_sums["vetoed_seq_n"] = count_rows(catastrophic)
-            keep = keep & veto_keep  # (without the veto its metrics are finalized as 0.0)
-        keep = keep | uncorrected  # (B, T)
-        mask_sums["kept_tok_n"] = count(keep)
-        stats.sums.update({"mask." + k: v for k, v in mask_sums.items()})
+        state = CorrectionState(
+            log_ratio=log_ratio, valid=valid, keep=valid, stats=stats, mask_dtype=response_mask.dtype,
+            pinned=torch.zeros_like(valid),  # (B, T) IS weight clipped to a bound (grad_share_pinned)
+            weight_zeroed=torch.zeros_like(valid),  # (B, T) IS weight set to 0 (rollout_is_bound="mask")
+            reduce_fn=reduce_fn, advantages=advantages)
+        for criterion in CRITERIA:  # each reads valid and log_ratio; the rejections AND their masks into keep
+            criterion.apply(p, state)
+        keep = state.keep | uncorrected  # (B, T)
+        stats.sums.update({
+            INPUT_TOK_N: count(input_mask),
+            INVALID_TOK_N: count(invalid_tok),
+            TOK_N: count(valid),
+            SEQ_N: count_rows(valid),
+            ALL_SEQ_N: count_rows(input_mask),
+            MISSING_SEQ_N: count_rows(uncorrected),
+            KEPT_TOK_N: count(keep),
+        })
+        advantage_mask = state.advantage_mask  # (B, T) or None
         if advantages is not None:  # "does it hurt?": the share of |A| the correction pinned or dropped
-            dropped = ~keep | weight_zeroed  # (B, T)
+            dropped = ~keep | state.weight_zeroed  # (B, T)
             if advantage_mask is not None:
                 dropped = dropped | ~advantage_mask.bool()  # (B, T) M2PO's zeroed advantages
-            stats.update(gradient_share_stats(advantages, input_mask, pinned & ~dropped, dropped))
+            stats.update(gradient_share_stats(advantages, input_mask, state.pinned & ~dropped, dropped))
+        is_weights = state.is_weights  # (B, T) or None
         if is_weights is not None:
             is_weights = torch.where(uncorrected, torch.ones_like(is_weights), is_weights * valid)  # (B, T)
         modified = keep.to(response_mask.dtype)  # (B, T)
@@ -214,13 +157,6 @@ def _params(params: CorrectionParams | None, fields: dict[str, Any]) -> Correcti
         raise TypeError(f"compute_rollout_correction_stats got params and the fields {sorted(fields)}: pass one of "
                         "the two (dataclasses.replace(params, ...) changes a field).")
     return params
-
-
-def _as_criteria(criteria: Any, thresholds: Any) -> list[DivergenceCriterion]:
-    """Already-parsed criteria pass through; strings/lists of names are parsed with their thresholds."""
-    if criteria and not isinstance(criteria, str) and all(isinstance(c, DivergenceCriterion) for c in criteria):
-        return list(criteria)
-    return parse_divergence_criteria(criteria, thresholds)
 
 
 def compute_rollout_correction_and_rejection_mask(

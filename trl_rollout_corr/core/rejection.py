@@ -16,9 +16,15 @@ References:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, ratio,
+                        require_positive, stat_key)
+from .family import declare_family, family_metrics, finalize_family, weight_family_stats
+from .stats import METRIC_PREFIX as PREFIX
+from .stats import count, count_rows
 from .weights import SAFETY_BOUND, sequence_log_ratio
 
 RS_LEVELS = ("token", "sequence", "geometric")
@@ -129,3 +135,120 @@ def compute_veto_mask(
         vetoed = catastrophic.any(1, keepdim=True)  # (B, 1)
         keep = response_mask & ~vetoed  # (B, T)
     return keep, catastrophic
+
+
+# ---------------------------------------------------------------------------------------------------- the criteria
+RS_REJECTED_TOK_N = stat_key("mask.rs_rejected_tok_n", __name__)
+"""Valid tokens rejection sampling rejected."""
+RS_REJECTED_SEQ_N = stat_key("mask.rs_rejected_seq_n", __name__)
+RS_FAMILY = declare_family("rollout_rs", __name__)
+RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
+CATASTROPHIC_TOK_N = stat_key("mask.catastrophic_tok_n", __name__)
+"""Valid tokens with rho_t < C_veto."""
+VETOED_SEQ_N = stat_key("mask.vetoed_seq_n", __name__)
+VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fraction")
+
+
+class RejectionSampling(Criterion):
+    """Rejection sampling (Liu, Li et al., "When Speed Kills Stability", 2025; verl's ``rollout_rs``): keep iff
+    C_lower <= statistic <= C_upper, the statistic rho_t (token), prod_t rho_t (sequence) or its geometric mean
+    (geometric; GSPO's length-normalized ratio, arXiv:2507.18071). A rejected token leaves the loss and its count."""
+
+    name = "rejection"
+    fields = (
+        CorrectionField("rollout_rs", "str | None", None, "RS level: token | sequence | geometric | none.",
+                        "str | None"),
+        CorrectionField("rollout_rs_threshold", "float | None", None, "RS upper bound.", "float | str | None"),
+        CorrectionField("rollout_rs_threshold_lower", "float | None", None,
+                        "RS lower bound ('none': 1/upper, also where a preset sets one).", "float | str | None"),
+    )
+    metrics = (*family_metrics("rollout_rs"), *RS_MASK_METRICS)
+    switches = {"rollout_rs": ("rollout_rs_threshold", "rollout_rs_threshold_lower")}
+
+    def check(self, cfg: Any) -> None:
+        if cfg.rollout_rs is not None and cfg.rollout_rs not in RS_LEVELS:
+            raise ValueError(
+                f"rollout_rs must be one of 'token', 'sequence', 'geometric' or None, got {cfg.rollout_rs!r}.")
+        if cfg.rollout_rs is not None:
+            if cfg.rollout_rs_threshold is None:
+                raise ValueError(f"rollout_rs={cfg.rollout_rs!r} needs rollout_rs_threshold (the upper bound): "
+                                 "set it, e.g. 2.0 for token/sequence or 1.001 for geometric.")
+            require_positive("rollout_rs_threshold", cfg.rollout_rs_threshold,
+                             "e.g. 2.0 (token/sequence) or 1.001 (geometric)")
+            if cfg.rollout_rs_threshold_lower is not None:
+                require_positive("rollout_rs_threshold_lower", cfg.rollout_rs_threshold_lower,
+                                 "or leave it None for 1/rollout_rs_threshold")
+                if cfg.rollout_rs_threshold_lower > cfg.rollout_rs_threshold:
+                    raise ValueError(
+                        f"rollout_rs_threshold_lower ({cfg.rollout_rs_threshold_lower}) must be <= "
+                        f"rollout_rs_threshold ({cfg.rollout_rs_threshold}): swap them or leave the lower bound None.")
+        elif cfg.rollout_rs_threshold is not None or cfg.rollout_rs_threshold_lower is not None:
+            raise ValueError("rollout_rs_threshold / rollout_rs_threshold_lower are set but rollout_rs is None, so "
+                             "they would be ignored: set rollout_rs ('token', 'sequence' or 'geometric') or unset the "
+                             "thresholds.")
+
+    def removes_tokens(self, cfg: Any) -> bool:
+        return cfg.rollout_rs is not None
+
+    def apply(self, p: Any, state: CorrectionState) -> None:
+        if p.rollout_rs is None:
+            return
+        log_ratio, valid = state.log_ratio, state.valid  # (B, T) each
+        lower, upper = rejection_bounds(p.rollout_rs_threshold, p.rollout_rs_threshold_lower)
+        rs_keep, safe_stat, log_stat = compute_rollout_rejection_mask(log_ratio, valid, p.rollout_rs, upper,
+                                                                      lower)  # (B, T) each
+        state.stats.update(weight_family_stats("rollout_rs", safe_stat, log_stat, valid, p.rollout_rs, lower, upper))
+        rs_rejected = valid & ~rs_keep  # (B, T)
+        state.stats.sums[RS_REJECTED_TOK_N] = count(rs_rejected)
+        state.stats.sums[RS_REJECTED_SEQ_N] = count_rows(rs_rejected)
+        state.keep = state.keep & rs_keep  # (B, T)
+
+    def finalize(self, f: StatFloats) -> dict[str, float]:
+        metrics = finalize_family("rollout_rs", f)
+        if f.has(TOK_N) and f.has(RS_REJECTED_TOK_N):
+            metrics[PREFIX + "rollout_rs_masked_fraction"] = ratio(f.sum(RS_REJECTED_TOK_N, 0.0), f.sum(TOK_N, 0.0))
+            metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = ratio(f.sum(RS_REJECTED_SEQ_N, 0.0),
+                                                                       f.sum(SEQ_N, 0.0))
+        return metrics
+
+
+class CatastrophicTokenVeto(Criterion):
+    """The catastrophic-token veto (verl's ``rollout_token_veto_threshold``): reject a whole sequence if any valid
+    token has rho_t < C_veto (unclamped, in log space)."""
+
+    name = "veto"
+    fields = (
+        CorrectionField("rollout_token_veto_threshold", "float | None", None,
+                        "Veto a sequence if any rho < this ('none' switches a preset's veto off).",
+                        "float | str | None"),
+    )
+    metrics = VETO_METRICS
+
+    def check(self, cfg: Any) -> None:
+        if cfg.rollout_token_veto_threshold is not None:
+            require_positive("rollout_token_veto_threshold", cfg.rollout_token_veto_threshold,
+                             "typically 1e-4 .. 1e-6, or None")
+
+    def removes_tokens(self, cfg: Any) -> bool:
+        return cfg.rollout_token_veto_threshold is not None
+
+    def apply(self, p: Any, state: CorrectionState) -> None:
+        if p.rollout_token_veto_threshold is None:
+            return
+        veto_keep, catastrophic = compute_veto_mask(state.log_ratio, state.valid,
+                                                    p.rollout_token_veto_threshold)  # (B, T) each
+        state.stats.sums[CATASTROPHIC_TOK_N] = count(catastrophic)
+        state.stats.sums[VETOED_SEQ_N] = count_rows(catastrophic)
+        state.keep = state.keep & veto_keep  # (B, T)
+
+    def finalize(self, f: StatFloats) -> dict[str, float]:
+        if not f.has(TOK_N):
+            return {}
+        # without the veto its metrics are 0.0
+        return {PREFIX + "rollout_is_veto_fraction": ratio(f.sum(VETOED_SEQ_N, 0.0), f.sum(SEQ_N, 0.0)),
+                PREFIX + "rollout_is_catastrophic_token_fraction": ratio(f.sum(CATASTROPHIC_TOK_N, 0.0),
+                                                                         f.sum(TOK_N, 0.0))}
+
+
+REJECTION = RejectionSampling()
+VETO = CatastrophicTokenVeto()

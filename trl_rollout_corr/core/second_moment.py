@@ -27,9 +27,14 @@ Reference: Zheng et al., "Prosperity before Collapse: How Far Can Off-Policy RL 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .stats import ReduceFn
+from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
+                        require_positive, stat_key)
+from .stats import METRIC_PREFIX as PREFIX
+from .stats import ReduceFn, count, masked_sum
 
 M2_SCOPES = ("all", "trust_region")
 """Which tokens the second-moment mask may remove: every valid one (AReaL's ``m2_threshold``: rejected) or those on
@@ -101,3 +106,117 @@ def trust_region_second_moment_mask(log_ratio: torch.Tensor, valid: torch.Tensor
     kept, v = second_moment_mask(log_ratio, region, tau, reduce_fn)  # (B, T) each; v is 0 outside C
     v = torch.where(valid, log_ratio.detach().double().clamp(-20.0, 20.0) ** 2, 0.0)  # (B, T) on every valid token
     return region & ~kept, region, v  # (B, T) each
+
+
+# ---------------------------------------------------------------------------------------------------- the criterion
+M2_MASKED_TOK_N = stat_key("mask.m2_masked_tok_n", __name__)
+"""Valid tokens the second-moment mask took (rejected, or their advantage zeroed in the trust-region scope)."""
+M2_V_SUM = stat_key("m2.v_sum", __name__)
+"""Sum of v_t = (log rho_t)^2 over the valid tokens."""
+M2_V_KEPT_SUM = stat_key("m2.v_kept_sum", __name__)
+M2_REGION_TOK_N = stat_key("m2.region_tok_n", __name__)
+"""Trust-region scope: valid tokens on the trust region's active side (the candidates)."""
+M2_REGION_V_SUM = stat_key("m2.region_v_sum", __name__)
+M2_REGION_V_KEPT_SUM = stat_key("m2.region_v_kept_sum", __name__)
+M2_METRICS = ("rollout_m2", "rollout_m2_kept", "rollout_m2_masked_fraction")
+M2_TRUST_REGION_METRICS = ("rollout_m2_trust_region_fraction", "rollout_m2_trust_region",
+                           "rollout_m2_trust_region_kept")
+"""``rollout_m2_scope="trust_region"`` only: the share of valid tokens on the trust region's active side, and their
+mean (log rho)^2 before and after the mask (the bound applies to the latter)."""
+
+
+class SecondMomentMask(Criterion):
+    """The second-moment mask (M2PO, arXiv:2510.01161; AReaL's ``m2_threshold``): the largest (log rho_t)^2 go until
+    the batch's mean of the rest is <= tau; scope ``"all"`` rejects them, ``"trust_region"`` zeroes their advantage
+    (the token kept in the loss's count). The threshold is global over the generation batch (batch scope)."""
+
+    name = "second_moment"
+    fields = (
+        CorrectionField("rollout_m2_threshold", "float | None", None,
+                        "Second-moment mask (M2PO): mask the tokens with the largest (log rho)^2 until the batch's "
+                        "mean (log rho)^2 is <= this tau (e.g. 0.04); default off. rollout_m2_scope picks the "
+                        "candidates.", "float | str | None"),
+        CorrectionField("rollout_m2_scope", "str", "all",
+                        "Tokens the second-moment mask may take: all (AReaL's m2_threshold: any token, rejected; "
+                        "default) | trust_region (M2PO's final algorithm: A > 0 with rho > 1 or A < 0 with rho < 1, "
+                        "advantage set to 0, kept in the loss's token count).", "str | None"),
+    )
+    metrics = (*M2_METRICS, *M2_TRUST_REGION_METRICS)
+    switches = {"rollout_m2_threshold": ("rollout_m2_scope",)}
+
+    def check(self, cfg: Any) -> None:
+        if cfg.rollout_m2_threshold is not None:
+            require_positive("rollout_m2_threshold", cfg.rollout_m2_threshold,
+                             "the bound on the mean (log rho)^2, e.g. 0.04")
+        cfg.rollout_m2_scope = none_if_unset(cfg.rollout_m2_scope) or "all"
+        if cfg.rollout_m2_scope not in M2_SCOPES:
+            raise ValueError(f"rollout_m2_scope must be 'all' (AReaL's second-moment mask: any token, rejected) or "
+                             f"'trust_region' (M2PO's final algorithm: the trust region's active side, advantage set "
+                             f"to 0), got {cfg.rollout_m2_scope!r}.")
+        if cfg.rollout_m2_scope != "all" and cfg.rollout_m2_threshold is None:
+            raise ValueError(f"rollout_m2_scope={cfg.rollout_m2_scope!r} is set but rollout_m2_threshold is None, so "
+                             "it would be ignored: set rollout_m2_threshold (tau, e.g. 0.04) or leave rollout_m2_scope "
+                             "at 'all'.")
+
+    def check_call(self, p: Any, advantages: torch.Tensor | None) -> None:
+        if p.rollout_m2_scope not in M2_SCOPES:
+            raise ValueError(f"rollout_m2_scope must be one of {M2_SCOPES}, got {p.rollout_m2_scope!r}.")
+        if self._trust_region(p) and advantages is None:
+            raise ValueError("rollout_m2_scope='trust_region' needs the advantages (the trust region's active side "
+                             "is A > 0 with rho > 1, A < 0 with rho < 1): pass advantages=(B,) or (B, T).")
+
+    @staticmethod
+    def _trust_region(p: Any) -> bool:
+        return p.rollout_m2_threshold is not None and p.rollout_m2_scope == "trust_region"
+
+    def removes_tokens(self, cfg: Any) -> bool:
+        return cfg.rollout_m2_threshold is not None and cfg.rollout_m2_scope == "all"
+
+    def zeroes_advantages(self, cfg: Any) -> bool:
+        return self._trust_region(cfg)
+
+    def batch_scope(self, cfg: Any) -> str | None:
+        if cfg.rollout_m2_threshold is not None:
+            return "the second-moment mask's threshold (rollout_m2_threshold)"
+        return None
+
+    def apply(self, p: Any, state: CorrectionState) -> None:
+        if p.rollout_m2_threshold is None:
+            return
+        log_ratio, valid, sums = state.log_ratio, state.valid, state.stats.sums  # (B, T) each
+        if self._trust_region(p):  # M2PO's final algorithm: zero the advantage, keep the token in the count
+            zeroed, region, v = trust_region_second_moment_mask(log_ratio, valid, state.advantages,
+                                                                p.rollout_m2_threshold, state.reduce_fn)  # (B, T) each
+            sums[M2_MASKED_TOK_N] = count(zeroed)
+            sums[M2_V_SUM] = masked_sum(v, valid)
+            sums[M2_V_KEPT_SUM] = masked_sum(v, valid & ~zeroed)
+            sums[M2_REGION_TOK_N] = count(region)
+            sums[M2_REGION_V_SUM] = masked_sum(v, region)
+            sums[M2_REGION_V_KEPT_SUM] = masked_sum(v, region & ~zeroed)
+            state.advantage_mask = (~zeroed).to(state.mask_dtype)  # (B, T) 1 on every token it leaves alone
+        else:
+            m2_keep, v = second_moment_mask(log_ratio, valid, p.rollout_m2_threshold, state.reduce_fn)  # (B, T) each
+            sums[M2_MASKED_TOK_N] = count(valid & ~m2_keep)
+            sums[M2_V_SUM] = masked_sum(v, valid)
+            sums[M2_V_KEPT_SUM] = masked_sum(v, m2_keep)
+            state.keep = state.keep & m2_keep  # (B, T)
+
+    def finalize(self, f: StatFloats) -> dict[str, float]:
+        if not f.has(TOK_N):
+            return {}
+        metrics: dict[str, float] = {}
+        tok_n, masked_n = f.sum(TOK_N, 0.0), f.sum(M2_MASKED_TOK_N, 0.0)
+        if f.has(M2_MASKED_TOK_N):  # mean (log rho)^2 before / after, tokens masked
+            metrics[PREFIX + "rollout_m2"] = ratio(f.sum(M2_V_SUM, 0.0), tok_n)
+            metrics[PREFIX + "rollout_m2_kept"] = ratio(f.sum(M2_V_KEPT_SUM, 0.0), tok_n - masked_n)
+            metrics[PREFIX + "rollout_m2_masked_fraction"] = ratio(masked_n, tok_n)
+        if f.has(M2_REGION_TOK_N):  # the trust-region scope: the candidates' share and mean before / after
+            region_n = f.sum(M2_REGION_TOK_N, 0.0)
+            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = ratio(region_n, tok_n)
+            metrics[PREFIX + "rollout_m2_trust_region"] = ratio(f.sum(M2_REGION_V_SUM, 0.0), region_n)
+            metrics[PREFIX + "rollout_m2_trust_region_kept"] = ratio(f.sum(M2_REGION_V_KEPT_SUM, 0.0),
+                                                                     region_n - masked_n)
+        return metrics
+
+
+SECOND_MOMENT = SecondMomentMask()

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 
 STAT_DTYPE = torch.float64
+SAFETY_BOUND = 20.0
+"""Log-space clamp before any ``exp``: exp(+-20) ~ 4.85e8 / 2.06e-9, finite in every float dtype."""
 METRIC_PREFIX = "rollout_corr/"
 """The namespace of every metric this package logs: ``rollout_corr/<name>``."""
 SUM, MAX, MIN = "sum:", "max:", "min:"

@@ -16,12 +16,15 @@ References:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .stats import ReduceFn, count, masked_sum, per_sequence_mean
-
-SAFETY_BOUND = 20.0
-"""Log-space clamp before any ``exp``: exp(+-20) ~ 4.85e8 / 2.06e-9, finite in every float dtype."""
+from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
+                        require_positive, stat_key)
+from .family import declare_family, family_metrics, finalize_family, weight_family_stats
+from .stats import METRIC_PREFIX as PREFIX
+from .stats import SAFETY_BOUND, ReduceFn, count, count_rows, masked_sum, per_sequence_mean, stat_constant
 
 IS_LEVELS = ("token", "sequence")
 IS_BOUNDS = ("truncate", "mask")
@@ -180,3 +183,116 @@ def compute_rollout_correction_weights(
         if rollout_is_batch_normalize:
             weights, norm_mean = batch_normalize_weights(weights, response_mask, rollout_is, reduce_fn)
     return weights, safe, norm_mean
+
+
+# ---------------------------------------------------------------------------------------------------- the criterion
+IS_NORM_MEAN_SUM = stat_key("rollout_is.norm_mean_sum", __name__)
+"""Sum of the batch means the weights were divided by (one per call; ``rollout_is_batch_normalize``)."""
+IS_NORM_N = stat_key("rollout_is.norm_n", __name__)
+IS_MASKED_TOK_N = stat_key("mask.is_masked_tok_n", __name__)
+"""Valid tokens whose weight ``rollout_is_bound="mask"`` set to 0."""
+IS_MASKED_SEQ_N = stat_key("mask.is_masked_seq_n", __name__)
+IS_FAMILY = declare_family("rollout_is", __name__)
+IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
+BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
+
+
+class ImportanceWeights(Criterion):
+    """Truncated or masked IS weights (TIS; IMPALA, arXiv:1802.01561; IcePop's mask, arXiv:2510.18855), token or
+    sequence level, optionally batch-normalized: w = min(rho, C) (with C_lower: clamp(rho, C_lower, C)) or
+    w = rho * 1[C_lower <= rho <= C], rho = pi_train / pi_rollout. Weights, never a rejection."""
+
+    name = "is_weights"
+    fields = (
+        CorrectionField("rollout_is", "str | None", "token", "IS level: token | sequence | none.", "str | None",
+                        params_default=None),
+        CorrectionField("rollout_is_threshold", "float", 2.0,
+                        "IS upper bound C (2.0 in the decoupled/bypass presets, 3.0 in TRL's default); verl's "
+                        "'lower_upper' string (e.g. 0.5_5.0) is IcePop: weights outside the band set to 0.",
+                        "float | str | None"),
+        CorrectionField("rollout_is_batch_normalize", "bool", False,
+                        "Normalize IS weights to mean 1 over each generation batch.", "bool | None"),
+        CorrectionField("rollout_is_threshold_lower", "float | None", None,
+                        "IS lower bound C_lower (default none; 'none' switches a preset's off).", "float | str | None"),
+        CorrectionField("rollout_is_bound", "str", "truncate",
+                        "IS weight outside [C_lower, C]: truncate (clip to the bound, default) | mask (set to 0; "
+                        "TRL's *_mask modes).", "str | None"),
+    )
+    metrics = (*family_metrics("rollout_is"), *IS_MASK_METRICS, *BATCH_NORM_METRICS)
+    switches = {"rollout_is": ("rollout_is_bound", "rollout_is_threshold_lower")}
+
+    def check(self, cfg: Any) -> None:
+        if cfg.rollout_is == "geometric":
+            raise ValueError("rollout_is='geometric' is not an IS level: geometric aggregation is for rejection only. "
+                             "Use rollout_rs='geometric' (with rollout_rs_threshold, e.g. 1.001) instead.")
+        if cfg.rollout_is is not None and cfg.rollout_is not in IS_LEVELS:
+            raise ValueError(f"rollout_is must be one of 'token', 'sequence' or None, got {cfg.rollout_is!r}.")
+        require_positive("rollout_is_threshold", cfg.rollout_is_threshold, "e.g. 2.0, or inf for no upper bound",
+                         allow_inf=True)
+        cfg.rollout_is_bound = none_if_unset(cfg.rollout_is_bound) or "truncate"
+        if cfg.rollout_is_bound not in IS_BOUNDS:
+            raise ValueError(f"rollout_is_bound must be 'truncate' (clip the weight to its bounds) or 'mask' (set it "
+                             f"to 0 outside them), got {cfg.rollout_is_bound!r}.")
+        if cfg.rollout_is_threshold_lower is not None:
+            require_positive("rollout_is_threshold_lower", cfg.rollout_is_threshold_lower,
+                             "or None for no lower bound")
+            if cfg.rollout_is_threshold_lower >= cfg.rollout_is_threshold:
+                raise ValueError(f"rollout_is_threshold_lower ({cfg.rollout_is_threshold_lower}) must be < "
+                                 f"rollout_is_threshold ({cfg.rollout_is_threshold}): lower it or leave it None.")
+        is_bound_set = cfg.rollout_is_bound != "truncate" or cfg.rollout_is_threshold_lower is not None
+        if cfg.rollout_is is None and is_bound_set:
+            raise ValueError("rollout_is_bound / rollout_is_threshold_lower are set but rollout_is is None, so they "
+                             "would be ignored: set rollout_is ('token' or 'sequence') or leave them at their "
+                             "defaults.")
+        if cfg.bypass_mode and not cfg.use_policy_gradient and cfg.rollout_is is not None and is_bound_set:
+            raise ValueError("rollout_is_bound='mask' / rollout_is_threshold_lower with bypass_mode=True and "
+                             "use_policy_gradient=False: bypass PPO applies no IS weight (its PPO ratio already is "
+                             "pi_theta/pi_rollout), so they would change nothing but a metric. Leave them at their "
+                             "defaults, or use decoupled mode (bypass_mode=False).")
+
+    def batch_scope(self, cfg: Any) -> str | None:
+        if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize and cfg.applies_is_weights:
+            return "rollout_is_batch_normalize"
+        return None
+
+    def apply(self, p: Any, state: CorrectionState) -> None:
+        if p.rollout_is is None:
+            return
+        log_ratio, valid = state.log_ratio, state.valid  # (B, T) each
+        is_weights, safe, norm_mean = compute_rollout_correction_weights(
+            log_ratio, valid, p.rollout_is, p.rollout_is_threshold, p.rollout_is_batch_normalize, state.reduce_fn,
+            p.rollout_is_threshold_lower, p.rollout_is_bound,
+        )  # (B, T), (B, T), 0-dim or None
+        seq_log = sequence_log_ratio(log_ratio, valid).unsqueeze(1).expand_as(log_ratio)  # (B, T)
+        is_lower = p.rollout_is_threshold_lower
+        is_lower = 1.0 / p.rollout_is_threshold if is_lower is None else is_lower
+        state.stats.update(weight_family_stats(
+            "rollout_is", safe, seq_log, valid, p.rollout_is, is_lower, p.rollout_is_threshold
+        ))
+        if p.rollout_is_bound == "mask":
+            weight_zeroed = valid & (is_weights == 0)  # (B, T) masked (a valid rho is > 0; normalizing keeps 0)
+            state.weight_zeroed = weight_zeroed
+            state.stats.sums[IS_MASKED_TOK_N] = count(weight_zeroed)  # (B, T) -> 0-dim
+            state.stats.sums[IS_MASKED_SEQ_N] = count_rows(weight_zeroed)
+        else:  # truncate: min(rho, C), and max(., C_lower) only when a lower bound is set
+            pinned = safe > p.rollout_is_threshold  # (B, T)
+            if p.rollout_is_threshold_lower is not None:
+                pinned = pinned | (safe < p.rollout_is_threshold_lower)  # (B, T)
+            state.pinned = valid & pinned  # (B, T)
+        if norm_mean is not None:  # float64
+            state.stats.sums[IS_NORM_MEAN_SUM] = norm_mean
+            state.stats.sums[IS_NORM_N] = stat_constant(1.0, norm_mean)
+        state.is_weights = is_weights
+
+    def finalize(self, f: StatFloats) -> dict[str, float]:
+        metrics = finalize_family("rollout_is", f)
+        if f.has(IS_NORM_MEAN_SUM):
+            metrics[PREFIX + "rollout_is_batch_norm_factor"] = ratio(f.sum(IS_NORM_MEAN_SUM), f.sum(IS_NORM_N, 0.0))
+        if f.has(TOK_N) and f.has(IS_MASKED_TOK_N):  # weights set to 0 (tokens stay in the mask)
+            tok_n, seq_n = f.sum(TOK_N, 0.0), f.sum(SEQ_N, 0.0)
+            metrics[PREFIX + "rollout_is_masked_fraction"] = ratio(f.sum(IS_MASKED_TOK_N, 0.0), tok_n)
+            metrics[PREFIX + "rollout_is_seq_masked_fraction"] = ratio(f.sum(IS_MASKED_SEQ_N, 0.0), seq_n)
+        return metrics
+
+
+IS_WEIGHTS = ImportanceWeights()
