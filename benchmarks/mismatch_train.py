@@ -648,6 +648,40 @@ def load_runs(out: str) -> list[dict]:
     return runs
 
 
+RESULTS = os.path.join(HERE, "results")  # the committed results
+MAIN_CSV, CONFIRM_CSV = "mismatch_train_results.csv", "mismatch_train_confirm_results.csv"
+
+
+def runs_from_csv(path: str) -> list[dict]:
+    """The runs of a committed ``results.csv`` (one row per run) as the analysis reads them: the per-seed score,
+    regime and collapse, and on_policy's pool (its scenario for a long one, else shared by every scenario)."""
+    runs = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            run = dict(scenario=row["scenario"], method=row["method"], seed=int(row["seed"]),
+                       collapsed=row["collapsed"] == "True",
+                       **{k: float(row[k]) for k in ("score", "kl_token", "t_kl", "engine_reward")})
+            if run["method"] == "on_policy":
+                run["pool"] = run["scenario"] if run["scenario"] in LONG_SCENARIOS else "all"
+            runs.append(run)
+    return runs
+
+
+def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
+    """Scenario -> the methods the pre-registered analyses of the committed results confirm above TRL's default (M1)
+    there: S2 by experiment C (``CONFIRM_FAMILY`` on ``CONFIRM_SEEDS``), S2L by experiment L (``LONG_FAMILY`` on
+    ``LONG_SEEDS``: none ran, its cost check failed), S1 by none (the first family, seeds 0-9, picked no candidate, and
+    a candidate is confirmed only on held-out seeds; no later experiment ran a family in S1). What the monitor's
+    advice (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
+    _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
+    if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
+        raise NotImplementedError(f"the first family picked {main['candidate']}: analyse its held-out seeds")
+    runs = runs_from_csv(os.path.join(results, CONFIRM_CSV))
+    _, c = analyse_family(runs, list(CONFIRM_SEEDS), "S2", CONFIRM_FAMILY, "C", established=C_GAP_SEEDS_0_9)
+    _, long = analyse_family(runs, list(LONG_SEEDS), "S2L", LONG_FAMILY, "L")
+    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"]}
+
+
 def score_table(runs: list[dict]) -> dict:
     """(scenario, method) -> {seed: run}, with on_policy under every scenario and S0's M0 = on_policy."""
     table: dict = {}

@@ -9,7 +9,8 @@ exact sign-flip, Holm over the 33 comparisons, gap closed with Fieller's interva
 an independent recomputation (scipy's ttest_rel, sign patterns enumerated, Holm by its definition, Fieller's
 endpoints put back in its equation) and agree with the review's own recomputation
 (benchmark-review-2026-11.md in the project's shared notes); and the monitor names a remedy only where the benchmark
-supports one.
+supports one: exactly what the new benchmark (``benchmarks/mismatch_train.py``) confirmed, recomputed from its
+committed results.
 """
 
 import itertools
@@ -130,22 +131,55 @@ def test_the_reviews_paired_recomputation_agrees(rows):
 
 
 # ---------------------------------------------------------------- the monitor's advice is the benchmark's
-def test_the_monitor_names_a_remedy_only_where_the_benchmark_supports_one(rows):
+def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_one():
+    """REMEDIES is what benchmarks/mismatch_train.py's pre-registered analyses confirm from its committed results
+    (experiment C in S2, the stale engine; nothing in S1, the persistent gap, nor in S2L): the method, its setting (the
+    benchmark's configuration of it) and its scenario; a kind whose scenario confirmed nothing has no remedy."""
     from trl_rollout_corr.monitor import advice
 
-    mb = bench()
+    mt = load_benchmark("mismatch_train")
+    confirmed = mt.confirmed_methods()
+    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": []}
+    assert set(advice.REMEDIES) <= set(advice.SCENARIOS)
     for kind, scenario in advice.SCENARIOS.items():
-        method = mb.recommended(rows, scenario)
-        if method is None:
+        methods = confirmed[scenario]
+        if not methods:
             assert kind not in advice.REMEDIES, kind
             continue
         remedy = advice.REMEDIES[kind]
-        assert remedy.method == method and remedy.scenario == scenario, remedy
-        # and the setting the message gives is that method's configuration in the benchmark
-        preset, extra = mb.METHODS[remedy.method]
-        spelled = dict(kv.split("=") for kv in [remedy.setting])
-        assert spelled == ({"rollout_correction_preset": preset} if preset else
-                           {k: v for k, v in extra.items() if k.startswith("vllm_importance")})
+        assert len(methods) == 1, methods  # more than one confirmed: the advice would have to choose (not written)
+        trainer, settings = mt.METHODS[methods[0]]
+        preset = settings.get("rollout_correction_preset")
+        assert trainer == "ours" and remedy.method == preset and remedy.setting == f"rollout_correction_preset={preset}"
+        assert remedy.scenario.startswith(f"mismatch_train {scenario}, experiment C")
+    assert advice.REMEDIES["stale"].method == "ppo_is_bypass" and "persistent" not in advice.REMEDIES
+
+
+def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
+    """The numbers the message quotes are the analysis' own, recomputed from the committed CSV."""
+    from trl_rollout_corr.monitor import advice
+
+    mt = load_benchmark("mismatch_train")
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.CONFIRM_CSV))
+    _, c = mt.analyse_family(runs, list(mt.CONFIRM_SEEDS), "S2", mt.CONFIRM_FAMILY, "C",
+                             established=mt.C_GAP_SEEDS_0_9)
+    m3 = next(r for r in c["family"] if r["method"] == "M3")
+    assert (m3["n"], round(m3["diff"], 3), round(m3["diff_lo"], 3), round(m3["diff_hi"], 3)) == (20, .065, .032, .097)
+    assert f"{m3['p_sign_flip_holm']:.2g}" == "0.00017" and len(c["family"]) == 2
+    assert round(next(g for g in c["gap_closed"] if g["method"] == "M3")["estimate"], 2) == 0.88
+    # the regime: the family arms' per-token KL and T * KL (run means, averaged per arm), as the message rounds them
+    arms = {m: [r for r in runs if (r["scenario"], r["method"]) == ("S2", m)] for m in ("M1", "M2", "M3")}
+    kl = {m: fmean(r["kl_token"] for r in rs) for m, rs in arms.items()}
+    tkl = {m: round(fmean(r["t_kl"] for r in rs), 1) for m, rs in arms.items()}
+    assert 6e-3 <= min(kl.values()) and max(kl.values()) <= 1.1e-2
+    assert (min(tkl.values()), max(tkl.values())) == (.3, .5)
+    remedy = advice.REMEDIES["stale"]
+    for text in ("+0.065 [+0.032, +0.097]", "20 fresh paired seeds", "Holm p 0.00017", "0.88"):
+        assert text in remedy.evidence, text
+    for text in ("8 optimizer steps stale", "T = 49", "per-token KL 6e-3-1.1e-2", "T * KL 0.3-0.5", "465k-parameter",
+                 "not measured at long completions or on a GPU"):
+        assert text in remedy.regime, text
+    assert mt.S2_LAG == 8 and mt.HIDDEN == 96 and mt.STEPS_PER_GENERATION == 2
 
 
 def test_no_remedy_survives_holm_on_the_old_benchmark(rows):
@@ -173,9 +207,11 @@ HEALTHY = ["mismatch_stale4_ppo_is_bypass_seed0.json", "mismatch_vllm_sync8_ppo_
 
 
 @pytest.mark.parametrize("name", COLLAPSING)
-def test_on_the_benchmarks_collapsing_runs_the_monitor_points_to_the_benchmark(name):
+def test_on_the_benchmarks_collapsing_runs_the_monitor_advises_what_was_confirmed(name):
+    """The stale run (decoupled_geo_rs, lag 4) is told the confirmed stale-engine remedy with its regime; the 3-bit
+    run (ppo_is_bypass, lag 0) is told no correction is confirmed for a persistent gap, and no preset."""
     from trl_rollout_corr import RolloutCorrectionConfig
-    from trl_rollout_corr.monitor.advice import SCENARIOS, remedies_for
+    from trl_rollout_corr.monitor.advice import REMEDIES, SCENARIOS, remedies_for
     from trl_rollout_corr.monitor.replay import replay
 
     trace = load_trace(name)
@@ -185,11 +221,15 @@ def test_on_the_benchmarks_collapsing_runs_the_monitor_points_to_the_benchmark(n
     monitor = replay(trace["rows"], correction=correction, rollout_lag=trace["lag"])
     collapse = [a for a in monitor.alerts if a["alert"] == "policy_collapse"]
     assert collapse, monitor.alerts
-    assert remedies_for(trace["lag"]) == []  # none survives the benchmark's analysis: no preset is recommended
     message = collapse[0]["message"]
-    scenario = SCENARIOS["stale" if trace["lag"] > 0 else "persistent"]
-    assert "No correction is confirmed" in message and scenario in message and "docs/benchmarks.md" in message
-    assert "rollout_correction_preset" not in message
+    if trace["lag"] > 0:
+        assert remedies_for(trace["lag"]) == [REMEDIES["stale"]]
+        assert REMEDIES["stale"].setting in message and "T = 49" in message
+        assert "No correction is confirmed" not in message
+    else:
+        assert remedies_for(trace["lag"]) == []
+        assert "No correction is confirmed" in message and SCENARIOS["persistent"] in message
+        assert "docs/benchmarks.md" in message and "rollout_correction_preset" not in message
 
 
 @pytest.mark.parametrize("name", HEALTHY)

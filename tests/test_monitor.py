@@ -58,32 +58,70 @@ def test_collapsing_recorded_run_stops_by_step_40_and_recommends_no_unconfirmed_
     assert monitor.alerts[0]["step"] <= 40 and monitor.rules.last_step == monitor.alerts[0]["step"]
     message = monitor.alerts[0]["message"]
     assert "entropy" in message and "kl=" in message and "%" in message
-    # no remedy survives the benchmark's Holm analysis: the metric and the page, no preset or TRL mode
-    assert advice.REMEDIES == {}
-    assert "rollout_corr/kl" in message and "docs/benchmarks.md" in message and "wq3" in message
+    # a synchronous engine (a persistent gap): no remedy is confirmed, so the metric and the page, no preset or mode
+    assert "persistent" not in advice.REMEDIES
+    assert "rollout_corr/kl" in message and "docs/benchmarks.md" in message and "S1" in message
     assert "rollout_correction_preset" not in message and "vllm_importance_sampling_mode" not in message
 
 
+STALE_REGIME = ("T = 49 tokens", "per-token KL 6e-3-1.1e-2", "T * KL 0.3-0.5", "465k-parameter model",
+                "not measured at long completions or on a GPU", "mismatch_train S2, experiment C")
+
+
+def test_a_stale_engine_is_told_the_confirmed_remedy_with_its_regime():
+    geo = RolloutCorrectionConfig.from_preset("decoupled_geo_rs")
+    message = replay(load(COLLAPSE)["rows"], correction=geo, rollout_lag=4).alerts[0]["message"]
+    assert "lag 4" in message and "For a stale engine, ppo_is_bypass was confirmed" in message
+    assert "rollout_correction_preset=ppo_is_bypass" in message and "+0.065 [+0.032, +0.097]" in message
+    for text in STALE_REGIME:
+        assert text in message, text
+    assert "No correction is confirmed" not in message and "persistent" not in message and "If this" not in message
+
+
+def test_a_synchronous_engine_is_recommended_nothing():
+    geo = RolloutCorrectionConfig.from_preset("decoupled_geo_rs")
+    message = replay(load(COLLAPSE)["rows"], correction=geo, rollout_lag=0).alerts[0]["message"]
+    assert advice.remedies_for(0) == []
+    assert "No correction is confirmed to help with a persistent precision gap" in message
+    assert "S1" in message and "cost nothing" in message and "T = 49" in message
+    assert "ppo_is_bypass" not in message and "rollout_correction_preset" not in message
+    assert "a stale engine" not in message
+
+
+def test_an_unknown_lag_names_the_stale_remedy_only_if_the_engine_is_stale():
+    geo = RolloutCorrectionConfig.from_preset("decoupled_geo_rs")
+    message = replay(load(COLLAPSE)["rows"], correction=geo, rollout_lag=None).alerts[0]["message"]
+    assert "rollout_lag" in message and advice.remedies_for(None) == [advice.REMEDIES["stale"]]
+    assert "If this is a stale engine, ppo_is_bypass was confirmed" in message and "For a stale engine" not in message
+    # the remedy appears once, after the condition; the persistent kind still gets no preset
+    assert message.count("rollout_correction_preset=ppo_is_bypass") == 1
+    assert message.index("If this is a stale engine") < message.index("rollout_correction_preset=ppo_is_bypass")
+    assert "No correction is confirmed to help with a persistent precision gap" in message
+
+
+def test_a_run_already_on_the_remedy_is_told_what_remains():
+    bypass = RolloutCorrectionConfig.ppo_is_bypass()
+    assert advice.REMEDIES["stale"].config() == bypass
+    rows = load(COLLAPSE)["rows"]
+    on_remedy = replay(rows, correction=bypass, rollout_lag=4).alerts[0]["message"]
+    assert "this run already uses" in on_remedy and "learning rate" in on_remedy and "T = 49" in on_remedy
+    assert "Switch to it" not in on_remedy and "No correction is confirmed" not in on_remedy
+    unknown = replay(rows, correction=bypass, rollout_lag=None).alerts[0]["message"]
+    assert "If this is a stale engine, this run already uses" in unknown
+    assert "No correction is confirmed to help with a persistent precision gap" in unknown
+
+
 def test_collapse_advice_follows_what_is_known_about_the_engine(monkeypatch):
+    """A kind without a remedy (the stale one here, removed) gets what the benchmark found and no preset."""
     rows = load(COLLAPSE)["rows"]
     bypass = RolloutCorrectionConfig.ppo_is_bypass()
+    monkeypatch.delitem(advice.REMEDIES, "stale")
     stale_msg = replay(rows, correction=bypass, rollout_lag=4).alerts[0]["message"]
-    assert "lag 4" in stale_msg and "a stale engine" in stale_msg and "stale4" in stale_msg
-    assert "persistent" not in stale_msg and "wq3" not in stale_msg and "learning rate" in stale_msg
+    assert "lag 4" in stale_msg and "No correction is confirmed to help with a stale engine" in stale_msg
+    assert "persistent" not in stale_msg and "S1" not in stale_msg and "learning rate" in stale_msg
+    assert "rollout_correction_preset" not in stale_msg
     unknown = replay(rows, correction=bypass, rollout_lag=None).alerts[0]["message"]
     assert "rollout_lag" in unknown and "a stale engine or a persistent precision gap" in unknown
-    # a remedy, once the benchmark supports one, is named, or, for a run already on it, what remains
-    stale = advice.Remedy("a stale engine", "ppo_is_bypass", "rollout_correction_preset=ppo_is_bypass", "stale4")
-    monkeypatch.setitem(advice.REMEDIES, "stale", stale)
-    assert stale.config() == bypass
-    on_remedy = replay(rows, correction=bypass, rollout_lag=4).alerts[0]["message"]
-    assert "already uses" in on_remedy and "learning rate" in on_remedy
-    assert "No correction is confirmed" not in on_remedy
-    elsewhere = replay(rows, correction=RolloutCorrectionConfig.from_preset("decoupled_geo_rs"),
-                       rollout_lag=4).alerts[0]["message"]
-    assert stale.setting in elsewhere and "already uses" not in elsewhere
-    both = replay(rows, correction=bypass, rollout_lag=None).alerts[0]["message"]
-    assert "already uses" in both and "No correction is confirmed to help with a persistent precision gap" in both
 
 
 def test_collapse_without_a_correction_advises_one():

@@ -1,14 +1,25 @@
-"""What the monitor advises after a policy collapse: only remedies that survive the mismatch benchmark's analysis.
+"""What the monitor advises after a policy collapse: only remedies a benchmark's confirmed analysis supports.
 
-The benchmark (``benchmarks/mismatch_bench.py``; its results in ``benchmarks/results/mismatch_results.csv`` and the
-table in docs/benchmarks.md) trains every method on each kind of sampler/trainer mismatch. A remedy is listed in
-``REMEDIES`` only where the benchmark's ``recommended()`` names it for that kind's scenario (``SCENARIOS``): above TRL's
-default after a paired, Holm-corrected analysis of the whole table. ``tests/test_mismatch_benchmark.py`` checks that
-``REMEDIES`` is exactly that. Today no remedy survives (the old benchmark: T <= 9 tokens, per-token KL 0.14-0.30, 5
-seeds, no held-out seeds), so the advice names the metrics to watch and points to the benchmark page without
-recommending a preset. The monitor tells the kinds apart by what it is told about the engine (``rollout_lag``): a
-lag > 0 is a stale engine, 0 a synchronous engine whose mismatch persists (quantized / low precision), ``None``
-unknown (both kinds).
+A remedy is listed in ``REMEDIES`` only where a pre-registered, paired, Holm-corrected analysis confirms it above TRL's
+default for that kind's scenario (``SCENARIOS``) of ``benchmarks/mismatch_train.py`` (docs/benchmarks.md, "Training
+in the regime of real runs"); ``tests/test_mismatch_benchmark.py`` checks that ``REMEDIES`` is exactly what its
+``confirmed_methods()`` returns from the committed results (``benchmarks/results/mismatch_train*_results.csv``).
+
+- A stale engine (``rollout_lag`` > 0): ``ppo_is_bypass``, confirmed by experiment C in scenario S2 on 20 fresh paired
+  seeds: +0.065 [+0.032, +0.097] held-out reward over TRL's default, Holm p 0.00017 (a family of 2), gap closed 0.88.
+  Its regime: an engine 8 optimizer steps stale, T = 49 tokens, per-token KL(engine || policy) 6e-3-1.1e-2, T * KL
+  0.3-0.5, a 465k-parameter model, 2 optimizer steps per generation, 30 steps, on a CPU. Not measured at long
+  completions or on a GPU: at T = 129 (S2L, T * KL 0.98) the stale engine's cost was not significant, so no method
+  was compared there.
+- A persistent precision gap (``rollout_lag`` = 0: quantized / low precision): none. In S1 (a heavy-tailed,
+  precision-like gap, T = 49, per-token KL 7.7e-2-9.9e-2, T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus
+  no correction +0.003 [-0.026, +0.032], 10 seeds), so no correction could be compared; the old benchmark
+  (``benchmarks/mismatch_bench.py``: T <= 9, per-token KL 0.14-0.30, 5 seeds) singles none out either.
+
+For a kind without a remedy the advice names the metrics to watch and the benchmark page, no preset. The monitor
+tells the kinds apart by what it is told about the engine (``rollout_lag``): a lag > 0 is a stale engine, 0 a
+synchronous engine whose mismatch persists, ``None`` unknown (both kinds, the stale remedy named only as conditional
+on a stale engine).
 """
 
 from __future__ import annotations
@@ -21,18 +32,29 @@ from ..core.stats import METRIC_PREFIX
 
 # the kinds of mismatch the monitor tells apart: how a message says it, and the benchmark scenario that stands for it
 KINDS = {"stale": "a stale engine", "persistent": "a persistent precision gap"}
-SCENARIOS = {"stale": "stale4", "persistent": "wq3"}
-BENCHMARK_PAGE = 'docs/benchmarks.md, "Which preset for which mismatch"'
+SCENARIOS = {"stale": "S2", "persistent": "S1"}  # benchmarks/mismatch_train.py's scenarios
+BENCHMARK = "benchmarks/mismatch_train.py"
+BENCHMARK_PAGE = 'docs/benchmarks.md, "Training in the regime of real runs"'
+# what the benchmark found for a kind without a remedy (the message says it, with its regime)
+FOUND = {
+    "stale": "no method was confirmed above TRL's default in its S2 scenario",
+    "persistent": ("in its S1 scenario (a heavy-tailed, precision-like gap: T = 49 tokens, per-token KL 7.7e-2-9.9e-2, "
+                   "T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus no correction +0.003 [-0.026, +0.032] "
+                   "reward, 10 seeds), so no correction could be compared, and the old mismatch benchmark's wq3 rows "
+                   "single none out after a paired, Holm-corrected analysis"),
+}
 
 
 @dataclass(frozen=True)
 class Remedy:
-    """What trained best for one kind of mismatch: the benchmark's method (its row) and how to switch to it."""
+    """What a benchmark confirmed for one kind of mismatch: the method, how to switch to it, and where it was shown."""
 
     kind: str  # the kind of mismatch, as the message says it
-    method: str  # the benchmark's method name (its row in the scenario)
+    method: str  # the method's name (the preset, or TRL's mode)
     setting: str  # how to ask for it in RolloutCorrGRPOConfig / YAML / CLI
-    scenario: str  # the benchmark scenario whose rows back it
+    scenario: str  # the benchmark scenario (and experiment) whose confirmed analysis backs it
+    evidence: str = ""  # the confirmed result, as the message says it
+    regime: str = ""  # where it was measured (and where not), as the message says it
 
     def config(self) -> Any:
         """The resolved ``RolloutCorrectionConfig`` of the remedy (to tell whether a run already uses it)."""
@@ -45,9 +67,19 @@ class Remedy:
         return RolloutCorrectionConfig.from_preset(value)
 
 
-# kind -> Remedy, only where the benchmark's paired Holm analysis supports one (none does: the old stale-engine remedy
-# ppo_is_bypass has Holm p 0.054 on stale4, the persistent-gap one, TRL's token_truncate, 0.23 on wq3)
-REMEDIES: dict[str, Remedy] = {}
+# kind -> Remedy, only where a benchmark's confirmed analysis supports one (benchmarks/mismatch_train.py's
+# confirmed_methods(); the old benchmark's remedies did not survive Holm: ppo_is_bypass p 0.054 on stale4, TRL's
+# token_truncate 0.23 on wq3)
+REMEDIES: dict[str, Remedy] = {
+    "stale": Remedy(
+        KINDS["stale"], "ppo_is_bypass", "rollout_correction_preset=ppo_is_bypass",
+        "mismatch_train S2, experiment C",
+        evidence=("+0.065 [+0.032, +0.097] held-out reward over TRL's default on 20 fresh paired seeds, "
+                  "Holm p 0.00017, 0.88 of the stale engine's cost recovered"),
+        regime=("an engine 8 optimizer steps stale, T = 49 tokens, per-token KL 6e-3-1.1e-2, T * KL 0.3-0.5, a "
+                "465k-parameter model, 2 optimizer steps per generation, 30 steps; not measured at long completions "
+                "or on a GPU (at T = 129 the stale engine's cost was not significant)")),
+}
 
 
 def kinds_for(rollout_lag: int | None) -> list[str]:
@@ -63,9 +95,10 @@ def remedies_for(rollout_lag: int | None) -> list[Remedy]:
 
 
 def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | None, has_metrics: bool) -> str:
-    """The advice after ``policy_collapse``: a remedy the benchmark supports for the kind of mismatch, or, where the
-    run already uses it (``correction``: the run's resolved config), what remains; for a kind without one, the metrics
-    to watch and the benchmark page, no preset."""
+    """The advice after ``policy_collapse``: a remedy a benchmark confirmed for the kind of mismatch, with its regime
+    (conditional on that kind when the lag is unknown), or, where the run already uses it (``correction``: the run's
+    resolved config), what remains; for a kind without one, what the benchmark found, the metrics to watch and the
+    benchmark page, no preset."""
     if not has_metrics:
         lead = f"No {METRIC_PREFIX}* metrics are logged: enable a rollout correction."
     elif corrected is False:
@@ -82,18 +115,20 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
         if remedy is None:
             unsupported.append(kind)
             continue
-        where = f"the mismatch benchmark's {remedy.scenario} scenario"
+        where = f"{BENCHMARK} ({remedy.scenario}; {remedy.regime})"
+        # with the lag unknown, the remedy holds only if the engine is of its kind
+        head = f"If this is {remedy.kind}" if rollout_lag is None else f"For {remedy.kind}"
         if correction is not None and correction == remedy.config():
-            parts.append(f"For {remedy.kind} this run already uses what trained best in {where} ({remedy.setting}): "
-                         "lower the learning rate, or reduce the mismatch at its source (sync more often / a more "
-                         "precise engine).")
+            parts.append(f"{head}, this run already uses what was confirmed to train best in {where}, "
+                         f"{remedy.setting}; what remains: lower the learning rate, or reduce the mismatch at its "
+                         "source (sync more often / a more precise engine).")
         else:
-            parts.append(f"For {remedy.kind}, {remedy.method} trained best in {where}: {remedy.setting}.")
+            parts.append(f"{head}, {remedy.method} was confirmed to train better than TRL's default in {where}: "
+                         f"{remedy.evidence}. Switch to it: {remedy.setting}.")
     if unsupported:
         parts.append(
-            f"No correction is confirmed to help with {' or '.join(KINDS[k] for k in unsupported)}: the mismatch "
-            f"benchmark's {' and '.join(SCENARIOS[k] for k in unsupported)} rows single none out after a paired, "
-            f"Holm-corrected analysis, and none was checked on held-out seeds. Watch {metric('kl')} (the mismatch) "
+            f"No correction is confirmed to help with {' or '.join(KINDS[k] for k in unsupported)}: in {BENCHMARK}, "
+            f"{'; '.join(FOUND[k] for k in unsupported)}. Watch {metric('kl')} (the mismatch) "
             f"and {metric('rollout_is_eff_sample_size')}, see {BENCHMARK_PAGE} for your regime (T * per-token KL), "
             "and act on the cause: a lower learning rate, or less mismatch at its source (sync more often / a more "
             "precise engine).")
