@@ -720,6 +720,17 @@ def paired(table, scenario, method, ref, seeds):
     return common, [a[s]["score"] for s in common], [b[s]["score"] for s in common]
 
 
+def gap_closed(table, scenario, method, seeds):
+    """(seeds, Fieller result) of the gap closed (method - M0) / (on_policy - M0) on the seeds all three share, or
+    None with fewer than 2."""
+    by = [table.get((scenario, k), {}) for k in (method, "M0", "on_policy")]
+    common = [s for s in seeds if all(s in b for b in by)]
+    if len(common) < 2:
+        return None
+    m, u, o = ([b[s]["score"] for s in common] for b in by)
+    return common, _stats().fieller(m, u, o)
+
+
 def analyse(runs: list[dict], seeds: list[int]) -> tuple[str, dict]:
     """The pre-registered analysis of ``seeds`` (markdown, and the numbers as a dict)."""
     st = _stats()
@@ -795,12 +806,9 @@ def analyse(runs: list[dict], seeds: list[int]) -> tuple[str, dict]:
         if not counts.get(scenario):
             continue
         for method in ("M1", "M2", "M3", "M4"):
-            by = [table.get((scenario, k), {}) for k in (method, "M0", "on_policy")]
-            common = [s for s in seeds if all(s in b for b in by)]
-            if len(common) < 2:
+            if (found := gap_closed(table, scenario, method, seeds)) is None:
                 continue
-            m, u, o = ([b[s]["score"] for s in common] for b in by)
-            r = st.fieller(m, u, o)
+            common, r = found
             result["gap_closed"].append(dict(scenario=scenario, method=method, n=len(common), estimate=r.estimate,
                                              lo=r.lo, hi=r.hi))
             lines.append(f"| {scenario} | {method} | {len(common)} | {r.estimate:.2f} | [{r.lo:.2f}, {r.hi:.2f}] |")
@@ -910,12 +918,9 @@ def analyse_family(runs: list[dict], seeds: list[int], scenario: str, family: tu
               "counts):\n", "| method | n | gap closed | 95% (Fieller) |", "|---|---|---|---|"]
     if gap_counts:
         for method in ("M1", "M1p", "M2", "M3", "M4"):
-            by = [table.get((scenario, k), {}) for k in (method, "M0", "on_policy")]
-            common = [s for s in seeds if all(s in b for b in by)]
-            if len(common) < 2:
+            if (found := gap_closed(table, scenario, method, seeds)) is None:
                 continue
-            m, u, o = ([b[s]["score"] for s in common] for b in by)
-            r = st.fieller(m, u, o)
+            common, r = found
             result["gap_closed"].append(dict(method=method, n=len(common), estimate=r.estimate, lo=r.lo, hi=r.hi))
             lines.append(f"| {method} | {len(common)} | {r.estimate:.2f} | [{r.lo:.2f}, {r.hi:.2f}] |")
     else:
