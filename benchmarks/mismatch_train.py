@@ -93,6 +93,7 @@ SCENARIOS = {
     "S1": "heavy-tailed precision-like gap: dense logit noise + rare spikes on low-probability tokens",
     "S2": "staleness: the engine is the policy of S2_LAG optimizer steps ago",
     "S2L": "S2 at a long completion: n_digits S2L_DIGITS, the policy of S2L_LAG optimizer steps ago",
+    "S3": "truncated sampling: the engine samples the policy at top_p S3_TOP_P, log-probs renormalized (vLLM's)",
 }
 LONG_SCENARIOS = ("S2L",)  # their own completion length, base model and on_policy runs
 METHODS = {
@@ -195,6 +196,35 @@ HURT_METRICS = ("grad_share_pinned", "grad_share_masked", "t_kl_mean", "t_kl_max
                 "k3_kl_len_0_63", "k3_kl_len_64_255")
 HEALTHY_SCENARIOS, COSTLY_SCENARIOS = ("S0", "S1"), ("S2", "S2L")
 
+# ------------------------------------------------------------------------------------------------ pre-registration 3
+# Written and committed 2026-11-26 ~17:10 UTC, BEFORE any S3 run (the pilot included); analyse_family reads only these.
+#
+# Experiment P, truncated sampling (issue 36's S3): the engine samples the CURRENT policy at top_p S3_TOP_P (no
+# staleness, no precision gap) and returns log pi_rollout = log p - log M, the log-prob renormalized over the kept
+# tokens (vLLM's processed log-probs, which TRL 1.16 requests on its vLLM path; the package's tests check the same
+# semantics against the real vLLM CPU engine: tests/test_vllm.py's top-p cases). This stand-in, not the real vLLM
+# engine, samples every arm: the real engine's top-p run is not in this experiment (cost: vLLM's CPU start-up per
+# run). Every arm's config carries top_p = S3_TOP_P, as a user's would: TRL's GRPOTrainer ignores it in its log-probs
+# (its ratio then carries M, exactly as on its vLLM path); this package's trainer applies its truncated-support
+# correction (default on whenever the sampler truncates). on_policy samples the full distribution (top_p 1).
+# Pilot (disclosed, not analysed): seed 98 only, M0, S3_STEPS steps at top_p 0.9; rule: if the pilot's run-mean
+# T*KL < 1, top_p -> 0.8; if > 4, top_p -> 0.95; the pilot's numbers go into S3_PILOT.
+# Seeds P_SEEDS (fresh, never run in any scenario), arms P_ARMS_COST first (rule (a): the gap on_policy - M0 on
+# P_SEEDS, paired t and sign-flip p < ALPHA, positive), then P_ARMS seed by seed. Family P_FAMILY, each - M1, Holm
+# over the 4 (rule (b) as for C and L). M1p (TRL's default by this package's trainer, which adds the truncated-
+# support correction) - M1 isolates that correction; M0 - M1 asks whether TRL's default costs anything here.
+# Held-out: P_HELD_OUT seeds run only the confirmed row with the largest mean difference and M1 (none if nothing is
+# confirmed); it survives iff the held-out mean difference has the same sign (reported with its paired t and
+# sign-flip p; with 5 seeds the two-sided sign-flip p cannot go below 0.0625).
+S3_TOP_P = 0.9
+S3_STEPS = 30
+S3_PILOT: dict = {}  # (top_p, method): (per-token KL run mean, T*KL run mean, score, mean length, seconds)
+P_SEEDS = tuple(range(40, 50))
+P_HELD_OUT = tuple(range(50, 55))
+P_ARMS_COST = ("on_policy", "M0")
+P_ARMS = ("M1", "M1p", "M3", "M2")
+P_FAMILY = (("S3", "M1p"), ("S3", "M3"), ("S3", "M2"), ("S3", "M0"))  # each - M1, Holm over these 4
+
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
 BASE_STEPS, BASE_LR, BASE_SEED = 200, 2e-3, 12345
@@ -244,9 +274,10 @@ def sample(model, prompt_ids, max_new: int, generator, perturb=None):
         done = torch.zeros(batch, dtype=torch.bool)
         tokens, logps, dists, kls = [], [], [], []
         for _ in range(max_new):
-            logq = torch.log_softmax(perturb(logits, generator) if perturb is not None else logits, -1)
-            if perturb is not None:
-                kls.append((logq.exp() * (logq - torch.log_softmax(logits, -1))).sum(-1))
+            logq = torch.log_softmax(perturb(logits, generator) if perturb is not None else logits, -1)  # (B, V)
+            if perturb is not None:  # q log(q / p) with 0 log 0 = 0 (a truncating perturbation zeroes tokens)
+                q = logq.exp()
+                kls.append(torch.where(q > 0, q * (logq - torch.log_softmax(logits, -1)), 0.0).sum(-1))  # (B,)
             y = torch.multinomial(logq.exp(), 1, generator=generator).squeeze(-1)
             y = torch.where(done, torch.full_like(y, PAD_ID), y)
             tokens.append(y)
@@ -266,6 +297,24 @@ def sample(model, prompt_ids, max_new: int, generator, perturb=None):
         logprobs.append(lp[row, :n].tolist())
     kl = torch.stack(kls, 1) if kls else torch.zeros(batch, len(tokens))
     return completions, logprobs, torch.stack(dists, 1), kl
+
+
+def top_p_truncation(top_p: float):
+    """S3's engine processing of a batch of logits (B, V): top-p (nucleus) truncation as transformers' and vLLM's
+    samplers do it: sort ascending, remove the tokens whose cumulative probability is <= 1 - top_p, always keep the
+    most likely one; removed tokens get -inf, so the log-softmax is log p - log M over the kept set (M = kept mass)
+    and the exact KL(engine || policy) per position is -log M."""
+    import torch
+
+    def perturb(logits, generator):
+        ordered, order = torch.sort(logits, dim=-1)  # ascending  # (B, V)
+        cumulative = torch.softmax(ordered, -1).cumsum(-1)  # (B, V)
+        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted[:, -1] = False  # the most likely token is always kept
+        remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocabulary order  # (B, V)
+        return logits.masked_fill(remove, float("-inf"))
+
+    return perturb
 
 
 def heavy_tailed(sigma: float, spike_p: float, spike: float, below: float):
@@ -300,7 +349,8 @@ class Engine:
 
         self.scenario, self.tok, self.n_digits, self.lag = scenario, tokenizer, n_digits, lag
         self.generator = torch.Generator().manual_seed(1_000_003 * seed + 17)
-        self.perturb = heavy_tailed(*noise) if scenario == "S1" else None
+        self.perturb = (heavy_tailed(*noise) if scenario == "S1" else
+                        top_p_truncation(S3_TOP_P) if scenario == "S3" else None)
         self.stale = policy_factory() if scenario in ("S2", *LONG_SCENARIOS) else None
         self.snapshots: dict[int, dict] = {}
         self.log: list[dict] = []
@@ -324,8 +374,8 @@ class Engine:
             self.stale.load_state_dict(self.snapshots[min(self.snapshots)])
             sampler = self.stale
         completions, logprobs, logq, kl = sample(sampler, ids, self.n_digits + 1, self.generator, self.perturb)
-        # the exact per-token KL(engine || policy) over the vocabulary: S1's from the unperturbed logits of the same
-        # forward, S2's from a no-grad forward of the policy, S0's is 0 (the engine is the policy)
+        # the exact per-token KL(engine || policy) over the vocabulary: S1's and S3's from the unperturbed logits of
+        # the same forward, S2's from a no-grad forward of the policy, S0's is 0 (the engine is the policy)
         width = logq.shape[1]
         mask = torch.zeros(len(prompts), width)
         for row, c in enumerate(completions):
@@ -463,14 +513,16 @@ def build_trainer(method: str, model, tokenizer, engine, dataset, args_fields: d
                                   processing_class=tokenizer, rollout_func=engine, callbacks=callbacks)
 
 
-def grpo_fields(output_dir: str, steps: int, n_digits: int, lr: float, seed: int) -> dict:
-    """The GRPO settings every method shares (GRPOConfig / RolloutCorrGRPOConfig fields)."""
+def grpo_fields(output_dir: str, steps: int, n_digits: int, lr: float, seed: int, top_p: float = 1.0) -> dict:
+    """The GRPO settings every method shares (GRPOConfig / RolloutCorrGRPOConfig fields); ``top_p`` is the engine's
+    (S3), set as a user would set it for their vLLM."""
     per_step = GEN_PROMPTS * NUM_GENERATIONS // STEPS_PER_GENERATION
     return dict(output_dir=output_dir, per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
                 steps_per_generation=STEPS_PER_GENERATION, num_generations=NUM_GENERATIONS,
                 max_completion_length=n_digits + 1, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
                 warmup_steps=0, adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, epsilon=0.2,
-                temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                temperature=1.0, top_p=top_p, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                bf16=False,
                 gradient_checkpointing=False, seed=seed, disable_tqdm=True, dataloader_num_workers=0)
 
 
@@ -542,7 +594,7 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     engine = Engine(engine_scenario, seed, tok, factory, n_digits,
                     lag=S2L_LAG if scenario in LONG_SCENARIOS else S2_LAG)
     with tempfile.TemporaryDirectory() as tmp:
-        fields = grpo_fields(tmp, steps, n_digits, lr, seed)
+        fields = grpo_fields(tmp, steps, n_digits, lr, seed, top_p=S3_TOP_P if engine_scenario == "S3" else 1.0)
         dataset = Dataset.from_dict({"prompt": psum_prompts(steps * GEN_PROMPTS + 64, n_digits, seed=seed)})
         trainer = build_trainer(method, model, tok, engine, dataset, fields, [Recorder()])
         trainer.train()
@@ -550,6 +602,7 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     pool = (scenario if scenario in LONG_SCENARIOS else "all") if method == "on_policy" else scenario
     result = dict(scenario=scenario, method=method, seed=seed, steps=steps, lr=lr, trainer=METHODS[method][0],
                   pool=pool, n_digits=n_digits, lag=engine.lag if engine.stale is not None else 0,
+                  top_p=fields["top_p"],
                   score=statistics.fmean(tail), curve=curve, initial=curve[0][1], final=curve[-1][1],
                   collapsed=curve[-1][1] < COLLAPSE_FRACTION * curve[0][1],
                   kl_token=statistics.fmean(g["kl_token"] for g in engine.log),
@@ -1125,6 +1178,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "C": "confirmation of the S2 lead: CONFIRM_FAMILY on CONFIRM_SEEDS",
     "L": "the realistic regime: S2L's cost check, then LONG_FAMILY on LONG_SEEDS",
     "H": "the 'does it hurt?' metrics of this package's trainer arms, healthy vs costly scenarios",
+    "P": "truncated sampling: S3's cost check, then P_FAMILY on P_SEEDS (held-out: P_HELD_OUT)",
 }
 
 
@@ -1135,12 +1189,15 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L"):
-        scenario, family, title = (("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead") if
-                                   experiment == "C" else
-                                   ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"))
+    elif experiment in ("C", "L", "P"):
+        scenario, family, title = {
+            "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
+            "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
+            "P": ("S3", P_FAMILY, f"Experiment P: truncated sampling (top_p {S3_TOP_P})")}[experiment]
         text, result = analyse_family(runs, seeds, scenario, family, title,
                                       established=C_GAP_SEEDS_0_9 if experiment == "C" else None)
+        if experiment == "P" and held_out:
+            text += "\n\n" + p_held_out_text(runs, result, held_out)
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
@@ -1156,6 +1213,30 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
     except ImportError:
         pass
     return text
+
+
+def p_candidate(result: dict) -> dict | None:
+    """Experiment P's held-out candidate: the confirmed family row with the largest mean difference vs M1."""
+    rows = [r for r in result["family"] if r["confirmed"]]
+    best = max(rows, key=lambda r: r["diff"]) if rows else None
+    return None if best is None else {"scenario": best["scenario"], "method": best["method"], "diff": best["diff"]}
+
+
+def p_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
+    """Experiment P's held-out check: the candidate - M1 on ``seeds`` (survives iff the same sign)."""
+    candidate = p_candidate(result)
+    if candidate is None:
+        return "**Held-out seeds**: nothing confirmed, so none ran."
+    common, x, ref = paired(score_table(runs), "S3", candidate["method"], REFERENCE, seeds)
+    if len(common) < 2:
+        return f"**Held-out seeds** {seeds[0]}-{seeds[-1]}: {candidate['method']} and M1 not run yet."
+    row = _stats().compare_paired(x, ref)
+    same = row["diff"] * candidate["diff"] > 0
+    result["held_out"] = {**row, "method": candidate["method"], "survives": same}
+    return (f"**Held-out seeds** {seeds[0]}-{seeds[-1]} (run after the choice): {candidate['method']} − M1 "
+            f"{row['diff']:+.4f} [{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}] (n {row['n']}, paired t p "
+            f"{row['p']:.3g}, sign-flip p {row['p_sign_flip']:.3g}): "
+            + ("the same sign: the choice SURVIVES." if same else "the sign flips: the choice does NOT survive."))
 
 
 def held_out_cells(out: str, seeds: list[int], analysis_seeds: list[int]) -> list[tuple[str, str, int]]:
@@ -1192,6 +1273,7 @@ def main(argv=None) -> None:
     p.add_argument("--experiment", default="main", choices=sorted(EXPERIMENTS),
                    help="the analysis analysis.md holds: " + "; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items()))
     p.add_argument("--s2l_lag", type=int, default=None, help="S2L's lag (the pilot only; default S2L_LAG)")
+    p.add_argument("--s3_top_p", type=float, default=None, help="S3's top_p (the pilot only; default S3_TOP_P)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, in-process: the suite's check (seconds)")
     p.add_argument("--size", default="full", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1201,6 +1283,9 @@ def main(argv=None) -> None:
     if a.s2l_lag is not None:
         global S2L_LAG
         S2L_LAG = a.s2l_lag
+    if a.s3_top_p is not None:
+        global S3_TOP_P
+        S3_TOP_P = a.s3_top_p
     if a.smoke or a.size == "smoke":
         size.update({k: v for k, v in SMOKE.items() if k != "steps"})
         a.size = "smoke"
@@ -1232,8 +1317,13 @@ def main(argv=None) -> None:
     if not a.report_only:
         for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
             build_base(a.out, cell_size(scenario, size), cell_base(a.out, scenario, size))
-        todo = (held_out_cells(a.out, seeds, analysis_seeds) if a.held_out else
-                cells(scenarios, methods, seeds, on_policy=not a.without_on_policy))
+        if a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3
+            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S3", P_FAMILY, "P")
+            candidate = p_candidate(result)
+            todo = [] if candidate is None else cells(["S3"], [candidate["method"], REFERENCE], seeds, False)
+        else:
+            todo = (held_out_cells(a.out, seeds, analysis_seeds) if a.held_out else
+                    cells(scenarios, methods, seeds, on_policy=not a.without_on_policy))
         run_all(todo, a.steps, a.out, a.jobs, size, a.lr)
     print(report(a.out, analysis_seeds if a.held_out else seeds, seeds if a.held_out else None, a.experiment))
     print(f"total {time.time() - t0:.0f} s")
