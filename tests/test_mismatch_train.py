@@ -43,6 +43,10 @@ def test_the_preregistered_family_is_what_the_code_says():
     assert mt.LONG_FAMILY == (("S2L", "M3"), ("S2L", "M2")) and mt.LONG_SEEDS == tuple(range(30, 40))
     assert not set(mt.LONG_SEEDS) & set(mt.CONFIRM_SEEDS) and not set(mt.CONFIRM_SEEDS) & set(range(10))
     assert mt.S2L_DIGITS + 1 >= 100  # T >= 100: T*KL >= 1 is reachable at a per-token KL <= 1e-2
+    # pre-registration 3 (experiment P, S3 truncated sampling), fixed before its first run (the pilot included)
+    assert mt.P_FAMILY == (("S3", "M1p"), ("S3", "M3"), ("S3", "M2"), ("S3", "M0"))
+    assert mt.P_SEEDS == tuple(range(40, 50)) and mt.P_HELD_OUT == tuple(range(50, 55))
+    assert not set(mt.P_SEEDS + mt.P_HELD_OUT) & set(mt.LONG_SEEDS + mt.CONFIRM_SEEDS + tuple(range(10)))
     from trl_rollout_corr.config.correction import RolloutCorrectionConfig
 
     # M4 is IcePop as the field defines it: token weight pi_old / pi_rollout zeroed outside [0.5, 5], kept in the count
@@ -131,6 +135,44 @@ def test_the_engine_returns_its_own_logprobs(tmp_path):
     same = [lps for c, lps in zip(out["completion_ids"], out["logprobs"]) if len(c) == width]
     torch.testing.assert_close(lp, torch.tensor(same), rtol=1e-4, atol=1e-5)
     assert engine.log[-1]["kl_token"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_s3_engine_returns_vllms_processed_logprobs_and_the_exact_kl(tmp_path):
+    """S3's engine samples the policy truncated at top_p and returns log p - log M over the kept tokens: checked
+    against transformers' own TopPLogitsWarper in float64 (an independent implementation of the nucleus), and its
+    logged per-token KL(engine || policy) equals the mean of -log M over the completion tokens."""
+    from datasets import Dataset
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    size = dict(mt.SMOKE)
+    tok = psum_task.build_tokenizer()
+
+    def factory():
+        return psum_task.build_model(size["hidden"], size["layers"], seed=0, num_heads=size["heads"],
+                                     n_digits=size["n_digits"])
+
+    engine = mt.Engine("S3", 0, tok, factory, size["n_digits"])
+    dataset = Dataset.from_dict({"prompt": psum_task.psum_prompts(64, size["n_digits"], seed=0)})
+    fields = mt.grpo_fields(str(tmp_path), 2, size["n_digits"], 1e-3, 0, top_p=mt.S3_TOP_P)
+    trainer = mt.build_trainer("M0", factory(), tok, engine, dataset, fields, [])
+    assert trainer.args.top_p == mt.S3_TOP_P
+    prompts = psum_task.psum_prompts(6, size["n_digits"], seed=3)
+    out = engine(prompts, trainer)
+    warper = TopPLogitsWarper(top_p=mt.S3_TOP_P)
+    neg_log_kept, n_tokens = 0.0, 0
+    for p_ids, c_ids, lps in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        ids = torch.tensor([p_ids + c_ids])
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits[0, len(p_ids) - 1: len(p_ids) - 1 + len(c_ids)].double()
+        full = torch.log_softmax(logits, -1)  # (T, V)
+        kept = torch.log_softmax(warper(None, logits.clone()), -1)  # (T, V), -inf outside the nucleus
+        ref = kept.gather(-1, torch.tensor(c_ids)[:, None]).squeeze(-1)  # (T,)
+        torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, rtol=0, atol=1e-4)
+        log_m = torch.logsumexp(full.masked_fill(torch.isinf(kept), float("-inf")), -1)  # log M per position  # (T,)
+        neg_log_kept += float(-log_m.sum())
+        n_tokens += len(c_ids)
+    assert neg_log_kept / n_tokens > 1e-3  # the truncation removes mass: the check below is not 0 == 0
+    assert engine.log[-1]["kl_token"] == pytest.approx(neg_log_kept / n_tokens, rel=1e-3)
 
 
 def test_smoke_run_writes_its_files(tmp_path):
