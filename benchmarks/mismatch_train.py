@@ -20,7 +20,16 @@ completion) and H (the "does it hurt?" metrics), run as
     python benchmarks/mismatch_train.py --experiment L --scenarios S2L --methods M0 --seeds 30-39 \
         --out outputs/mismatch_train --jobs 2                       # the cost check; M1,M3,M2 only if it counts
 
-(``--report_only --experiment C|L|H --seeds ...`` rewrites ``analysis.md`` for one experiment.)
+(``--report_only --experiment C|L|H|P --seeds ...`` rewrites ``analysis.md`` for one experiment.)
+
+On a GPU, the same command with ``--size gpu`` (Qwen2.5-0.5B's shape, bf16 autocast, T = 512; ``--n_digits 1023``,
+``2047`` or ``4095`` for T up to 4096; ``GPU_SIZE`` below; NOT yet run on a GPU: tune ``--lr`` once on-policy first,
+as ``LR_PILOT`` records for the CPU size):
+
+    python benchmarks/mismatch_train.py --size gpu --scenarios S0 --methods M0 --seeds 99 --lr 1e-6 --jobs 1 \
+        --out outputs/mismatch_train_gpu_lr1e-6         # the on-policy learning-rate pilot, one lr per folder
+    python benchmarks/mismatch_train.py --size gpu --scenarios S2,S3 --methods M0,M1,M3 --seeds 40-49 --jobs 1 \
+        --lr LR --out outputs/mismatch_train_gpu
 
 It writes ``DIR/runs/*.json`` (one per run), ``DIR/results.csv`` (one row per run), ``DIR/analysis.md`` (the
 pre-registered analysis) and ``DIR/mismatch_train.png``.
@@ -248,6 +257,21 @@ LR_PILOT = {(150, 60, 3e-4): (0.174, 0.140), (150, 60, 1e-3): (0.174, 0.040), (1
 N_EVAL, EVAL_EVERY, TAIL, TAIL_EVAL_EVERY = 64, 10, 0.3, 3  # evaluations every 10 steps, every 3 in the tail
 S1_SIGMA, S1_SPIKE_P, S1_SPIKE, S1_SPIKE_BELOW = 0.1, 0.1, 10.0, 1e-2
 S2_LAG = 8
+# GPU sizes (issue 36 item 5: "the same benchmark runs on a GPU from the same command"): ``--size gpu --device
+# cuda``. Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, tied embeddings, rope theta
+# 1e6; random weights, built locally) over the task's vocabulary plus never-used words up to GPU_VOCAB (not
+# 151,936: the engine keeps its (B, T, V) log-softmax for the exact KL, 32 x 4096 x 4352 floats = 2.3 GB at T =
+# 4096), trained with bf16 autocast (fp32 master weights, TRL's bf16=True) and sampled under the same autocast;
+# T = n_digits + 1 = 512 (``--n_digits 1023 / 2047 / 4095`` for T = 1024 / 2048 / 4096; S2L's long length 2047).
+# NOT run on a GPU yet (no device in the session that wrote it): its learning rates are placeholders that the
+# LR_PILOT rule must re-tune once on-policy (``--lr``) before a family runs, and its base model's recipe
+# (GPU_BASE_STEPS at GPU_BASE_LR) is untested.
+GPU_VOCAB = 4352
+GPU_SIZE = dict(hidden=896, layers=24, heads=14, n_digits=511, long_digits=2047, base_steps=300, warmup_steps=10,
+                n_eval=64, eval_every=10, base_lr=3e-4, warmup_lr=1e-5, device="cuda", bf16=True,
+                shape=dict(num_key_value_heads=2, intermediate_size=4864, vocab_size=GPU_VOCAB,
+                           tie_word_embeddings=True, rope_theta=1e6))
+GPU_LR = 1e-6
 SMOKE = dict(hidden=32, layers=1, heads=2, n_digits=6, base_steps=3, warmup_steps=1, n_eval=8, eval_every=1,
              steps=2, long_digits=8)
 
@@ -262,6 +286,32 @@ def _stats():
 
 
 # ------------------------------------------------------------------------------------------------ sampling engine
+BF16 = False  # set from the size in each run's process: forwards under bf16 autocast, as TRL's bf16=True trains
+
+
+def autocast(model):
+    """The forward's precision context: bf16 autocast on the model's device when ``BF16`` (the GPU size), else none."""
+    import torch
+
+    return torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=BF16)
+
+
+def task_tokenizer(size: dict):
+    """The task's tokenizer, its vocabulary padded to the size's model (the GPU size's longer tail)."""
+    from trl_rollout_corr.testing.psum_task import build_tokenizer
+
+    return build_tokenizer(size.get("shape", {}).get("vocab_size"))
+
+
+def task_model(size: dict, n_digits: int):
+    """A fresh model of the size (weights of seed ``BASE_SEED``) on the size's device."""
+    from trl_rollout_corr.testing.psum_task import build_model
+
+    model = build_model(size["hidden"], size["layers"], seed=BASE_SEED, num_heads=size["heads"], n_digits=n_digits,
+                        **size.get("shape", {}))
+    return model.to(size.get("device", "cpu"))
+
+
 def sample(model, prompt_ids, max_new: int, generator, perturb=None):
     """Autoregressive sampling with a KV cache from ``model`` (logits optionally perturbed by
     ``perturb(logits, generator)``), at temperature 1, stopping a row at EOS.
@@ -274,10 +324,11 @@ def sample(model, prompt_ids, max_new: int, generator, perturb=None):
     from trl_rollout_corr.testing.psum_task import EOS_ID, PAD_ID
 
     batch = prompt_ids.shape[0]
-    with torch.no_grad():
+    prompt_ids = prompt_ids.to(model.device)
+    with torch.no_grad(), autocast(model):
         out = model(input_ids=prompt_ids, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1].float()
-        done = torch.zeros(batch, dtype=torch.bool)
+        done = torch.zeros(batch, dtype=torch.bool, device=model.device)
         tokens, logps, dists, kls = [], [], [], []
         for _ in range(max_new):
             logq = torch.log_softmax(perturb(logits, generator) if perturb is not None else logits, -1)  # (B, V)
@@ -301,7 +352,7 @@ def sample(model, prompt_ids, max_new: int, generator, perturb=None):
         n = ids.index(EOS_ID) + 1 if EOS_ID in ids else len(ids)
         completions.append(ids[:n])
         logprobs.append(lp[row, :n].tolist())
-    kl = torch.stack(kls, 1) if kls else torch.zeros(batch, len(tokens))
+    kl = torch.stack(kls, 1) if kls else torch.zeros(batch, len(tokens), device=model.device)
     return completions, logprobs, torch.stack(dists, 1), kl
 
 
@@ -330,9 +381,9 @@ def heavy_tailed(sigma: float, spike_p: float, spike: float, below: float):
     import torch
 
     def perturb(logits, generator):
-        noisy = logits + sigma * torch.randn(logits.shape, generator=generator)
+        noisy = logits + sigma * torch.randn(logits.shape, generator=generator, device=logits.device)
         p = torch.softmax(logits, -1)
-        rows = torch.rand(logits.shape[0], generator=generator) < spike_p
+        rows = torch.rand(logits.shape[0], generator=generator, device=logits.device) < spike_p
         if bool(rows.any()):
             tail = (p < below).float() + 1e-12
             pick = torch.multinomial(tail, 1, generator=generator).squeeze(-1)
@@ -351,10 +402,8 @@ class Engine:
 
     def __init__(self, scenario: str, seed: int, tokenizer, policy_factory, n_digits: int, lag: int = S2_LAG,
                  noise: tuple = (S1_SIGMA, S1_SPIKE_P, S1_SPIKE, S1_SPIKE_BELOW)):
-        import torch
-
         self.scenario, self.tok, self.n_digits, self.lag = scenario, tokenizer, n_digits, lag
-        self.generator = torch.Generator().manual_seed(1_000_003 * seed + 17)
+        self.seed, self.generator = 1_000_003 * seed + 17, None  # the generator lives on the policy's device
         self.perturb = (heavy_tailed(*noise) if scenario == "S1" else
                         top_p_truncation(S3_TOP_P) if scenario == "S3" else None)
         self.stale = policy_factory() if scenario in ("S2", *LONG_SCENARIOS) else None
@@ -371,7 +420,9 @@ class Engine:
         was_training = policy.training
         policy.eval()
         prompt_ids = [self.tok.convert_tokens_to_ids(p.split()) for p in prompts]
-        ids = torch.tensor(prompt_ids)
+        ids = torch.tensor(prompt_ids, device=policy.device)
+        if self.generator is None:
+            self.generator = torch.Generator(device=policy.device).manual_seed(self.seed)
         sampler = policy
         if self.stale is not None:  # the policy of `lag` optimizer steps ago (the oldest kept before that)
             self.snapshots[step] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
@@ -383,15 +434,15 @@ class Engine:
         # the exact per-token KL(engine || policy) over the vocabulary: S1's and S3's from the unperturbed logits of
         # the same forward, S2's from a no-grad forward of the policy, S0's is 0 (the engine is the policy)
         width = logq.shape[1]
-        mask = torch.zeros(len(prompts), width)
+        mask = torch.zeros(len(prompts), width, device=logq.device)
         for row, c in enumerate(completions):
             mask[row, : len(c)] = 1
         if self.stale is not None:
-            with torch.no_grad():
-                full = torch.zeros(len(prompts), ids.shape[1] + width, dtype=torch.long)
+            with torch.no_grad(), autocast(policy):
+                full = torch.zeros(len(prompts), ids.shape[1] + width, dtype=torch.long, device=ids.device)
                 full[:, : ids.shape[1]] = ids
                 for row, c in enumerate(completions):
-                    full[row, ids.shape[1]: ids.shape[1] + len(c)] = torch.tensor(c)
+                    full[row, ids.shape[1]: ids.shape[1] + len(c)] = torch.tensor(c, device=ids.device)
                 logp = torch.log_softmax(policy(input_ids=full).logits[:, ids.shape[1] - 1: -1].float(), -1)
                 kl = (logq.exp() * (logq - logp)).sum(-1)
         kl = kl * mask  # (B, T)
@@ -412,8 +463,8 @@ def policy_reward(model, tokenizer, prompts, n_digits: int, seed: int = 1234) ->
 
     was_training = model.training
     model.eval()
-    ids = torch.tensor([tokenizer.convert_tokens_to_ids(p.split()) for p in prompts])
-    completions, _, _, _ = sample(model, ids, n_digits + 1, torch.Generator().manual_seed(seed))
+    ids = torch.tensor([tokenizer.convert_tokens_to_ids(p.split()) for p in prompts], device=model.device)
+    completions, _, _, _ = sample(model, ids, n_digits + 1, torch.Generator(device=model.device).manual_seed(seed))
     model.train(was_training)
     return statistics.fmean(psum_reward(prompts, [" ".join(tokenizer.convert_ids_to_tokens(c))
                                                   for c in completions]))
@@ -444,26 +495,48 @@ def pretrain_base(size: dict):
     leaving GRPO room to climb."""
     import torch
 
-    from trl_rollout_corr.testing.psum_task import build_model, build_tokenizer, psum_prompts, psum_target
+    from trl_rollout_corr.testing.psum_task import psum_prompts, psum_target
 
+    global BF16
+    BF16 = size.get("bf16", False)
     n = size["n_digits"]
-    tok = build_tokenizer()
-    model = build_model(size["hidden"], size["layers"], seed=BASE_SEED, num_heads=size["heads"], n_digits=n)
-    opt = torch.optim.AdamW(model.parameters(), lr=BASE_LR)
+    tok = task_tokenizer(size)
+    model = task_model(size, n)
+    opt = torch.optim.AdamW(model.parameters(), lr=size.get("base_lr", BASE_LR))
     model.train()
     for step in range(size["base_steps"]):
-        prompts = psum_prompts(64, n, seed=10**6 + step)
+        prompts = psum_prompts(size.get("base_batch", 64), n, seed=10**6 + step)
         ids = torch.tensor([tok.convert_tokens_to_ids((p + " " + " ".join(psum_target(p)) + " <eos>").split())
-                            for p in prompts])  # (64, 2n + 3)
+                            for p in prompts], device=model.device)  # (64, 2n + 3)
         labels = ids.clone()
         labels[:, : n + 2] = -100  # learn the answer only
-        loss = model(input_ids=ids, labels=labels).loss
+        with autocast(model):
+            loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     model.eval()
     return model
+
+
+def in_child(fn, *args, fork: bool = True) -> None:
+    """Run ``fn(*args)`` in a forked child and wait (on a GPU: the driver then never initializes CUDA, which a
+    forked run could not re-initialize); in this process when ``fork`` is False."""
+    if not fork:
+        fn(*args)
+        return
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn(*args)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its child process (see its traceback above)")
 
 
 def build_base(out: str, size: dict, path: str | None = None) -> str:
@@ -519,7 +592,8 @@ def build_trainer(method: str, model, tokenizer, engine, dataset, args_fields: d
                                   processing_class=tokenizer, rollout_func=engine, callbacks=callbacks)
 
 
-def grpo_fields(output_dir: str, steps: int, n_digits: int, lr: float, seed: int, top_p: float = 1.0) -> dict:
+def grpo_fields(output_dir: str, steps: int, n_digits: int, lr: float, seed: int, top_p: float = 1.0,
+                device: str = "cpu", bf16: bool = False) -> dict:
     """The GRPO settings every method shares (GRPOConfig / RolloutCorrGRPOConfig fields); ``top_p`` is the engine's
     (S3), set as a user would set it for their vLLM."""
     per_step = GEN_PROMPTS * NUM_GENERATIONS // STEPS_PER_GENERATION
@@ -527,9 +601,9 @@ def grpo_fields(output_dir: str, steps: int, n_digits: int, lr: float, seed: int
                 steps_per_generation=STEPS_PER_GENERATION, num_generations=NUM_GENERATIONS,
                 max_completion_length=n_digits + 1, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
                 warmup_steps=0, adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, epsilon=0.2,
-                temperature=1.0, top_p=top_p, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                bf16=False,
-                gradient_checkpointing=False, seed=seed, disable_tqdm=True, dataloader_num_workers=0)
+                temperature=1.0, top_p=top_p, logging_steps=1, save_strategy="no", report_to="none",
+                use_cpu=device == "cpu", bf16=bf16, gradient_checkpointing=device != "cpu", seed=seed,
+                disable_tqdm=True, dataloader_num_workers=0)
 
 
 def hurt_summary(logs: list[dict]) -> dict:
@@ -555,28 +629,32 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from trl_rollout_corr.testing.psum_task import build_model, build_tokenizer, psum_prompts, supervised_warmup
+    from trl_rollout_corr.testing.psum_task import psum_prompts, supervised_warmup
 
+    global BF16
+    BF16 = size.get("bf16", False)
+    device = size.get("device", "cpu")
     torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     t0 = time.time()
     n_digits = size["n_digits"]
-    tok = build_tokenizer()
+    tok = task_tokenizer(size)
 
     def factory():
-        return build_model(size["hidden"], size["layers"], seed=BASE_SEED, num_heads=size["heads"],
-                           n_digits=n_digits)
+        return task_model(size, n_digits)
 
     model = factory()
     stem = "" if os.path.basename(base) == "base.pt" else f"n{n_digits}_"
     warm = os.path.join(os.path.dirname(base), f"warmup_{stem}seed{seed}.pt")  # the seed's warm-up, shared by its runs
     if os.path.exists(warm):
-        model.load_state_dict(torch.load(warm))
+        model.load_state_dict(torch.load(warm, map_location=device))
     else:
-        model.load_state_dict(torch.load(base))
+        model.load_state_dict(torch.load(base, map_location=device))
         torch.manual_seed(seed)
-        supervised_warmup(model, tok, steps=size["warmup_steps"], lr=WARMUP_LR, n_digits=n_digits, seed=seed + 1)
+        with autocast(model):
+            supervised_warmup(model, tok, steps=size["warmup_steps"], lr=size.get("warmup_lr", WARMUP_LR),
+                              n_digits=n_digits, seed=seed + 1)
         torch.save(model.state_dict(), f"{warm}.{os.getpid()}.tmp")
         os.replace(f"{warm}.{os.getpid()}.tmp", warm)
     held_out = psum_prompts(size["n_eval"], n_digits, seed=777_777)  # fixed across seeds and methods
@@ -600,7 +678,8 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     engine = Engine(engine_scenario, seed, tok, factory, n_digits,
                     lag=S2L_LAG if scenario in LONG_SCENARIOS else S2_LAG)
     with tempfile.TemporaryDirectory() as tmp:
-        fields = grpo_fields(tmp, steps, n_digits, lr, seed, top_p=S3_TOP_P if engine_scenario == "S3" else 1.0)
+        fields = grpo_fields(tmp, steps, n_digits, lr, seed, top_p=S3_TOP_P if engine_scenario == "S3" else 1.0,
+                             device=device, bf16=BF16)
         dataset = Dataset.from_dict({"prompt": psum_prompts(steps * GEN_PROMPTS + 64, n_digits, seed=seed)})
         trainer = build_trainer(method, model, tok, engine, dataset, fields, [Recorder()])
         trainer.train()
@@ -1269,7 +1348,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="outputs/mismatch_train")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--lr", type=float, default=None, help=f"default {LR} ({GPU_LR} at --size gpu: a placeholder)")
     p.add_argument("--held_out", action="store_true",
                    help="run --seeds as the held-out seeds: only the candidate the analysis of --analysis_seeds "
                         "picked, and M1, in its scenario and S0")
@@ -1281,7 +1360,14 @@ def main(argv=None) -> None:
     p.add_argument("--s2l_lag", type=int, default=None, help="S2L's lag (the pilot only; default S2L_LAG)")
     p.add_argument("--s3_top_p", type=float, default=None, help="S3's top_p (the pilot only; default S3_TOP_P)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, in-process: the suite's check (seconds)")
-    p.add_argument("--size", default="full", help=argparse.SUPPRESS)
+    p.add_argument("--size", default="full", choices=("full", "smoke", "gpu"),
+                   help="full: the committed CPU runs (465k parameters, T = 49); gpu: Qwen2.5-0.5B's shape in bf16 at "
+                        "T = 512 (see GPU_SIZE; not yet run on a GPU); smoke: the suite's seconds")
+    p.add_argument("--device", default=None, help="cpu (default) or cuda (default at --size gpu)")
+    p.add_argument("--n_digits", type=int, default=None,
+                   help="the task's length (T = n_digits + 1): 48 at full, 511 at gpu (1023 / 2047 / 4095 for T up to "
+                        "4096)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast at any size (default at --size gpu only)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
@@ -1295,6 +1381,20 @@ def main(argv=None) -> None:
     if a.smoke or a.size == "smoke":
         size.update({k: v for k, v in SMOKE.items() if k != "steps"})
         a.size = "smoke"
+    if a.size == "gpu":
+        size.update(GPU_SIZE)
+    size["device"] = a.device or size.get("device", "cpu")
+    size["bf16"] = a.bf16 or size.get("bf16", False)
+    if a.n_digits is not None:
+        size["n_digits"] = a.n_digits
+    if a.lr is None:
+        a.lr = GPU_LR if a.size == "gpu" else LR
+    if size["device"] != "cpu":
+        import torch
+
+        if size["device"].startswith("cuda") and not torch.cuda.is_available():
+            p.error(f"--device {size['device']}: torch.cuda.is_available() is False here (torch {torch.__version__}); "
+                    "run on a machine with a CUDA GPU and a CUDA build of torch, or pass --device cpu")
     if a.worker:
         scenario, method, seed = a.worker.split(":")
         run_one(scenario, method, int(seed), a.steps, run_path(a.out, scenario, method, int(seed)),
@@ -1322,7 +1422,8 @@ def main(argv=None) -> None:
     analysis_seeds = parse_seeds(a.analysis_seeds)
     if not a.report_only:
         for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
-            build_base(a.out, cell_size(scenario, size), cell_base(a.out, scenario, size))
+            in_child(build_base, a.out, cell_size(scenario, size), cell_base(a.out, scenario, size),
+                     fork=size["device"] != "cpu")
         if a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3
             _, result = analyse_family(load_runs(a.out), analysis_seeds, "S3", P_FAMILY, "P")
             candidate = p_candidate(result)

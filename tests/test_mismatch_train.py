@@ -355,3 +355,49 @@ def test_the_costly_set_is_where_the_gap_counts():
                          ("S2L", "M0"): base})
     runs += _family_runs({("S2L", "on_policy"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)]}, pool="S2L")
     assert mt.costly_scenarios(runs) == ("S2",)
+
+
+def test_gpu_size_is_qwen25_05b_shape_counted_by_hand():
+    """--size gpu builds Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, tied
+    embeddings) over the GPU vocabulary: the parameter count equals the hand count of that architecture (built on the
+    meta device: no weights allocated)."""
+    size = {**mt.SMOKE, **mt.GPU_SIZE, "device": "meta"}
+    with torch.device("meta"):
+        model = mt.task_model(size, size["n_digits"])
+    h, layers, ff, v, kv = 896, 24, 4864, mt.GPU_VOCAB, 2 * 64  # 2 KV heads of head_dim 896 / 14 = 64
+    attention = (h * h + h) + 2 * (h * kv + kv) + h * h  # q (bias), k and v (bias), o (no bias)
+    per_layer = attention + 3 * h * ff + 2 * h  # + gate, up, down; two RMSNorms
+    assert sum(p.numel() for p in model.parameters()) == layers * per_layer + v * h + h  # tied head, final norm
+    assert model.config.tie_word_embeddings and model.config.max_position_embeddings == 2 * size["n_digits"] + 8
+    assert mt.GPU_SIZE["bf16"] and mt.GPU_SIZE["device"] == "cuda" and mt.GPU_SIZE["n_digits"] + 1 == 512
+    assert len(mt.task_tokenizer(size)) == mt.GPU_VOCAB  # the tokenizer covers every id the model can sample
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
+def test_device_cuda_without_cuda_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        mt.main(["--size", "gpu", "--scenarios", "S3", "--methods", "M0", "--seeds", "40", "--out", "unused"])
+    assert "--device cuda" in capsys.readouterr().err
+
+
+def test_bf16_sampling_is_the_autocast_forward(monkeypatch):
+    """At the GPU size the engine samples under bf16 autocast, as TRL's bf16=True trains: the sampled tokens'
+    log-probs equal an independent bf16-autocast forward of the same sequence (and differ from the fp32 one)."""
+    model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6).eval()
+    ids = torch.tensor([psum_task.build_tokenizer().convert_tokens_to_ids(psum_task.psum_prompts(1, 6)[0].split())])
+    monkeypatch.setattr(mt, "BF16", True)
+    completions, logps, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(0))
+    full = torch.tensor([ids[0].tolist() + completions[0]])
+    width = len(completions[0])
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(input_ids=full).logits
+        high = model(input_ids=full).logits
+    pick = full[0, ids.shape[1]:, None]
+
+    def lp(logits):
+        return torch.log_softmax(logits[0, ids.shape[1] - 1: ids.shape[1] - 1 + width].float(), -1).gather(
+            -1, pick).squeeze(-1)
+
+    torch.testing.assert_close(torch.tensor(logps[0]), lp(low), rtol=0, atol=2e-2)
+    assert (torch.tensor(logps[0]) - lp(high)).abs().max() > 1e-4  # really the bf16 forward, not the fp32 one

@@ -26,12 +26,14 @@ EOS_ID, PAD_ID = 1, 0
 N_DIGITS = 48
 
 
-def build_tokenizer():
-    """A WordLevel tokenizer over the task's words, left padding, eos = <eos>."""
+def build_tokenizer(vocab_size: int | None = None):
+    """A WordLevel tokenizer over the task's words, left padding, eos = <eos>; ``vocab_size`` (>= the task's) adds
+    more never-used words ``r240``, ``r241``, ... (a longer low-probability tail)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(VOCAB)}
+    words = VOCAB + [f"r{i}" for i in range(N_RARE, N_RARE + max(0, (vocab_size or 0) - len(VOCAB)))]
+    vocab = {w: i for i, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
@@ -39,18 +41,22 @@ def build_tokenizer():
 
 
 def build_model(hidden_size: int = 64, num_layers: int = 2, seed: int = 0, num_heads: int = 4,
-                n_digits: int = N_DIGITS):
-    """A Qwen2-style causal LM from a config (random weights, fp32, untied head), positions for prompt + completion."""
+                n_digits: int = N_DIGITS, **shape):
+    """A Qwen2-style causal LM from a config (random weights, fp32, untied head), positions for prompt + completion.
+
+    ``shape`` overrides the config's other fields (e.g. a real model's ``intermediate_size``,
+    ``num_key_value_heads``, a ``vocab_size`` padded beyond the task's words: more never-used tokens)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    fields = dict(
         vocab_size=len(VOCAB), hidden_size=hidden_size, intermediate_size=hidden_size * 4,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=2,
         max_position_embeddings=2 * n_digits + 8, tie_word_embeddings=False, pad_token_id=PAD_ID,
         eos_token_id=EOS_ID, bos_token_id=3,
     )
+    config = Qwen2Config(**{**fields, **shape})
     model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = PAD_ID
     model.generation_config.eos_token_id = EOS_ID

@@ -84,7 +84,7 @@ def teacher_forcing(model, tokenizer, make_prompts, target, steps: int, batch_si
     for step in range(steps):
         prompts = make_prompts(batch_size, n_digits, seed=seed * 100003 + step)
         texts = [p + " " + " ".join(target(p)) + " <eos>" for p in prompts]
-        ids = torch.tensor([tokenizer.convert_tokens_to_ids(t.split()) for t in texts])  # (B, L)
+        ids = torch.tensor([tokenizer.convert_tokens_to_ids(t.split()) for t in texts], device=model.device)  # (B, L)
         labels = ids.clone()
         labels[:, : n_digits + 2] = -100  # learn the answer only
         loss = model(input_ids=ids, labels=labels).loss
