@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ from ..core.criteria import CRITERIA, correction_fields
 from ..core.criterion import NONE_STRINGS, none_if_unset, with_fields
 from ..core.params import CorrectionParams
 from ..core.losses import loss_anchor, weights_advantage
-from .trl_names import TRL_DEFAULT
-from .verl_names import (ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
+from .presets import PRESETS as PRESET_TABLE
+from .presets import preset_fields
+from .verl_names import (VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
                          translate_rollout_rs)
 
 CONFIG_NAME = "rollout_correction_config.json"
@@ -86,11 +88,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     bypass_mode: bool = False
     use_policy_gradient: bool = False
 
-    PRESETS: ClassVar[tuple[str, ...]] = (
-        "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "decoupled_token_band_rs", "m2po",
-        "trl_default",
-    )
+    PRESETS: ClassVar[tuple[str, ...]] = tuple(PRESET_TABLE)  # this package's presets; verl's: preset_names()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -222,162 +220,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         ``trl_rollout_corr.core.compute_rollout_correction_and_rejection_mask``."""
         return dataclasses.asdict(self.params())
 
-    # ------------------------------------------------------------------ presets
-    @classmethod
-    def decoupled_token_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO (3 policies) with token-level TIS, w_t = min(pi_old/pi_rollout, C).
-
-        Decoupled PPO: Hilton, Cobbe & Schulman, arXiv:2110.00641; TIS: Yao et al. (2025 blog), the truncated
-        weight of IMPALA (arXiv:1802.01561).
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold), **overrides})
-
-    @classmethod
-    def decoupled_seq_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO with sequence-level TIS, w = min(prod_t rho_t, C).
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold), **overrides})
-
-    @classmethod
-    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: float = 2.0,
-                            **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO with sequence TIS plus sequence rejection in [1/rs_threshold, rs_threshold].
-
-        Args:
-            is_threshold: C of the IS weight.
-            rs_threshold: the upper RS bound; the lower is its inverse.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="sequence",
-                             rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=1.0 / rs_threshold),
-                      **overrides})
-
-    @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
-                         **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO, no IS weights, geometric-mean rejection in [2 - rs_threshold, rs_threshold] + veto.
-
-        Geometric rejection (Geo-RS): Liu, Li et al., "When Speed Kills Stability" (2025 blog), as in verl.
-
-        Args:
-            rs_threshold: the upper bound of the geometric mean of rho_t.
-            veto_threshold: C_veto.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                             rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
-                             rollout_token_veto_threshold=veto_threshold), **overrides})
-
-    @classmethod
-    def ppo_is_bypass(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass PPO: pi_old := pi_rollout, PPO-clip on pi_theta/pi_rollout; token IS feeds metrics only.
-
-        Args:
-            threshold: C (of the weights the metrics report).
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True), **overrides})
-
-    @classmethod
-    def pg_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass REINFORCE with sequence TIS: -stopgrad(min(prod pi_theta/pi_rollout, C)) log pi_theta A.
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
-                             use_policy_gradient=True), **overrides})
-
-    @classmethod
-    def pg_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
-              **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass REINFORCE, no IS weights, geometric rejection + veto.
-
-        Args:
-            rs_threshold: the upper bound of the geometric mean of rho_t; the lower is 2 - rs_threshold.
-            veto_threshold: C_veto.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                             rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
-                             rollout_token_veto_threshold=veto_threshold, bypass_mode=True,
-                             use_policy_gradient=True), **overrides})
-
-    @classmethod
-    def icepop(cls, lower: float = 0.5, upper: float = 5.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """IcePop (Ling Team, Ring-1T, arXiv:2510.18855; verl's ``decoupled_token_icepop``): decoupled PPO with the
-        token weight w_t = rho_t * 1[lower <= rho_t <= upper], rho_t = pi_old / pi_rollout. A token outside the band
-        gets weight 0 and stays in the loss's token count (a weight, not a rejection).
-
-        Args:
-            lower: C_lower.
-            upper: C.
-            **overrides: any other field.
-        """
-        return cls(**{**ICEPOP, "rollout_is_threshold": upper, "rollout_is_threshold_lower": lower, **overrides})
-
-    @classmethod
-    def decoupled_token_band_rs(cls, lower: float = 0.5, upper: float = 2.0,
-                                **overrides: Any) -> RolloutCorrectionConfig:
-        """Two-sided token rejection (this package's ``icepop`` before IcePop meant the field's IcePop): decoupled
-        PPO, no IS weight, a token with rho_t = pi_old / pi_rollout outside [lower, upper] leaves the loss and its
-        token count.
-
-        Args:
-            lower: the lower RS bound.
-            upper: the upper RS bound.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=upper,
-                             rollout_rs_threshold_lower=lower), **overrides})
-
-    @classmethod
-    def m2po(cls, tau: float = 0.04, **overrides: Any) -> RolloutCorrectionConfig:
-        """M2PO's final algorithm (Zheng, Zhao & Chen, arXiv:2510.01161, ICLR 2026, Algorithm 1): decoupled PPO, no
-        IS weight; among the tokens on the active side of PPO's trust region (A > 0 with rho > 1, A < 0 with
-        rho < 1; rho = pi_old / pi_rollout) the largest (log rho)^2 get advantage 0 until the mean (log rho)^2 of the
-        rest of them is <= tau; they stay in the loss's token count (the original denominator).
-
-        Args:
-            tau: the bound on the mean (log rho)^2.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_m2_threshold=tau, rollout_m2_scope="trust_region"),
-                      **overrides})
-
-    @classmethod
-    def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """TRL 1.16's own default correction (``vllm_importance_sampling_mode="sequence_mask"``, ``clip_max=3``):
-        decoupled PPO, w = prod_t rho_t * 1[prod_t rho_t <= C]; a sequence above C keeps its tokens in the loss's
-        token count with weight 0.
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**TRL_DEFAULT, "rollout_is_threshold": threshold, **overrides})
-
-    @classmethod
-    def disabled(cls, **overrides: Any) -> RolloutCorrectionConfig:
-        """No correction at all; the off-policy diagnostics are still logged.
-
-        Args:
-            **overrides: any field.
-        """
-        return cls(**{**dict(rollout_is=None), **overrides})
-
+    # ------------------------------------------------------------------ presets (config/presets.py)
     @classmethod
     def preset_names(cls) -> tuple[str, ...]:
-        """This package's presets, then verl's (see ``trl_rollout_corr.config.verl_names``).
+        """This package's presets (``trl_rollout_corr.config.presets``), then verl's
+        (``trl_rollout_corr.config.verl_names``).
 
         Returns:
             Every name ``from_preset`` accepts.
@@ -399,8 +246,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         Raises:
             ValueError: an unknown preset name, or an invalid combination.
         """
-        if name in cls.PRESETS:
-            return getattr(cls, name)(**overrides)
+        if name in PRESET_TABLE:
+            return cls(**preset_fields(name, **overrides))
         if name in VERL_PRESETS:
             fields = {VERL_ARGUMENTS.get(k, k): v for k, v in overrides.items()}
             return cls(**{**VERL_PRESETS[name], **fields})
@@ -547,3 +394,31 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         from huggingface_hub import hf_hub_download
 
         return cls.from_file(hf_hub_download(repo_id=path, filename=CONFIG_NAME, **hub_kwargs))
+
+
+def _preset_factory(name: str) -> classmethod:
+    """``RolloutCorrectionConfig.<name>(*arguments, **overrides)`` for the preset ``name`` of
+    :data:`~trl_rollout_corr.config.presets.PRESETS`: its arguments (positional or keyword, defaults from the table)
+    and any field as an override, as ``from_preset(name, ...)``."""
+    preset = PRESET_TABLE[name]
+    parameters = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
+    parameters += [inspect.Parameter(arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=float)
+                   for arg, default in preset.arguments.items()]
+    parameters.append(inspect.Parameter("overrides", inspect.Parameter.VAR_KEYWORD, annotation=Any))
+    signature = inspect.Signature(parameters, return_annotation=RolloutCorrectionConfig)
+
+    def factory(cls: type[RolloutCorrectionConfig], *args: Any, **kwargs: Any) -> RolloutCorrectionConfig:
+        bound = signature.bind(cls, *args, **kwargs)
+        overrides = bound.arguments.pop("overrides", {})
+        bound.arguments.pop("cls")
+        return cls.from_preset(name, **bound.arguments, **overrides)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = preset.summary
+    factory.__signature__ = signature
+    return classmethod(factory)
+
+
+for _name in PRESET_TABLE:  # one factory per preset, from the table
+    setattr(RolloutCorrectionConfig, _name, _preset_factory(_name))
+del _name
