@@ -90,7 +90,7 @@ def test_the_readme_s_relative_links_resolve():
 # ---------------------------------------------------------------- presets, recipes and counts
 def _registry():
     from trl_rollout_corr.config.correction import RolloutCorrectionConfig
-    from trl_rollout_corr.config.verl_names import VERL_PRESETS
+    from trl_rollout_corr.config.compat import VERL_PRESETS
 
     return RolloutCorrectionConfig.preset_names(), RolloutCorrectionConfig.PRESETS, VERL_PRESETS
 

@@ -18,7 +18,7 @@ from ..core.params import CorrectionParams
 from ..core.losses import loss_anchor, weights_advantage
 from .presets import PRESETS as PRESET_TABLE
 from .presets import preset_fields
-from .verl_names import (VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
+from .compat import (VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
                          translate_rollout_rs)
 
 CONFIG_NAME = "rollout_correction_config.json"
@@ -223,8 +223,7 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     # ------------------------------------------------------------------ presets (config/presets.py)
     @classmethod
     def preset_names(cls) -> tuple[str, ...]:
-        """This package's presets (``trl_rollout_corr.config.presets``), then verl's
-        (``trl_rollout_corr.config.verl_names``).
+        """This package's presets (``config/presets.py``), then verl's (``config/compat.py``).
 
         Returns:
             Every name ``from_preset`` accepts.

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from .correction import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
 from ..core.criteria import CRITERIA, correction_fields
 from ..core.criterion import with_fields
-from .verl_names import is_band_string, is_criteria_string
+from .compat import is_band_string, is_criteria_string
 
 CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
 # the fields whose off value is None: "none" (a CLI flag, a YAML value, or in Python) sets it off, over a preset's

@@ -3,7 +3,7 @@
 Adding a preset is one entry here (its summary with the formula and the paper, its arguments with their defaults,
 and the fields it sets from them): ``RolloutCorrectionConfig.from_preset(name, ...)``, the factory
 ``RolloutCorrectionConfig.<name>(...)``, the CLI's ``--rollout_correction_preset`` and the flat trainer field read
-it. verl's preset names are ``VERL_PRESETS`` in :mod:`trl_rollout_corr.config.verl_names`.
+it. verl's preset names are ``VERL_PRESETS`` in :mod:`trl_rollout_corr.config.compat`.
 
 Notation: rho_t = pi_old(y_t) / pi_rollout(y_t) (decoupled mode) or pi_theta / pi_rollout (bypass mode), C the upper
 bound of the IS weight.
@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .trl_names import TRL_DEFAULT
-from .verl_names import ICEPOP
+from .compat import ICEPOP, TRL_DEFAULT
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from trl import GRPOConfig
 from ..config.correction import RolloutCorrectionConfig
 from ..config.fields import RolloutCorrectionFields
 from ..config.server_fields import VllmServerFields
-from ..config.trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
+from ..config.compat import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
 from ..config.plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
 from ..trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
 
@@ -41,7 +41,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     truncated_support_correction: bool | None = field(default=None, metadata={
         "help": "Apply top-k/top-p/min-p to the training logits before the ratio with pi_rollout (default: on when "
                 "any of them is set)."})
-    # TRL's own correction, in TRL's spelling: translated into the rollout_* fields (trl_rollout_corr.config.trl_names)
+    # TRL's own correction, in TRL's spelling: translated into the rollout_* fields (trl_rollout_corr.config.compat)
     # and
     # computed by this package; after construction they read False / None (what runs is in the rollout_* fields)
     vllm_importance_sampling_correction: bool | None = field(default=None, metadata={
