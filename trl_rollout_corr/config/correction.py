@@ -30,47 +30,18 @@ __all__ = ["CONFIG_NAME", "NONE_STRINGS", "RolloutCorrectionConfig", "none_if_un
 class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", tags=["rollout-correction", "trl"]):
     """How to correct for pi_rollout != pi_old: IS weights, rejection, veto, and the two operating modes.
 
+    ``RolloutCorrectionConfig()`` (the fields' defaults) is decoupled PPO with token-level TIS, C = 2: the preset
+    ``decoupled_token_is``. The trainers' configs do not start from it: each names its own default preset
+    (``_RC_DEFAULT_PRESET``; docs/trainer.md, "The default correction").
+
+    The criteria's fields (``rollout_is`` ... ``rollout_m2_scope``) are declared, with their type, default, help and
+    check, in their criterion's file (the list in ``trl_rollout_corr/core/criteria.py``); the three that are no
+    criterion's follow them here. Every field's meaning: docs/trainer.md, "Configuration fields". Presets:
+    ``from_preset(name)`` or ``RolloutCorrectionConfig.<name>(...)`` (``trl_rollout_corr.config.presets``).
+
     Saved and shared as transformers' configs are: ``save_pretrained(dir)`` writes ``rollout_correction_config.json``,
     ``from_pretrained(dir | file | repo_id)`` reads it, ``push_to_hub(repo_id)`` uploads it (``huggingface_hub``'s
     ``ModelHubMixin``).
-
-    The criteria's fields (``rollout_is`` ... ``rollout_m2_scope``) are declared in their criterion's file (the list in
-    ``trl_rollout_corr/core/criteria.py``); a dataclass field each, like the three that follow them here.
-
-    Attributes:
-        rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
-        rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none). verl's ``"lower_upper"``
-            string (``"0.5_5.0"``) means IcePop: C = upper, ``rollout_is_threshold_lower`` = lower and
-            ``rollout_is_bound="mask"``.
-        rollout_is_threshold_lower: C_lower, the lower bound of the IS weight (``None``: none).
-        rollout_is_bound: what happens to a weight outside [C_lower, C]: ``"truncate"`` clips it to the bound (TIS),
-            ``"mask"`` sets it to 0 (masked IS, TRL's ``*_mask`` modes; the token keeps its place in the loss's
-            token count, unlike rejection).
-        rollout_is_batch_normalize: divide truncated weights by their batch mean.
-        rollout_rs: rejection level, ``"token"`` | ``"sequence"`` | ``"geometric"`` | ``None``.
-        rollout_rs_threshold: upper acceptance bound of the RS statistic (required with ``rollout_rs``).
-        rollout_rs_threshold_lower: lower bound; ``None`` means ``1 / rollout_rs_threshold``.
-        rollout_token_veto_threshold: reject a sequence if any token has rho < this (``None`` = off).
-        rollout_rs_criteria: divergence-based rejection criteria, ANDed with ``rollout_rs`` and the veto:
-            comma-separated ``token_k1|token_k2|token_k3|seq_sum_k{1,2,3}|seq_mean_k{1,2,3}|seq_max_k{2,3}``
-            (see ``trl_rollout_corr.core.divergence``).
-        rollout_rs_criteria_threshold: one value per criterion, comma-separated: k1 takes ratio bounds
-            ``"lower_upper"`` or an upper (lower = 1/upper); k2/k3 take an upper bound.
-        rollout_m2_threshold: tau of the second-moment mask (M2PO, arXiv:2510.01161): the tokens with the largest
-            (log rho)^2 are masked until the batch's mean (log rho)^2 of the rest is <= tau (``None`` = off; M2PO
-            uses 0.04).
-        rollout_m2_scope: which tokens that mask may take: ``"all"`` (AReaL's ``m2_threshold``: any valid token, and
-            a masked token is rejected, out of the loss's token count) or ``"trust_region"`` (M2PO's final
-            Algorithm 1: only tokens on the active side of PPO's trust region, A > 0 with rho > 1 or A < 0 with
-            rho < 1, and a masked token's advantage is set to 0, the token kept in the count).
-        rollout_rs_exclude_from_baseline: leave the samples the correction rejects entirely (no kept token) out of
-            their GRPO group's baseline (mean and std of the rewards) and give them advantage 0, so that "rejected =
-            treated as not drawn" also holds for the advantages of the others. The rejection must be known when the
-            advantages are formed: the trainer then computes the correction at generation time (decoupled mode:
-            one pi_old forward per generation batch; bypass mode: only with one optimizer step per generation
-            batch). Needs a rejection (``rollout_rs``, the criteria, the veto or the all-token M2 mask).
-        bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
-        use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
 
     Raises:
         ValueError: at construction, naming the field and the fix, for every invalid combination
@@ -85,8 +56,16 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     # the criteria's fields (rollout_is ... rollout_m2_scope) come first, declared in each criterion's file
     # (trl_rollout_corr/core/criteria.py lists them); then the fields that are no criterion's:
     rollout_rs_exclude_from_baseline: bool = False
+    """Leave the samples the correction rejects entirely (no kept token) out of their GRPO group's baseline (mean
+    and std of the rewards) and give them advantage 0, so that "rejected = treated as not drawn" also holds for the
+    advantages of the others. The rejection must be known when the advantages are formed: the trainer then computes
+    the correction at generation time (decoupled mode: one pi_old forward per generation batch; bypass mode: only
+    with one optimizer step per generation batch). Needs a rejection (``rollout_rs``, the criteria, the veto or the
+    all-token M2 mask)."""
     bypass_mode: bool = False
+    """pi_old := pi_rollout (2 policies, no extra forward pass)."""
     use_policy_gradient: bool = False
+    """REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only)."""
 
     PRESETS: ClassVar[tuple[str, ...]] = tuple(PRESET_TABLE)  # this package's presets; verl's: preset_names()
 
