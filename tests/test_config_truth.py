@@ -74,9 +74,10 @@ def test_a_changed_field_is_honoured(tmp_path):
     assert (args.rollout_is, args.bypass_mode, args.use_policy_gradient) == ("sequence", True, True)
     args.rollout_is_threshold = None  # back to the preset's value
     assert args.rollout_correction.rollout_is_threshold == 2.0 and args.rollout_is_threshold == 2.0
-    with pytest.raises(ValueError, match=r"needs rollout_rs_threshold.*update_rollout_correction"):
-        args.rollout_rs = "token"  # alone it is invalid; two coupled fields change together:
-    args.update_rollout_correction(rollout_rs="token", rollout_rs_threshold=5.0)
+    args.rollout_rs = "token"  # alone it is invalid: the next resolution (here a read; at the latest the trainer's
+    with pytest.raises(ValueError, match=r"needs rollout_rs_threshold.*args\.rollout_rs changed"):  # construction)
+        args.rollout_correction  # noqa: B018
+    args.update_rollout_correction(rollout_rs="token", rollout_rs_threshold=5.0)  # two coupled fields together
     assert (args.rollout_correction.rollout_rs, args.rollout_correction.rollout_rs_threshold) == ("token", 5.0)
     assert (args.rollout_rs, args.rollout_rs_threshold, args.rollout_rs_threshold_lower) == ("token", 5.0, None)
     with pytest.raises(ValueError, match="got \\['learning_rate'\\]"):
@@ -94,10 +95,50 @@ def test_a_changed_field_is_honoured(tmp_path):
 def test_an_invalid_change_raises_and_leaves_the_config_as_it_was(tmp_path, change, message):
     args = grpo_args(tmp_path, rollout_correction_preset="decoupled_seq_is")
     before, before_dict = args.rollout_correction, dict(args.__dict__)
-    (name, value), = change.items()
     with pytest.raises(ValueError, match=message):
-        setattr(args, name, value)
+        args.update_rollout_correction(**change)  # resolved at once
     assert args.rollout_correction == before and args.__dict__ == before_dict
+    (name, value), = change.items()
+    setattr(args, name, value)  # a plain assignment is resolved later, and never silently dropped:
+    for resolve in (lambda: args.rollout_correction, args.correction_plan):
+        with pytest.raises(ValueError, match=message):
+            resolve()
+
+
+def build_trainer(args):
+    from datasets import Dataset
+
+    from trl_rollout_corr import RolloutCorrGRPOTrainer
+    from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts, reverse_reward
+
+    return RolloutCorrGRPOTrainer(model=build_model(hidden_size=32), reward_funcs=reverse_reward, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": reverse_prompts(8, n_digits=4)}),
+                                  processing_class=build_tokenizer())
+
+
+def test_a_field_assigned_after_the_config_takes_effect_at_trainer_construction(tmp_path):
+    """``args = RolloutCorrGRPOConfig(...); args.rollout_is_threshold = 5.0; RolloutCorrGRPOTrainer(args=args)``: the
+    trainer runs TRL's default correction (sequence mask) with C = 5, and the flat fields show it."""
+    args = grpo_args(tmp_path, max_completion_length=8, max_steps=1)
+    args.rollout_is_threshold = 5.0  # nothing reads args.rollout_correction before the trainer
+    args.pi_old_source = "forward"
+    trainer = build_trainer(args)
+    expected = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_bound="mask", rollout_is_threshold=5.0)
+    assert trainer.rollout_correction == expected and args.rollout_correction == expected
+    assert (args.rollout_is, args.rollout_is_bound, args.rollout_is_threshold) == ("sequence", "mask", 5.0)
+    assert trainer.correction_plan.pi_old == "forward"  # the plan was made from the assigned pi_old_source
+    with pytest.raises(AttributeError, match="rollout_is_threshold changed after RolloutCorrGRPOTrainer was built"):
+        args.rollout_is_threshold = 2.0
+
+
+def test_an_invalid_assignment_raises_at_trainer_construction_naming_the_field(tmp_path):
+    """Checked before TRL's trainer is built (the model named here does not exist: TRL would fail on it)."""
+    from trl_rollout_corr import RolloutCorrGRPOTrainer
+
+    args = grpo_args(tmp_path)
+    args.rollout_rs = "token"  # rejection without its bound
+    with pytest.raises(ValueError, match=r"rollout_rs='token' needs rollout_rs_threshold.*args\.rollout_rs changed"):
+        RolloutCorrGRPOTrainer(model=str(tmp_path / "no_such_model"), reward_funcs=lambda **kw: [0.0], args=args)
 
 
 def test_a_change_after_the_trainer_is_built_is_refused(tmp_path):

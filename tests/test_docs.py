@@ -90,7 +90,7 @@ def test_the_readme_s_relative_links_resolve():
 # ---------------------------------------------------------------- presets, recipes and counts
 def _registry():
     from trl_rollout_corr.config.correction import RolloutCorrectionConfig
-    from trl_rollout_corr.config.verl_names import VERL_PRESETS
+    from trl_rollout_corr.config.compat import VERL_PRESETS
 
     return RolloutCorrectionConfig.preset_names(), RolloutCorrectionConfig.PRESETS, VERL_PRESETS
 
@@ -171,6 +171,31 @@ def test_the_configuration_table_has_every_field_and_its_default():
         name = code_names(row[0])[0]
         assert row[1] == _shown(flat[name]), f"{name}: documented default {row[1]}, code {flat[name]!r}"
         assert row[2] == (_shown(core[name]) if name in core else "–"), f"{name}: RolloutCorrectionConfig default"
+
+
+def _class_constant(path: Path, class_name: str, name: str) -> object:
+    """A class-level constant, read from the source (as ``_dataclass_defaults``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    cls = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == class_name)
+    return next(ast.literal_eval(node.value) for node in cls.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == name for t in node.targets))
+
+
+def test_the_default_corrections_table_is_the_code_s():
+    """One documented default per config: the table names the preset each trainer config's ``_RC_DEFAULT_PRESET``
+    names, and ``RolloutCorrectionConfig()`` equals the preset listed for it."""
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
+
+    rows = {code_names(row[0])[0]: code_names(row[1])[0] for row in table_rows(doc_block("default-corrections",
+                                                                                          "docs/trainer.md"))}
+    package = ROOT / "trl_rollout_corr"
+    assert rows == {
+        "RolloutCorrGRPOConfig": _class_constant(package / "grpo" / "config.py", "RolloutCorrGRPOConfig",
+                                                 "_RC_DEFAULT_PRESET"),
+        "RolloutCorrAsyncGRPOConfig": _class_constant(package / "async_grpo" / "config.py",
+                                                      "RolloutCorrAsyncGRPOConfig", "_RC_DEFAULT_PRESET"),
+        "RolloutCorrectionConfig()": rows["RolloutCorrectionConfig()"]}
+    assert RolloutCorrectionConfig() == RolloutCorrectionConfig.from_preset(rows["RolloutCorrectionConfig()"])
 
 
 def test_the_async_config_s_own_fields_are_named():

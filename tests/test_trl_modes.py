@@ -20,7 +20,7 @@ from datasets import Dataset
 
 from test_trl_equivalence import ROWS, TOK, common_args, loss_grads_metrics, reward, rollout_func_factory
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer, RolloutCorrectionConfig
-from trl_rollout_corr.config.trl_names import translate_trl_correction
+from trl_rollout_corr.config.compat import translate_trl_correction
 from trl_rollout_corr.testing.toy_task import build_model
 
 # mode, clip_min, clip_max (None: TRL's default) -> cases that make the bound bite on the test batch's ratios

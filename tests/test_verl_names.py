@@ -15,7 +15,7 @@ import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 from trl_rollout_corr import compute_rollout_correction_and_rejection_mask as correct
-from trl_rollout_corr.config.verl_names import VERL_PRESETS
+from trl_rollout_corr.config.compat import VERL_PRESETS
 
 
 def verl_keep(log_ratio, mask, rollout_rs, threshold):

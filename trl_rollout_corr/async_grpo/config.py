@@ -16,10 +16,9 @@ from ..config.server_fields import VllmServerFields
 class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, VllmServerFields, AsyncGRPOConfig):
     """``AsyncGRPOConfig`` plus the rollout-correction fields.
 
-    Resolution as ``RolloutCorrGRPOConfig``: ``rollout_correction_config`` (a saved config), else
-    ``rollout_correction_preset``, else ``ppo_is_bypass`` (what TRL's ``AsyncGRPOTrainer`` computes: PPO clipped against
-    pi_rollout, no IS weight); every correction field set here overrides it. The resolved
-    config is ``args.rollout_correction``.
+    Default correction (no preset, no saved config): ``ppo_is_bypass`` (``_RC_DEFAULT_PRESET``), what TRL's
+    ``AsyncGRPOTrainer`` computes: PPO clipped against pi_rollout, no IS weight. Resolution as
+    ``RolloutCorrGRPOConfig``'s; the resolved config is ``args.rollout_correction``.
 
     In the asynchronous trainer every sample is trained on exactly once, in one micro-batch, and the parameters do not
     move between the micro-batches of one optimizer step: the decoupled anchor pi_prox (the policy before this step)
@@ -33,7 +32,8 @@ class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, VllmServerFields, Asyn
                 "an error naming the server once it has not answered for this long."})
 
     _RC_TRL_CONFIG = AsyncGRPOConfig
-    # TRL's AsyncGRPOTrainer clips pi_theta / pi_rollout with no IS weight: bypass PPO (its gradient, tested)
+    # TRL's AsyncGRPOTrainer clips pi_theta / pi_rollout with no IS weight: bypass PPO (its gradient, tested;
+    # docs/trainer.md, "The default correction")
     _RC_DEFAULT_PRESET = "ppo_is_bypass"
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ DEFAULT_METHODS = ("trl_default", "trl_token_truncate", "trl_token_mask", "trl_s
 def correction_params(name: str):
     """A preset by name, or ``trl_<mode>`` for TRL's ``vllm_importance_sampling_mode`` (C=3, TRL's defaults)."""
     from ..config.correction import RolloutCorrectionConfig
-    from ..config.trl_names import TRL_MODES, translate_trl_correction
+    from ..config.compat import TRL_MODES, translate_trl_correction
 
     mode = name.removeprefix("trl_")
     if mode != name and mode in TRL_MODES:

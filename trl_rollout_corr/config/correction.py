@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ from ..core.criteria import CRITERIA, correction_fields
 from ..core.criterion import NONE_STRINGS, none_if_unset, with_fields
 from ..core.params import CorrectionParams
 from ..core.losses import loss_anchor, weights_advantage
-from .trl_names import TRL_DEFAULT
-from .verl_names import (ICEPOP, VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
+from .presets import PRESETS as PRESET_TABLE
+from .presets import preset_fields
+from .compat import (VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_string, parse_is_threshold,
                          translate_rollout_rs)
 
 CONFIG_NAME = "rollout_correction_config.json"
@@ -28,47 +30,18 @@ __all__ = ["CONFIG_NAME", "NONE_STRINGS", "RolloutCorrectionConfig", "none_if_un
 class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", tags=["rollout-correction", "trl"]):
     """How to correct for pi_rollout != pi_old: IS weights, rejection, veto, and the two operating modes.
 
+    ``RolloutCorrectionConfig()`` (the fields' defaults) is decoupled PPO with token-level TIS, C = 2: the preset
+    ``decoupled_token_is``. The trainers' configs do not start from it: each names its own default preset
+    (``_RC_DEFAULT_PRESET``; docs/trainer.md, "The default correction").
+
+    The criteria's fields (``rollout_is`` ... ``rollout_m2_scope``) are declared, with their type, default, help and
+    check, in their criterion's file (the list in ``trl_rollout_corr/core/criteria.py``); the three that are no
+    criterion's follow them here. Every field's meaning: docs/trainer.md, "Configuration fields". Presets:
+    ``from_preset(name)`` or ``RolloutCorrectionConfig.<name>(...)`` (``trl_rollout_corr.config.presets``).
+
     Saved and shared as transformers' configs are: ``save_pretrained(dir)`` writes ``rollout_correction_config.json``,
     ``from_pretrained(dir | file | repo_id)`` reads it, ``push_to_hub(repo_id)`` uploads it (``huggingface_hub``'s
     ``ModelHubMixin``).
-
-    The criteria's fields (``rollout_is`` ... ``rollout_m2_scope``) are declared in their criterion's file (the list in
-    ``trl_rollout_corr/core/criteria.py``); a dataclass field each, like the three that follow them here.
-
-    Attributes:
-        rollout_is: IS weight level, ``"token"`` | ``"sequence"`` | ``None`` (no IS weights).
-        rollout_is_threshold: C, the upper bound of the IS weight (> 0; ``inf`` for none). verl's ``"lower_upper"``
-            string (``"0.5_5.0"``) means IcePop: C = upper, ``rollout_is_threshold_lower`` = lower and
-            ``rollout_is_bound="mask"``.
-        rollout_is_threshold_lower: C_lower, the lower bound of the IS weight (``None``: none).
-        rollout_is_bound: what happens to a weight outside [C_lower, C]: ``"truncate"`` clips it to the bound (TIS),
-            ``"mask"`` sets it to 0 (masked IS, TRL's ``*_mask`` modes; the token keeps its place in the loss's
-            token count, unlike rejection).
-        rollout_is_batch_normalize: divide truncated weights by their batch mean.
-        rollout_rs: rejection level, ``"token"`` | ``"sequence"`` | ``"geometric"`` | ``None``.
-        rollout_rs_threshold: upper acceptance bound of the RS statistic (required with ``rollout_rs``).
-        rollout_rs_threshold_lower: lower bound; ``None`` means ``1 / rollout_rs_threshold``.
-        rollout_token_veto_threshold: reject a sequence if any token has rho < this (``None`` = off).
-        rollout_rs_criteria: divergence-based rejection criteria, ANDed with ``rollout_rs`` and the veto:
-            comma-separated ``token_k1|token_k2|token_k3|seq_sum_k{1,2,3}|seq_mean_k{1,2,3}|seq_max_k{2,3}``
-            (see ``trl_rollout_corr.core.divergence``).
-        rollout_rs_criteria_threshold: one value per criterion, comma-separated: k1 takes ratio bounds
-            ``"lower_upper"`` or an upper (lower = 1/upper); k2/k3 take an upper bound.
-        rollout_m2_threshold: tau of the second-moment mask (M2PO, arXiv:2510.01161): the tokens with the largest
-            (log rho)^2 are masked until the batch's mean (log rho)^2 of the rest is <= tau (``None`` = off; M2PO
-            uses 0.04).
-        rollout_m2_scope: which tokens that mask may take: ``"all"`` (AReaL's ``m2_threshold``: any valid token, and
-            a masked token is rejected, out of the loss's token count) or ``"trust_region"`` (M2PO's final
-            Algorithm 1: only tokens on the active side of PPO's trust region, A > 0 with rho > 1 or A < 0 with
-            rho < 1, and a masked token's advantage is set to 0, the token kept in the count).
-        rollout_rs_exclude_from_baseline: leave the samples the correction rejects entirely (no kept token) out of
-            their GRPO group's baseline (mean and std of the rewards) and give them advantage 0, so that "rejected =
-            treated as not drawn" also holds for the advantages of the others. The rejection must be known when the
-            advantages are formed: the trainer then computes the correction at generation time (decoupled mode:
-            one pi_old forward per generation batch; bypass mode: only with one optimizer step per generation
-            batch). Needs a rejection (``rollout_rs``, the criteria, the veto or the all-token M2 mask).
-        bypass_mode: pi_old := pi_rollout (2 policies, no extra forward pass).
-        use_policy_gradient: REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).
 
     Raises:
         ValueError: at construction, naming the field and the fix, for every invalid combination
@@ -83,14 +56,18 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     # the criteria's fields (rollout_is ... rollout_m2_scope) come first, declared in each criterion's file
     # (trl_rollout_corr/core/criteria.py lists them); then the fields that are no criterion's:
     rollout_rs_exclude_from_baseline: bool = False
+    """Leave the samples the correction rejects entirely (no kept token) out of their GRPO group's baseline (mean
+    and std of the rewards) and give them advantage 0, so that "rejected = treated as not drawn" also holds for the
+    advantages of the others. The rejection must be known when the advantages are formed: the trainer then computes
+    the correction at generation time (decoupled mode: one pi_old forward per generation batch; bypass mode: only
+    with one optimizer step per generation batch). Needs a rejection (``rollout_rs``, the criteria, the veto or the
+    all-token M2 mask)."""
     bypass_mode: bool = False
+    """pi_old := pi_rollout (2 policies, no extra forward pass)."""
     use_policy_gradient: bool = False
+    """REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only)."""
 
-    PRESETS: ClassVar[tuple[str, ...]] = (
-        "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "disabled", "icepop", "decoupled_token_band_rs", "m2po",
-        "trl_default",
-    )
+    PRESETS: ClassVar[tuple[str, ...]] = tuple(PRESET_TABLE)  # this package's presets; verl's: preset_names()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -222,162 +199,10 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         ``trl_rollout_corr.core.compute_rollout_correction_and_rejection_mask``."""
         return dataclasses.asdict(self.params())
 
-    # ------------------------------------------------------------------ presets
-    @classmethod
-    def decoupled_token_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO (3 policies) with token-level TIS, w_t = min(pi_old/pi_rollout, C).
-
-        Decoupled PPO: Hilton, Cobbe & Schulman, arXiv:2110.00641; TIS: Yao et al. (2025 blog), the truncated
-        weight of IMPALA (arXiv:1802.01561).
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold), **overrides})
-
-    @classmethod
-    def decoupled_seq_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO with sequence-level TIS, w = min(prod_t rho_t, C).
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold), **overrides})
-
-    @classmethod
-    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: float = 2.0,
-                            **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO with sequence TIS plus sequence rejection in [1/rs_threshold, rs_threshold].
-
-        Args:
-            is_threshold: C of the IS weight.
-            rs_threshold: the upper RS bound; the lower is its inverse.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="sequence",
-                             rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=1.0 / rs_threshold),
-                      **overrides})
-
-    @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
-                         **overrides: Any) -> RolloutCorrectionConfig:
-        """Decoupled PPO, no IS weights, geometric-mean rejection in [2 - rs_threshold, rs_threshold] + veto.
-
-        Geometric rejection (Geo-RS): Liu, Li et al., "When Speed Kills Stability" (2025 blog), as in verl.
-
-        Args:
-            rs_threshold: the upper bound of the geometric mean of rho_t.
-            veto_threshold: C_veto.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                             rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
-                             rollout_token_veto_threshold=veto_threshold), **overrides})
-
-    @classmethod
-    def ppo_is_bypass(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass PPO: pi_old := pi_rollout, PPO-clip on pi_theta/pi_rollout; token IS feeds metrics only.
-
-        Args:
-            threshold: C (of the weights the metrics report).
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True), **overrides})
-
-    @classmethod
-    def pg_is(cls, threshold: float = 2.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass REINFORCE with sequence TIS: -stopgrad(min(prod pi_theta/pi_rollout, C)) log pi_theta A.
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
-                             use_policy_gradient=True), **overrides})
-
-    @classmethod
-    def pg_rs(cls, rs_threshold: float = 1.001, veto_threshold: float = 1e-4,
-              **overrides: Any) -> RolloutCorrectionConfig:
-        """Bypass REINFORCE, no IS weights, geometric rejection + veto.
-
-        Args:
-            rs_threshold: the upper bound of the geometric mean of rho_t; the lower is 2 - rs_threshold.
-            veto_threshold: C_veto.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                             rollout_rs_threshold_lower=round(2.0 - rs_threshold, 12),
-                             rollout_token_veto_threshold=veto_threshold, bypass_mode=True,
-                             use_policy_gradient=True), **overrides})
-
-    @classmethod
-    def icepop(cls, lower: float = 0.5, upper: float = 5.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """IcePop (Ling Team, Ring-1T, arXiv:2510.18855; verl's ``decoupled_token_icepop``): decoupled PPO with the
-        token weight w_t = rho_t * 1[lower <= rho_t <= upper], rho_t = pi_old / pi_rollout. A token outside the band
-        gets weight 0 and stays in the loss's token count (a weight, not a rejection).
-
-        Args:
-            lower: C_lower.
-            upper: C.
-            **overrides: any other field.
-        """
-        return cls(**{**ICEPOP, "rollout_is_threshold": upper, "rollout_is_threshold_lower": lower, **overrides})
-
-    @classmethod
-    def decoupled_token_band_rs(cls, lower: float = 0.5, upper: float = 2.0,
-                                **overrides: Any) -> RolloutCorrectionConfig:
-        """Two-sided token rejection (this package's ``icepop`` before IcePop meant the field's IcePop): decoupled
-        PPO, no IS weight, a token with rho_t = pi_old / pi_rollout outside [lower, upper] leaves the loss and its
-        token count.
-
-        Args:
-            lower: the lower RS bound.
-            upper: the upper RS bound.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=upper,
-                             rollout_rs_threshold_lower=lower), **overrides})
-
-    @classmethod
-    def m2po(cls, tau: float = 0.04, **overrides: Any) -> RolloutCorrectionConfig:
-        """M2PO's final algorithm (Zheng, Zhao & Chen, arXiv:2510.01161, ICLR 2026, Algorithm 1): decoupled PPO, no
-        IS weight; among the tokens on the active side of PPO's trust region (A > 0 with rho > 1, A < 0 with
-        rho < 1; rho = pi_old / pi_rollout) the largest (log rho)^2 get advantage 0 until the mean (log rho)^2 of the
-        rest of them is <= tau; they stay in the loss's token count (the original denominator).
-
-        Args:
-            tau: the bound on the mean (log rho)^2.
-            **overrides: any other field.
-        """
-        return cls(**{**dict(rollout_is=None, rollout_m2_threshold=tau, rollout_m2_scope="trust_region"),
-                      **overrides})
-
-    @classmethod
-    def trl_default(cls, threshold: float = 3.0, **overrides: Any) -> RolloutCorrectionConfig:
-        """TRL 1.16's own default correction (``vllm_importance_sampling_mode="sequence_mask"``, ``clip_max=3``):
-        decoupled PPO, w = prod_t rho_t * 1[prod_t rho_t <= C]; a sequence above C keeps its tokens in the loss's
-        token count with weight 0.
-
-        Args:
-            threshold: C.
-            **overrides: any other field.
-        """
-        return cls(**{**TRL_DEFAULT, "rollout_is_threshold": threshold, **overrides})
-
-    @classmethod
-    def disabled(cls, **overrides: Any) -> RolloutCorrectionConfig:
-        """No correction at all; the off-policy diagnostics are still logged.
-
-        Args:
-            **overrides: any field.
-        """
-        return cls(**{**dict(rollout_is=None), **overrides})
-
+    # ------------------------------------------------------------------ presets (config/presets.py)
     @classmethod
     def preset_names(cls) -> tuple[str, ...]:
-        """This package's presets, then verl's (see ``trl_rollout_corr.config.verl_names``).
+        """This package's presets (``config/presets.py``), then verl's (``config/compat.py``).
 
         Returns:
             Every name ``from_preset`` accepts.
@@ -399,8 +224,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         Raises:
             ValueError: an unknown preset name, or an invalid combination.
         """
-        if name in cls.PRESETS:
-            return getattr(cls, name)(**overrides)
+        if name in PRESET_TABLE:
+            return cls(**preset_fields(name, **overrides))
         if name in VERL_PRESETS:
             fields = {VERL_ARGUMENTS.get(k, k): v for k, v in overrides.items()}
             return cls(**{**VERL_PRESETS[name], **fields})
@@ -547,3 +372,31 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         from huggingface_hub import hf_hub_download
 
         return cls.from_file(hf_hub_download(repo_id=path, filename=CONFIG_NAME, **hub_kwargs))
+
+
+def _preset_factory(name: str) -> classmethod:
+    """``RolloutCorrectionConfig.<name>(*arguments, **overrides)`` for the preset ``name`` of
+    :data:`~trl_rollout_corr.config.presets.PRESETS`: its arguments (positional or keyword, defaults from the table)
+    and any field as an override, as ``from_preset(name, ...)``."""
+    preset = PRESET_TABLE[name]
+    parameters = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
+    parameters += [inspect.Parameter(arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=float)
+                   for arg, default in preset.arguments.items()]
+    parameters.append(inspect.Parameter("overrides", inspect.Parameter.VAR_KEYWORD, annotation=Any))
+    signature = inspect.Signature(parameters, return_annotation=RolloutCorrectionConfig)
+
+    def factory(cls: type[RolloutCorrectionConfig], *args: Any, **kwargs: Any) -> RolloutCorrectionConfig:
+        bound = signature.bind(cls, *args, **kwargs)
+        overrides = bound.arguments.pop("overrides", {})
+        bound.arguments.pop("cls")
+        return cls.from_preset(name, **bound.arguments, **overrides)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = preset.summary
+    factory.__signature__ = signature
+    return classmethod(factory)
+
+
+for _name in PRESET_TABLE:  # one factory per preset, from the table
+    setattr(RolloutCorrectionConfig, _name, _preset_factory(_name))
+del _name

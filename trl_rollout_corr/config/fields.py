@@ -1,10 +1,19 @@
 """The rollout-correction fields of a TRL config, shared by the synchronous and the asynchronous trainer's configs.
 
-A config class mixes :class:`RolloutCorrectionFields` into TRL's own config (``GRPOConfig``, ``AsyncGRPOConfig``):
-the correction is resolved at construction (saved config, else preset, else defaults; then every field set here
-overrides it), checked by the subclass's ``_check_resolved``, and written back into the flat fields, so ``to_dict()``,
-the hyper-parameters ``report_to`` records and a saved ``training_args`` show what runs. A later change re-resolves
-and re-checks (restored on error); once a trainer is built on the config, a change raises.
+A config class mixes :class:`RolloutCorrectionFields` into TRL's own config (``GRPOConfig``, ``AsyncGRPOConfig``).
+Resolution and freezing are plain functions:
+
+* :func:`resolve_correction`: saved config, else preset, else the class's default; then every correction field the
+  user set overrides it; checked (``_check_resolved``) and written back into the flat fields, so ``to_dict()``, the
+  hyper-parameters ``report_to`` records and a saved ``training_args`` show what runs. It runs at construction, when
+  ``args.rollout_correction`` is read after a field changed, and when a trainer is built (before TRL's ``__init__``).
+* :func:`freeze_correction`: what a trainer calls once built; from then on a change to an input of the correction
+  raises, naming the trainer.
+
+An assignment after construction is only noted (:func:`check_change`, called by the one ``__setattr__`` left, a
+guard): it takes effect, or raises naming the field, at the next resolution (at the latest the trainer's
+construction). The guard stays because only ``__setattr__`` can refuse an assignment when it is made: TRL's own
+correction fields after construction, and any input of the correction once a trainer holds it.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from typing import Any, ClassVar
 from .correction import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
 from ..core.criteria import CRITERIA, correction_fields
 from ..core.criterion import with_fields
-from .verl_names import is_band_string, is_criteria_string
+from .compat import is_band_string, is_criteria_string
 
 CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutCorrectionConfig))
 # the fields whose off value is None: "none" (a CLI flag, a YAML value, or in Python) sets it off, over a preset's
@@ -73,10 +82,11 @@ class RolloutCorrectionFields:
 
     # TRL's config class this is mixed into (this package's own fields are the ones it does not have)
     _RC_TRL_CONFIG: ClassVar[type]
-    # TRL fields the correction's checks depend on: a change re-resolves and re-checks
+    # TRL fields the correction's checks depend on: a change is resolved and checked again (resolve_correction)
     _RC_PLAN_INPUTS: ClassVar[tuple[str, ...]] = ()
-    # the correction with no preset, no saved config and none of TRL's correction fields: what TRL's trainer does
-    _RC_DEFAULT_PRESET: ClassVar[str] = "trl_default"
+    # the correction with no preset and no saved config: each trainer config names its own, the one source of its
+    # default (docs/trainer.md, "The default correction", lists them; tests/test_docs.py keeps the two equal)
+    _RC_DEFAULT_PRESET: ClassVar[str]
 
     # ------------------------------------------------------------------ hooks for the subclass
     def _check_own_fields(self) -> None:
@@ -103,7 +113,8 @@ class RolloutCorrectionFields:
     def _rc_end_post_init(self) -> None:
         """Call last in ``__post_init__`` (after TRL's): resolves, checks and writes back the correction."""
         self._rc_frozen_by: str | None = None
-        self._apply_correction()
+        self._rc_changed: frozenset[str] = frozenset()
+        resolve_correction(self)
         object.__setattr__(self, "_rc_constructed", True)
 
     @classmethod
@@ -111,95 +122,164 @@ class RolloutCorrectionFields:
         trl_fields = {f.name for f in dataclasses.fields(cls._RC_TRL_CONFIG)}
         return frozenset(f.name for f in dataclasses.fields(cls) if f.name not in trl_fields)
 
-    def _apply_correction(self) -> None:
-        """Resolve the correction, check it, and write the resolved values into the flat fields (``"none"`` marks a
-        level switched off)."""
-        resolved = self.resolve_rollout_correction()
-        self._check_resolved(resolved)  # raises where it is not exact
-        # frozen: a change goes through the flat fields (re-resolved, re-checked), never around them
-        object.__setattr__(self, "rollout_correction", resolved.frozen(type(self).__name__))
-        switched_off = {name for name, value in self.__dict__.get("_rc_explicit", {}).items()
-                        if name in SWITCHABLE_OFF and isinstance(value, str) and value in NONE_STRINGS}
-        for name, value in resolved.to_dict().items():
-            if value is None and (name in ("rollout_is", "rollout_rs") or name in switched_off):
-                value = "none"  # written back as set: a YAML of these fields rebuilds the same correction
-            object.__setattr__(self, name, value)
+    @property
+    def rollout_correction(self) -> RolloutCorrectionConfig:
+        """The resolved correction, for the current field values (``resolve_correction``): resolved again, checked
+        and written back into the flat fields where one of them changed since the last resolution, else the last
+        one. Frozen: change the args' fields instead.
 
-    def resolve_rollout_correction(self) -> RolloutCorrectionConfig:
-        if self.rollout_correction_config:
-            base = RolloutCorrectionConfig.from_pretrained(self.rollout_correction_config).to_dict()
-        elif self.rollout_correction_preset:
-            base = RolloutCorrectionConfig.from_preset(self.rollout_correction_preset).to_dict()
-        else:
-            base = self._default_correction()
-        given = self.__dict__.get("_rc_explicit", {})
-        rollout_rs = none_if_unset(given.get("rollout_rs", base.get("rollout_rs")))
-        explicit = {name: _explicit_value(name, value, rollout_rs) for name, value in given.items()}
-        if is_band_string(explicit.get("rollout_is_threshold")):
-            # verl's IcePop band sets the lower bound and the bound mode itself
-            base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
-            base["rollout_is_bound"] = explicit.get("rollout_is_bound", "mask")
-        for criterion in CRITERIA:  # a method switched off here drops the base's settings of it not set here
-            for switch, dependents in criterion.switches.items():
-                if switch in explicit and explicit[switch] is None:
-                    base.update({name: explicit.get(name, _DEFAULTS[name]) for name in dependents})
-        return RolloutCorrectionConfig(**{**base, **explicit})
+        Raises:
+            ValueError: the changed fields are invalid, naming the field and the fix.
+        """
+        return resolve_correction(self)
 
     # ------------------------------------------------------------------ later changes
     def __setattr__(self, name: str, value: Any) -> None:
-        """After construction, a correction field, the preset, the saved-config path or a TRL field the checks depend
-        on re-resolves the correction (an invalid change raises and leaves the config as it was); once a trainer
-        was built on this config, a change to this package's fields or to those TRL fields raises (the trainer would
-        not see it: it holds a frozen copy of the correction and the plan made from it)."""
-        if not self.__dict__.get("_rc_constructed", False):
-            object.__setattr__(self, name, value)
-            return
-        self._refuse_change(name, value)
-        if name not in self._rc_own_fields() and name not in self._RC_PLAN_INPUTS:
-            object.__setattr__(self, name, value)
-            return
-        self.update_rollout_correction(**{name: value})
+        """Only a guard, no resolution: after construction it notes which of the correction's inputs changed (the
+        next ``resolve_correction``, at the latest the trainer's construction, resolves and checks them) and refuses
+        what ``check_change`` refuses (TRL's own correction fields, and any input of the correction once a trainer
+        was built on these args). Python offers no other hook that could refuse an assignment when it is made."""
+        if self.__dict__.get("_rc_constructed", False):
+            check_change(self, name, value)
+        object.__setattr__(self, name, value)
 
     def update_rollout_correction(self, **changes: Any) -> None:
-        """Change several fields at once (they are checked together), e.g.
+        """Change several fields and resolve the correction now (they are checked together), e.g.
         ``args.update_rollout_correction(rollout_rs="token", rollout_rs_threshold=2.0)``: the correction fields,
         the preset, the saved-config path, this package's other fields and the TRL fields the checks depend on. An
-        invalid combination raises and leaves the config as it was."""
+        invalid combination raises and leaves the config as it was. (Assigning the fields one by one works too: they
+        are resolved and checked together when the correction is next read or a trainer is built.)"""
         own = self._rc_own_fields()
         allowed = own | set(self._RC_PLAN_INPUTS)
         unknown = sorted(set(changes) - allowed)
         if unknown:
             also = f" and {', '.join(self._RC_PLAN_INPUTS)}" if self._RC_PLAN_INPUTS else ""
             raise ValueError(f"update_rollout_correction() takes this package's fields{also}; got {unknown}.")
-        for name, value in changes.items():
-            if self._rc_frozen_by is None or getattr(self, name) == value or name == "require_rollout_logprobs":
-                continue  # require_rollout_logprobs is read live by the trainer
-            what = "planned the correction from it" if name in self._RC_PLAN_INPUTS else "resolved the correction"
-            raise AttributeError(
-                f"{name} changed after {self._rc_frozen_by} was built on these args: the trainer {what} at "
-                "construction and would not see the change. Set it before building the trainer (or build a new "
-                "trainer with the changed args).")
         saved = dict(self.__dict__)
-        explicit = dict(self.__dict__.get("_rc_explicit", {}))
-        for name, value in changes.items():
-            object.__setattr__(self, name, value)
-            if name in CORRECTION_FIELDS:
-                if value is None:
-                    explicit.pop(name, None)
-                else:
-                    explicit[name] = value
-        object.__setattr__(self, "_rc_explicit", explicit)
         try:
-            self._check_own_fields()
-            self._apply_correction()
-        except ValueError as error:
-            self.__dict__.clear()
-            self.__dict__.update(saved)
-            if len(changes) == 1:
-                raise ValueError(f"{error} (To change several correction fields together, use "
-                                 "args.update_rollout_correction(field=value, ...).)") from None
-            raise
+            for name, value in changes.items():
+                setattr(self, name, value)
+            resolve_correction(self)
         except Exception:
             self.__dict__.clear()
             self.__dict__.update(saved)
             raise
+
+
+# ---------------------------------------------------------------------- resolution and freezing (plain functions)
+def check_change(args: RolloutCorrectionFields, name: str, value: Any) -> None:
+    """What ``args.<name> = value`` may do after construction: refused where the subclass refuses it
+    (``_refuse_change``: TRL's own correction fields) or where a trainer was built on ``args`` and ``name`` is an
+    input of its correction (this package's fields, the TRL fields the plan depends on) with a new value; otherwise
+    noted in ``args._rc_changed`` when it is an input of the correction (the next :func:`resolve_correction`
+    resolves it).
+
+    Raises:
+        ValueError: ``_refuse_change`` refuses it.
+        AttributeError: a trainer holds the correction resolved from the old value.
+    """
+    args._refuse_change(name, value)
+    if name not in args._rc_own_fields() and name not in args._RC_PLAN_INPUTS:
+        return
+    if name == "require_rollout_logprobs":
+        return  # read live by the trainer, no input of the correction
+    frozen_by = args.__dict__.get("_rc_frozen_by")
+    if frozen_by is None:
+        object.__setattr__(args, "_rc_changed", args.__dict__.get("_rc_changed", frozenset()) | {name})
+    elif getattr(args, name) != value:
+        what = "planned the correction from it" if name in args._RC_PLAN_INPUTS else "resolved the correction"
+        raise AttributeError(
+            f"{name} changed after {frozen_by} was built on these args: the trainer {what} at construction and "
+            "would not see the change. Set it before building the trainer (or build a new trainer with the changed "
+            "args).")
+
+
+def resolve_correction(args: RolloutCorrectionFields) -> RolloutCorrectionConfig:
+    """The correction ``args`` describes, resolved, checked and written back into its flat fields.
+
+    Resolution: ``rollout_correction_config`` (a saved config), else ``rollout_correction_preset``, else the
+    config class's default (``_default_correction``); then every correction field the user set overrides it (a
+    method switched off with ``"none"`` drops the base's settings of it). Run at construction, when
+    ``args.rollout_correction`` is read after a field changed, and by the trainers at construction (before TRL's
+    own ``__init__``) and in :func:`freeze_correction`. Nothing is written unless every check passes.
+
+    Args:
+        args: the config (a :class:`RolloutCorrectionFields` subclass).
+
+    Returns:
+        The resolved correction, frozen (``args.rollout_correction``).
+
+    Raises:
+        ValueError: an invalid field or combination, naming the field and the fix (and the fields changed since the
+            last resolution, if any).
+    """
+    changed = args.__dict__.get("_rc_changed", frozenset())
+    resolved = args.__dict__.get("_rc_resolved")
+    if resolved is not None and not changed:
+        return resolved
+    explicit = dict(args.__dict__.get("_rc_explicit", {}))
+    for name in sorted(changed & set(CORRECTION_FIELDS)):
+        value = getattr(args, name)
+        if value is None:
+            explicit.pop(name, None)  # None: "not set here" again, the base's value
+        else:
+            explicit[name] = value
+    try:
+        if changed:  # at construction _rc_begin_post_init checked them
+            args._check_own_fields()
+        resolved = _resolve(args, explicit)
+        args._check_resolved(resolved)  # raises where it is not exact
+    except ValueError as error:
+        if not changed:
+            raise
+        names = ", ".join(f"args.{name}" for name in sorted(changed))
+        raise ValueError(f"{error} (checked when the correction was resolved again: {names} changed after the "
+                         "config was built.)") from None
+    switched_off = {name for name, value in explicit.items()
+                    if name in SWITCHABLE_OFF and isinstance(value, str) and value in NONE_STRINGS}
+    for name, value in resolved.to_dict().items():
+        if value is None and (name in ("rollout_is", "rollout_rs") or name in switched_off):
+            value = "none"  # written back as set: a YAML of these fields rebuilds the same correction
+        object.__setattr__(args, name, value)
+    object.__setattr__(args, "_rc_explicit", explicit)
+    object.__setattr__(args, "_rc_changed", frozenset())
+    # frozen: a change goes through the flat fields (resolved and checked again), never around them
+    object.__setattr__(args, "_rc_resolved", resolved.frozen(type(args).__name__))
+    return args._rc_resolved
+
+
+def freeze_correction(args: RolloutCorrectionFields, owner: str) -> RolloutCorrectionConfig:
+    """Resolve ``args``' correction (:func:`resolve_correction`) and freeze it: from now on a change to an input of
+    the correction raises, naming ``owner`` (``check_change``). What a trainer calls once it is built.
+
+    Args:
+        args: the config.
+        owner: the trainer's class name.
+
+    Returns:
+        The trainer's own frozen copy of the correction.
+    """
+    resolved = resolve_correction(args)
+    object.__setattr__(args, "_rc_frozen_by", owner)
+    return resolved.frozen(owner)
+
+
+def _resolve(args: RolloutCorrectionFields, given: dict[str, Any]) -> RolloutCorrectionConfig:
+    """The base correction (saved config, else preset, else the default) with the fields in ``given`` over it."""
+    if args.rollout_correction_config:
+        base = RolloutCorrectionConfig.from_pretrained(args.rollout_correction_config).to_dict()
+    elif args.rollout_correction_preset:
+        base = RolloutCorrectionConfig.from_preset(args.rollout_correction_preset).to_dict()
+    else:
+        base = args._default_correction()
+    rollout_rs = none_if_unset(given.get("rollout_rs", base.get("rollout_rs")))
+    explicit = {name: _explicit_value(name, value, rollout_rs) for name, value in given.items()}
+    if is_band_string(explicit.get("rollout_is_threshold")):
+        # verl's IcePop band sets the lower bound and the bound mode itself
+        base["rollout_is_threshold_lower"] = explicit.get("rollout_is_threshold_lower")
+        base["rollout_is_bound"] = explicit.get("rollout_is_bound", "mask")
+    for criterion in CRITERIA:  # a method switched off here drops the base's settings of it not set here
+        for switch, dependents in criterion.switches.items():
+            if switch in explicit and explicit[switch] is None:
+                base.update({name: explicit.get(name, _DEFAULTS[name]) for name in dependents})
+    return RolloutCorrectionConfig(**{**base, **explicit})

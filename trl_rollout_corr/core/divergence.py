@@ -24,7 +24,7 @@ References:
       biased one that agrees with it to second order. No arXiv id.
     * verl's rollout correction (volcengine/verl ``verl/trainer/ppo/rollout_corr_helper.py``,
       ``docs/algo/rollout_corr.md``): the criterion names and the ``"lower_upper"`` k1 bands
-      (``trl_rollout_corr.config.verl_names`` translates verl's spelling).
+      (``trl_rollout_corr.config.compat`` translates verl's spelling).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from trl import GRPOConfig
 from ..config.correction import RolloutCorrectionConfig
 from ..config.fields import RolloutCorrectionFields
 from ..config.server_fields import VllmServerFields
-from ..config.trl_names import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, translate_trl_correction
+from ..config.compat import DEFAULT_TOKEN_MODE, TRL_IS_FIELDS, TRL_MODES, translate_trl_correction
 from ..config.plan import PI_OLD_SOURCES, CorrectionPlan, check_composition, plan_correction
 from ..trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES
 
@@ -23,15 +23,16 @@ _PLAN_INPUTS = ("loss_type", "importance_sampling_level", "pi_old_source", "grad
 class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfig):
     """``GRPOConfig`` plus the rollout-correction fields (flat, CLI/YAML-parsable).
 
-    Resolution order: ``rollout_correction_config`` (a saved config: directory, file or Hub repo id), else
-    ``rollout_correction_preset``, else TRL's own correction as its ``vllm_importance_sampling_*`` fields spell it
-    (unset: TRL 1.16's own default, ``sequence_mask`` with C=3, the ``trl_default`` preset; VESPO, for which TRL
-    accepts only its token modes, TRL's ``token_truncate`` with C=3; see :meth:`_default_correction`); then every
-    correction field
-    set here (not ``None``) overrides it. Use the string ``"none"`` to switch ``rollout_is``/``rollout_rs`` off
-    explicitly. The resolved config is ``args.rollout_correction``; where pi_old comes from and where the correction
-    is computed is ``args.correction_plan()`` (see :mod:`trl_rollout_corr.config.plan`). Every combination that the
-    correction cannot compute exactly fails here, naming the field.
+    Default correction (no preset, no saved config, none of TRL's ``vllm_importance_sampling_*`` fields set): TRL
+    1.16's own, the preset ``trl_default`` (``_RC_DEFAULT_PRESET``: sequence mask, C = 3); for
+    ``loss_type="vespo"``, which TRL allows only its token modes, TRL's ``token_truncate`` with C = 3. TRL's own
+    fields, when set, are translated instead (``trl_rollout_corr.config.compat``) and then read ``False`` / ``None``.
+
+    Resolution order (``trl_rollout_corr.config.fields.resolve_correction``): ``rollout_correction_config``, else
+    ``rollout_correction_preset``, else the default; every correction field set here (not ``None``) overrides it,
+    ``"none"`` switches one off. The result is ``args.rollout_correction``, where pi_old comes from is
+    ``args.correction_plan()``. A combination the correction cannot compute exactly raises ``ValueError`` naming the
+    field: at construction, or for a field assigned later when the correction is next read or the trainer is built.
     """
 
     pi_old_source: str = field(default="auto", metadata={
@@ -41,7 +42,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     truncated_support_correction: bool | None = field(default=None, metadata={
         "help": "Apply top-k/top-p/min-p to the training logits before the ratio with pi_rollout (default: on when "
                 "any of them is set)."})
-    # TRL's own correction, in TRL's spelling: translated into the rollout_* fields (trl_rollout_corr.config.trl_names)
+    # TRL's own correction, in TRL's spelling: translated into the rollout_* fields (trl_rollout_corr.config.compat)
     # and
     # computed by this package; after construction they read False / None (what runs is in the rollout_* fields)
     vllm_importance_sampling_correction: bool | None = field(default=None, metadata={
@@ -70,6 +71,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
 
     _RC_TRL_CONFIG = GRPOConfig
     _RC_PLAN_INPUTS = _PLAN_INPUTS
+    # TRL 1.16's own default correction (docs/trainer.md, "The default correction"; VESPO: _default_correction)
+    _RC_DEFAULT_PRESET = "trl_default"
 
     def __post_init__(self) -> None:
         self._rc_trl_base = self._translate_trl_fields()
@@ -98,11 +101,10 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
             values["vllm_importance_sampling_cap"])
 
     def _default_correction(self) -> dict[str, Any]:
-        """TRL's correction as spelled in TRL's fields; else TRL 1.16's own default (``GRPOConfig``:
-        ``vllm_importance_sampling_correction=True``, mode ``sequence_mask``, ``clip_max`` 3.0), so that swapping
-        in this class with no preset gives exactly TRL's correction. VESPO is the exception: TRL refuses its
-        sequence modes with ``loss_type="vespo"`` (phi takes per-token ratios), so there the default is TRL's
-        ``token_truncate`` mode, C=3 (``DEFAULT_TOKEN_MODE``).
+        """TRL's correction as spelled in TRL's fields; else ``_RC_DEFAULT_PRESET`` (TRL 1.16's own default), so
+        that swapping in this class with no preset gives exactly TRL's correction. VESPO is the exception: TRL
+        refuses its sequence modes with ``loss_type="vespo"`` (phi takes per-token ratios), so there the preset's
+        level and bound are TRL's ``token_truncate`` mode (``DEFAULT_TOKEN_MODE``), C unchanged.
 
         Why TRL's default: the evidence cannot decide yet. The old mismatch benchmark's case for ``token_truncate``
         (T <= 9 tokens, per-token KL 0.14-0.30) does not survive a paired, Holm-corrected analysis and had no
@@ -110,9 +112,11 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
         """
         if self.__dict__.get("_rc_trl_base") is not None:
             return RolloutCorrectionConfig(**self._rc_trl_base).to_dict()
+        token_mode = {}
         if self.loss_type == "vespo":
-            return RolloutCorrectionConfig(**translate_trl_correction(True, DEFAULT_TOKEN_MODE)).to_dict()
-        return RolloutCorrectionConfig(**translate_trl_correction(True)).to_dict()
+            level, bound = TRL_MODES[DEFAULT_TOKEN_MODE]
+            token_mode = dict(rollout_is=level, rollout_is_bound=bound)
+        return RolloutCorrectionConfig.from_preset(self._RC_DEFAULT_PRESET, **token_mode).to_dict()
 
     def _check_own_fields(self) -> None:
         if self.vllm_dtype not in (None, "auto", "float32", "bfloat16", "float16"):

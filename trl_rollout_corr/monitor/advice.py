@@ -59,7 +59,7 @@ class Remedy:
     def config(self) -> Any:
         """The resolved ``RolloutCorrectionConfig`` of the remedy (to tell whether a run already uses it)."""
         from ..config.correction import RolloutCorrectionConfig
-        from ..config.trl_names import TRL_MODES, translate_trl_correction
+        from ..config.compat import TRL_MODES, translate_trl_correction
 
         key, _, value = self.setting.partition("=")
         if key == "vllm_importance_sampling_mode" and value in TRL_MODES:

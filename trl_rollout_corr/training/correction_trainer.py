@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..config.correction import RolloutCorrectionConfig
+from ..config.fields import freeze_correction, resolve_correction
 from ..core.metric_names import metric
 from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
 from ..trl_hooks.grpo_forwards import check_forward_mismatch
@@ -35,13 +36,21 @@ _EMPTY, _MICRO_BATCHES = "loss.empty_micro_batches", "loss.micro_batches"
 
 
 def require_correction_config(args: Any, config_class: type, trainer_name: str) -> None:
-    """``args`` must be a ``config_class`` (TRL's config plus the correction fields): a TypeError naming the fix."""
+    """``args`` must be a ``config_class`` (TRL's config plus the correction fields), and its correction is resolved
+    and checked now, before TRL's trainer reads ``args`` (a field assigned since the config was built takes effect
+    here; an invalid one raises here).
+
+    Raises:
+        TypeError: ``args`` is not a ``config_class``, naming the fix.
+        ValueError: an invalid correction field, naming the field and the fix.
+    """
     if not isinstance(args, config_class):
         trl_name, name = config_class._RC_TRL_CONFIG.__name__, config_class.__name__
         article = "an" if trl_name[0] in "AEIOU" else "a"
         raise TypeError(f"{trainer_name} needs args={name}(...) ({article} {trl_name} subclass with the "
                         f"rollout-correction fields), got {type(args).__name__}. Replace {trl_name} by {name} with "
                         "the same arguments.")
+    resolve_correction(args)
 
 
 def micro_batch_counts(n_kept: torch.Tensor, counted: float | torch.Tensor = 1.0) -> RolloutStats:
@@ -65,11 +74,10 @@ class CorrectionTrainerMixin:
     _RC_ALL_REJECTED_REMEDY = "Loosen rollout_rs_threshold / rollout_token_veto_threshold or check the sampler."
 
     def _rc_freeze(self) -> None:
-        """Hold a frozen copy of the resolved correction (``self.rollout_correction``); a later change to the
-        correction fields of ``args`` raises, naming this trainer."""
-        name = type(self).__name__
-        self.rollout_correction = self.args.rollout_correction.frozen(name)
-        self.args._rc_frozen_by = name
+        """Hold a frozen copy of the resolved correction (``self.rollout_correction``, from
+        :func:`~trl_rollout_corr.config.fields.freeze_correction`); a later change to an input of the correction in
+        ``args`` raises, naming this trainer."""
+        self.rollout_correction = freeze_correction(self.args, type(self).__name__)
 
     def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """Sum / max / min over every process (a batch statistic is global)."""
