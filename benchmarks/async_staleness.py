@@ -29,12 +29,12 @@ import sys
 import tempfile
 import time
 
-from trl_rollout_corr.core.metric_names import metric
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script (sys.path[0] is benchmarks/): the repository root, for benchmarks.stats
-    sys.path.append(_ROOT)
+from benchmarks import mismatch_bench  # noqa: E402
 from benchmarks import stats as paired  # noqa: E402
+from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # variant -> this package's correction fields (None: TRL's own AsyncGRPOTrainer)
 ASYNC_VARIANTS = {
@@ -174,9 +174,7 @@ def main() -> None:
     runs = [(v, s, st) for st in [int(x) for x in a.staleness.split(",")] for v in variants if v != "sync"
             for s in seeds]
     runs = [("sync", s, 0) for s in seeds if "sync" in variants] + runs
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from server_utils import free_port, running_server
-
+    from trl_rollout_corr.testing.server import free_port, running_server
     from trl_rollout_corr.testing.toy_task import build_chat_tokenizer, build_model
 
     port = free_port()
@@ -237,21 +235,9 @@ EQUIVALENCE_MARGIN = 0.05  # TOST margin of "level with TRL's trainer" (chosen a
 ALPHA = 0.05  # family-wise, Holm over every comparison of the table
 
 
-def _stats():
-    """The mismatch benchmark's module (its ``mean_ci``: one definition of the per-row interval)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("mismatch_bench", os.path.join(os.path.dirname(__file__),
-                                                                                 "mismatch_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
     """One row per (variant, max_staleness) with all of ``seeds`` (a partial row is left out): reward mean and 95%
     t-interval, and the paired comparisons of :func:`analyse`."""
-    stats = _stats()
     runs: dict[tuple[str, int], list[dict]] = {}
     for name in sorted(os.listdir(output_dir)):
         if name.endswith(".json"):
@@ -270,7 +256,7 @@ def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
     for (variant, staleness), rs in sorted(runs.items(), key=lambda kv: (kv[0][1] or 4, first.get(kv[0][0], 2),
                                                                          kv[0][0])):
         xs = [r["eval_reward"] for r in rs]
-        mean, half = stats.mean_ci(xs)
+        mean, half = mismatch_bench.mean_ci(xs)  # one definition of the per-row interval
         avg = lambda key, rs=rs: (statistics.fmean(r[key] for r in rs if r.get(key) is not None)  # noqa: E731
                                   if any(r.get(key) is not None for r in rs) else math.nan)
         rows.append(dict(variant=variant, max_staleness=staleness, n_seeds=len(xs), reward_mean=mean,

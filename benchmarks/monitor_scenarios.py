@@ -19,7 +19,10 @@ import subprocess
 import sys
 import time
 
-from trl_rollout_corr.core.metric_names import metric
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # name: (preset, engine kind or None for on-policy, lag)
 SCENARIOS = {
@@ -224,5 +227,4 @@ def replay_main(a) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main(sys.argv[1:])
