@@ -29,12 +29,12 @@ import sys
 import tempfile
 import time
 
-from trl_rollout_corr.core.metric_names import metric
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script (sys.path[0] is benchmarks/): the repository root, for benchmarks.stats
-    sys.path.append(_ROOT)
+from benchmarks import mismatch_bench  # noqa: E402
 from benchmarks import stats as paired  # noqa: E402
+from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # variant -> this package's correction fields (None: TRL's own AsyncGRPOTrainer)
 ASYNC_VARIANTS = {
@@ -59,49 +59,26 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import trl_rollout_corr  # noqa: F401
     from datasets import Dataset
-    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from trl_rollout_corr.testing.toy_task import (build_chat_tokenizer, build_model, held_out_reward,
-                                                   reverse_chat_reward, reverse_prompts, supervised_warmup)
+    from trl_rollout_corr.testing.harness import (HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder,
+                                                 warmed_up_policy)
+    from trl_rollout_corr.testing.toy_task import build_model, reverse_chat_reward, reverse_prompts
 
     hf_logging.set_verbosity_error()
     t0 = time.time()
-    tok = build_chat_tokenizer()
-    model = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2)
-    supervised_warmup(model, tok, steps=90, seed=seed)
-    held_out = reverse_prompts(256, 6, seed=10_000 + 7)
-    evaluator = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2)  # plain attention, for generate
-
-    def policy_reward(m) -> float:
-        evaluator.load_state_dict(m.state_dict())
-        return held_out_reward(evaluator, tok, held_out)
-
-    curve = [(0, policy_reward(model))]
-    logs: list[dict] = []
-
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % eval_every == 0:
-                curve.append((state.global_step, policy_reward(model)))
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                logs_list.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
-
-    logs_list = logs
+    tok, model = warmed_up_policy(seed, num_heads=2, chat=True)
+    evaluator = build_model(HIDDEN_SIZE, NUM_LAYERS, seed=seed, num_heads=2)  # plain attention, for generate
+    recorder = HeldOutRewardRecorder(model, tok, eval_every, evaluator=evaluator)
     prompts = [[{"role": "user", "content": p}] for p in reverse_prompts(steps * 16 + 256, 6, seed=seed)]
-    common = dict(per_device_train_batch_size=64, num_generations=8, max_completion_length=9, max_steps=steps,
-                  learning_rate=3e-4, lr_scheduler_type="constant", adam_beta2=0.99, max_grad_norm=1.0,
-                  temperature=1.0, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-                  dtype="float32", gradient_checkpointing=False, seed=seed, disable_tqdm=True, max_staleness=staleness,
-                  token_budget=-1, vllm_server_base_url=url, weight_sync_steps=1)
+    common = dict(**TOY_GRPO_ARGS, max_steps=steps, logging_steps=10, dtype="float32", seed=seed,
+                  max_staleness=staleness, token_budget=-1, vllm_server_base_url=url, weight_sync_steps=1)
     model_dir = os.environ["ASYNC_BENCH_MODEL_DIR"]  # the path the server serves: TRL's worker asks for it by name
     with tempfile.TemporaryDirectory() as out_dir:
         model.save_pretrained(model_dir)
         tok.save_pretrained(model_dir)
         kwargs = dict(model=model_dir, reward_funcs=reverse_chat_reward, processing_class=tok,
-                      train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Recorder()])
+                      train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[recorder])
         if variant == "trl_as_is":
             from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -118,11 +95,10 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
             args = RolloutCorrAsyncGRPOConfig(output_dir=out_dir, **ASYNC_VARIANTS[variant], **common)
             trainer = RolloutCorrAsyncGRPOTrainer(args=args, **kwargs)
         trainer.train()
-    tail = [r for s, r in curve if s >= 0.8 * steps]
-    mean = lambda k: statistics.fmean(log[k] for log in logs if k in log) if any(k in log for log in logs) else None  # noqa: E731
-    result = {"variant": variant, "seed": seed, "staleness": staleness, "curve": curve,
-              "eval_reward": statistics.fmean(tail), "seconds": time.time() - t0,
-              "dropped": sum(log.get("sample/dropped_stale_total", 0.0) for log in logs),
+    mean = recorder.log_mean
+    result = {"variant": variant, "seed": seed, "staleness": staleness, "curve": recorder.curve,
+              "eval_reward": recorder.tail_reward(steps), "seconds": time.time() - t0,
+              "dropped": sum(log.get("sample/dropped_stale_total", 0.0) for log in recorder.logs),
               "staleness_mean": mean("sample/staleness_mean"), "lag_mean": mean(metric("lag_mean")),
               "kl": mean(metric("kl")), "k3_kl": mean(metric("k3_kl")),
               "ppo_kl": mean("kl")}
@@ -174,9 +150,7 @@ def main() -> None:
     runs = [(v, s, st) for st in [int(x) for x in a.staleness.split(",")] for v in variants if v != "sync"
             for s in seeds]
     runs = [("sync", s, 0) for s in seeds if "sync" in variants] + runs
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from server_utils import free_port, running_server
-
+    from trl_rollout_corr.testing.server import free_port, running_server
     from trl_rollout_corr.testing.toy_task import build_chat_tokenizer, build_model
 
     port = free_port()
@@ -237,21 +211,9 @@ EQUIVALENCE_MARGIN = 0.05  # TOST margin of "level with TRL's trainer" (chosen a
 ALPHA = 0.05  # family-wise, Holm over every comparison of the table
 
 
-def _stats():
-    """The mismatch benchmark's module (its ``mean_ci``: one definition of the per-row interval)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("mismatch_bench", os.path.join(os.path.dirname(__file__),
-                                                                                 "mismatch_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
     """One row per (variant, max_staleness) with all of ``seeds`` (a partial row is left out): reward mean and 95%
     t-interval, and the paired comparisons of :func:`analyse`."""
-    stats = _stats()
     runs: dict[tuple[str, int], list[dict]] = {}
     for name in sorted(os.listdir(output_dir)):
         if name.endswith(".json"):
@@ -270,7 +232,7 @@ def result_rows(output_dir: str, seeds: list[int]) -> list[dict]:
     for (variant, staleness), rs in sorted(runs.items(), key=lambda kv: (kv[0][1] or 4, first.get(kv[0][0], 2),
                                                                          kv[0][0])):
         xs = [r["eval_reward"] for r in rs]
-        mean, half = stats.mean_ci(xs)
+        mean, half = mismatch_bench.mean_ci(xs)  # one definition of the per-row interval
         avg = lambda key, rs=rs: (statistics.fmean(r[key] for r in rs if r.get(key) is not None)  # noqa: E731
                                   if any(r.get(key) is not None for r in rs) else math.nan)
         rows.append(dict(variant=variant, max_staleness=staleness, n_seeds=len(xs), reward_mean=mean,

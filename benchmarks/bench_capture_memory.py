@@ -38,7 +38,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BASELINE = "trl"
 VARIANTS = [BASELINE, "ours", "ours_output_scores"]

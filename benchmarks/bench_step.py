@@ -41,8 +41,8 @@ import tempfile
 import time
 import zlib
 
-# this checkout's package, not the venv's
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASELINE = "trl_vllm_is"
 # the regression check: decoupled mode with one optimizer step per generation batch runs no pi_old forward, so its
 # step must stay well below TRL's, which pays one (issue 38: 0.79x on 2026-11-24, 0.98x at fb6f0b7 single-threaded)
@@ -92,7 +92,7 @@ def run_variant(opts) -> dict:
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
-    from profiling import count_host_syncs
+    from benchmarks.profiling import count_host_syncs
     from trl_rollout_corr.testing.toy_task import build_tokenizer, reverse_prompts
 
     if opts.threads:

@@ -54,11 +54,9 @@ import time
 import traceback
 import zlib
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for path in (HERE, ROOT):  # this checkout's package (PYTHONPATH=repo root on the device), and profiling.py
-    if path not in sys.path:
-        sys.path.insert(0, path)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, ROOT)
 # this check never samples with vLLM: the package's guard then skips looking for it (the device has none)
 os.environ.setdefault("TRL_ROLLOUT_CORR_NO_VLLM", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -285,7 +283,7 @@ def phase_env(result: dict, ctx: Context) -> None:
     from trl_rollout_corr import RolloutCorrGRPOTrainer  # noqa: F401  (the import the device must manage)
     from trl_rollout_corr.rollout.support import KeptMassProbe  # noqa: F401
 
-    import profiling  # noqa: F401
+    from benchmarks import profiling  # noqa: F401
 
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "trl_rollout_corr": trl_rollout_corr.__version__}
@@ -516,7 +514,7 @@ def _step_trainer(ctx: Context, variant: str, length: int, batch: int, steps: in
 def _timed_train(ctx: Context, trainer) -> dict:
     from transformers import TrainerCallback
 
-    from profiling import count_host_syncs
+    from benchmarks.profiling import count_host_syncs
 
     times: list[float] = []
     collected: list[dict] = []

@@ -48,12 +48,11 @@ import subprocess
 import sys
 import time
 
-from trl_rollout_corr.core.metric_names import metric
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script (sys.path[0] is benchmarks/): the repository root, for benchmarks.stats
-    sys.path.append(_ROOT)
 from benchmarks import stats  # noqa: E402
+from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # scenario -> (engine, lag, extra RolloutCorrGRPOConfig fields, on-policy reference)
 SCENARIOS = {
@@ -477,8 +476,7 @@ def export_trace(output_dir: str, scenario: str, method: str, seed: int, path: s
 
 def main(argv: list[str]) -> None:
     if "--map" in argv:  # issue 36 part 1, no training: benchmarks/estimator_map.py takes the other arguments
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from estimator_map import main as estimator_map
+        from benchmarks.estimator_map import main as estimator_map
 
         estimator_map([x for x in argv if x != "--map"])
         return

@@ -93,7 +93,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package and benchmarks/
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(HERE))
 
 # ------------------------------------------------------------------------------------------------ pre-registration
 # Fixed before the first paired run (2026-11-26); the analysis reads only these.
@@ -277,11 +278,8 @@ SMOKE = dict(hidden=32, layers=1, heads=2, n_digits=6, base_steps=3, warmup_step
 
 
 def _stats():
-    try:
-        from benchmarks import stats
-    except ImportError:  # run as a script from elsewhere
-        sys.path.insert(0, HERE)
-        import stats  # type: ignore[no-redef]
+    from benchmarks import stats
+
     return stats
 
 

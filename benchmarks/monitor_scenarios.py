@@ -19,7 +19,10 @@ import subprocess
 import sys
 import time
 
-from trl_rollout_corr.core.metric_names import metric
+if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # name: (preset, engine kind or None for on-policy, lag)
 SCENARIOS = {
@@ -41,40 +44,19 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from datasets import Dataset
-    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
-    from trl_rollout_corr.testing.toy_task import (build_model, build_tokenizer, held_out_reward, reverse_prompts,
-                                                   reverse_reward, supervised_warmup)
+    from trl_rollout_corr.testing.harness import TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
+    from trl_rollout_corr.testing.toy_task import reverse_prompts, reverse_reward
     from trl_rollout_corr.grpo.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
     t0 = time.time()
     preset, engine, lag = SCENARIOS[scenario]
-    tok = build_tokenizer()
-    model = build_model(hidden_size=64, num_layers=2, seed=seed)
-    supervised_warmup(model, tok, steps=90, seed=seed)
-    held_out = reverse_prompts(256, 6, seed=10_000 + 7)
-
-    def policy_reward(m) -> float:
-        return held_out_reward(m, tok, held_out)
-
-    curve = [(0, policy_reward(model))]
-    rows: list[dict] = []
-
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % eval_every == 0:
-                curve.append((state.global_step, policy_reward(model)))
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                row = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                row["step"] = state.global_step
-                rows.append(row)
-
-    callbacks = [Recorder()]
+    tok, model = warmed_up_policy(seed)
+    recorder = HeldOutRewardRecorder(model, tok, eval_every)  # the held-out reward at step 0, then every eval_every
+    callbacks = [recorder]
     if live_logging:
         from trl_rollout_corr import RolloutCorrectionMonitor
 
@@ -82,12 +64,8 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
         callbacks.append(monitor)
     with tempfile.TemporaryDirectory() as out_dir:
         args = RolloutCorrGRPOConfig(
-            output_dir=out_dir, rollout_correction_preset=preset, per_device_train_batch_size=64, num_generations=8,
-            max_completion_length=9, max_steps=steps, learning_rate=3e-4, lr_scheduler_type="constant",
-            adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, temperature=1.0,
-            logging_steps=live_logging or 1,
-            save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,
-            disable_tqdm=True, dataloader_num_workers=0,
+            output_dir=out_dir, rollout_correction_preset=preset, max_steps=steps, loss_type="dapo", beta=0.0,
+            logging_steps=live_logging or 1, seed=seed, dataloader_num_workers=0, **TOY_GRPO_ARGS,
         )
         sampler = EmulatedRolloutEngine(engine, lag=max(lag, 1)) if engine else None
         trainer = RolloutCorrGRPOTrainer(
@@ -105,8 +83,8 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
             return
     with open(out, "w") as f:
         json.dump({"scenario": scenario, "seed": seed, "preset": preset, "engine": engine, "lag": lag,
-                   "bypass": trainer.rollout_correction.bypass_mode, "eval_curve": curve, "rows": rows,
-                   "seconds": time.time() - t0}, f)
+                   "bypass": trainer.rollout_correction.bypass_mode, "eval_curve": recorder.curve,
+                   "rows": recorder.logs, "seconds": time.time() - t0}, f)
 
 
 def record(out_dir: str, scenarios: list[str], seeds: list[int], steps: int, jobs: int) -> None:
@@ -224,5 +202,4 @@ def replay_main(a) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main(sys.argv[1:])

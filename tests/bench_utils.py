@@ -1,21 +1,13 @@
-"""What the benchmark-result and documentation tests share: a benchmark script loaded as a module, and the generated
-blocks of the README and the docs pages (``<!-- marker -->`` ... ``<!-- /marker -->``)."""
+"""What the benchmark-result and documentation tests share: the generated blocks of the README and the docs pages
+(``<!-- marker -->`` ... ``<!-- /marker -->``). A benchmark script is imported as a module of the ``benchmarks``
+package (``from benchmarks import mismatch_bench``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` as a module (the benchmarks folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def doc_files() -> list[Path]:

@@ -13,24 +13,21 @@ from statistics import fmean, stdev
 
 import pytest
 
-from bench_utils import doc_block, load_benchmark
+from bench_utils import doc_block
+from benchmarks import async_staleness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "async_staleness_results.csv")
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
-def bench():
-    return load_benchmark("async_staleness")
-
-
 @pytest.fixture(scope="module")
 def rows():
-    return bench().read_results(RESULTS)
+    return async_staleness.read_results(RESULTS)
 
 
 def test_docs_table_is_generated_from_the_results(rows):
-    assert doc_block("async-table", "docs/async.md") == bench().markdown(rows)
+    assert doc_block("async-table", "docs/async.md") == async_staleness.markdown(rows)
 
 
 def test_trl_s_trainer_at_both_bounds_and_five_seeds_per_row(rows):

@@ -1,11 +1,7 @@
 """benchmarks/bench_step.py's regression check: the printed verdict from given timings (no timing is measured or
 asserted here)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_step  # noqa: E402
+from benchmarks import bench_step
 
 
 def runs(*pairs):

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import csv
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-import estimator_map as em  # noqa: E402
-
-from trl_rollout_corr import RolloutCorrectionConfig  # noqa: E402
+from benchmarks import estimator_map as em
+from trl_rollout_corr import RolloutCorrectionConfig
 
 
 @pytest.fixture
@@ -98,7 +94,7 @@ def test_ess_formula_and_the_small_mismatch_theory():
 
 
 def test_mismatch_bench_map_dispatches_to_the_estimator_map(monkeypatch):
-    import mismatch_bench
+    from benchmarks import mismatch_bench
 
     seen = []
     monkeypatch.setattr(em, "main", seen.append)

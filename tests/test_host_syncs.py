@@ -8,7 +8,6 @@ The counter (benchmarks/profiling.py) sees every blocking call Python code can m
 indexing, ...): a planted one is caught.
 """
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 from test_rollout_func import build, make_rollout_func
 from trl_rollout_corr.testing.toy_task import reverse_reward
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profiling import count_host_syncs  # noqa: E402  (a measuring tool: it patches torch.Tensor while open)
+from benchmarks.profiling import count_host_syncs  # a measuring tool: it patches torch.Tensor while open
 
 STEPS = 4
 

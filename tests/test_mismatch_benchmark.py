@@ -20,23 +20,21 @@ from statistics import fmean, stdev
 
 import pytest
 
-from bench_utils import doc_block, load_benchmark
+import benchmarks.mismatch_train as mt
+from bench_utils import doc_block
+from benchmarks import mismatch_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "mismatch_results.csv")
 
 
-def bench():
-    return load_benchmark("mismatch_bench")
-
-
 @pytest.fixture(scope="module")
 def rows():
-    return bench().read_rows(RESULTS)
+    return mismatch_bench.read_rows(RESULTS)
 
 
 def test_docs_table_and_advice_are_generated_from_the_results(rows):
-    mb = bench()
+    mb = mismatch_bench
     assert doc_block("mismatch-table", "docs/benchmarks.md") == mb.markdown(rows)
     assert doc_block("mismatch-advice", "docs/benchmarks.md") == mb.recommendations(rows)
 
@@ -137,7 +135,6 @@ def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_on
     benchmark's configuration of it) and its scenario; a kind whose scenario confirmed nothing has no remedy."""
     from trl_rollout_corr.monitor import advice
 
-    mt = load_benchmark("mismatch_train")
     confirmed = mt.confirmed_methods()
     assert confirmed == {"S1": [], "S2": ["M3"], "S2L": []}
     assert set(advice.REMEDIES) <= set(advice.SCENARIOS)
@@ -159,7 +156,6 @@ def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
     """The numbers the message quotes are the analysis' own, recomputed from the committed CSV."""
     from trl_rollout_corr.monitor import advice
 
-    mt = load_benchmark("mismatch_train")
     runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.CONFIRM_CSV))
     _, c = mt.analyse_family(runs, list(mt.CONFIRM_SEEDS), "S2", mt.CONFIRM_FAMILY, "C",
                              established=mt.C_GAP_SEEDS_0_9)
@@ -185,7 +181,7 @@ def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
 def test_no_remedy_survives_holm_on_the_old_benchmark(rows):
     """What the monitor and the README drop: the old remedies' Holm p (paired, 33 comparisons) are >= 0.05; the one
     correction that passes on stale4, bypass_m2, was designed after the first results (post hoc): never recommended."""
-    mb = bench()
+    mb = mismatch_bench
     by = {(r["scenario"], r["method"]): r for r in rows}
     assert by[("stale4", "ppo_is_bypass")]["p_holm"] >= 0.05 and by[("wq3", "trl_token_truncate")]["p_holm"] >= 0.05
     assert by[("stale4", "bypass_m2")]["p_holm"] < 0.05 and "bypass_m2" in mb.POST_HOC

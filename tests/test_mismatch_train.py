@@ -7,15 +7,12 @@ from __future__ import annotations
 import csv
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import mismatch_train as mt  # noqa: E402
-from trl_rollout_corr.testing import psum_task  # noqa: E402
+import benchmarks.mismatch_train as mt
+from trl_rollout_corr.testing import psum_task
 
 
 def test_psum_reward_is_the_correct_prefix():

@@ -9,10 +9,8 @@ this package replaces, its client's requests session) and expects TrlInternalsCh
 from __future__ import annotations
 
 import inspect
-import sys
 import re
 from collections import defaultdict
-from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -169,8 +167,7 @@ def test_the_cached_forward_is_handed_over_once_and_only_for_the_same_tensors(tm
 def test_the_cached_forward_is_matched_without_a_host_sync(tmp_path):
     """Two micro-batches: no host sync in the forward matching (torch.equal was one per micro-batch); the log's
     one transfer finds no mismatch."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from profiling import count_host_syncs
+    from benchmarks.profiling import count_host_syncs
 
     t = trainer(tmp_path, preset="decoupled_token_is")
     batch = one_micro_batch(t, ROWS[:8])

@@ -70,13 +70,12 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from datasets import Dataset
-    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
     from ..monitor import RolloutCorrectionMonitor
     from ..rollout.emulated import EmulatedRolloutEngine
-    from ..testing.toy_task import (build_model, build_tokenizer, held_out_reward, reverse_prompts, reverse_reward,
-                                    supervised_warmup)
+    from ..testing.harness import TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
+    from ..testing.toy_task import reverse_prompts, reverse_reward
     from ..grpo.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     hf_logging.set_verbosity_error()
@@ -85,31 +84,9 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
     default_preset, default_stale = VARIANTS.get(variant, (None, True))
     preset = default_preset if preset is None else preset
     stale = default_stale if stale is None else stale
-    tok = build_tokenizer()
     # vLLM's CPU attention needs head size >= 32: 2 heads of 32 instead of 4 of 16 for the real engine
-    model = build_model(hidden_size=64, num_layers=2, seed=seed, num_heads=2 if engine == "vllm" else 4)
-    supervised_warmup(model, tok, steps=90, seed=seed)
-    held_out = reverse_prompts(256, 6, seed=10_000 + 7)  # fixed across seeds and variants
-
-    def policy_reward(m) -> float:
-        return held_out_reward(m, tok, held_out)
-
-    curve = [(0, policy_reward(model))]
-    logs: list[dict] = []
-
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % eval_every == 0:
-                curve.append((state.global_step, policy_reward(model)))
-
-    class LogRecorder(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                logs_copy = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
-                logs_copy["step"] = state.global_step
-                logs_list.append(logs_copy)
-
-    logs_list = logs
+    tok, model = warmed_up_policy(seed, num_heads=2 if engine == "vllm" else 4)
+    recorder = HeldOutRewardRecorder(model, tok, eval_every)  # the held-out reward at step 0, then every eval_every
     with tempfile.TemporaryDirectory() as out_dir:
         vllm_kwargs = {}
         if engine == "vllm":  # the real engine: loads the warmed-up checkpoint, synced every `lag` steps when stale
@@ -119,11 +96,9 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
             vllm_kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32",
                                vllm_gpu_memory_utilization=0.02, vllm_sync_interval=lag if stale else 1)
         args = RolloutCorrGRPOConfig(
-            output_dir=out_dir, rollout_correction_preset=preset, per_device_train_batch_size=64, num_generations=8,
-            max_completion_length=9, max_steps=steps, learning_rate=3e-4, lr_scheduler_type="constant",
-            adam_beta2=0.99, max_grad_norm=1.0, loss_type="dapo", beta=0.0, temperature=1.0, logging_steps=10,
-            save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=seed,
-            disable_tqdm=True, dataloader_num_workers=0, **{**vllm_kwargs, **(config_overrides or {})},
+            output_dir=out_dir, rollout_correction_preset=preset, max_steps=steps, loss_type="dapo", beta=0.0,
+            logging_steps=10, seed=seed, dataloader_num_workers=0,
+            **{**TOY_GRPO_ARGS, **vllm_kwargs, **(config_overrides or {})},
         )
         sampler = EmulatedRolloutEngine(engine, lag=lag) if stale and engine != "vllm" else None
         # warn-only monitor (no stop); the engine's lag is known here: `lag` for a stale engine (emulated, or vLLM
@@ -133,14 +108,13 @@ def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_
         trainer = RolloutCorrGRPOTrainer(
             model=model, reward_funcs=reverse_reward, args=args, processing_class=tok,
             train_dataset=Dataset.from_dict({"prompt": reverse_prompts(steps * 8 + 64, 6, seed=seed)}),
-            callbacks=[Recorder(), LogRecorder(), monitor], rollout_sampler=sampler)
+            callbacks=[recorder, monitor], rollout_sampler=sampler)
         trainer.train()
-    tail = [r for s, r in curve if s >= 0.8 * steps]
+    logs = recorder.logs
     result = {
-        "variant": variant, "seed": seed, "curve": curve, "eval_reward": statistics.fmean(tail),
+        "variant": variant, "seed": seed, "curve": recorder.curve, "eval_reward": recorder.tail_reward(steps),
         "seconds": time.time() - t0,
-        "metrics": {k: statistics.fmean(log[k] for log in logs if k in log) if any(k in log for log in logs) else 0.0
-                    for k in METRICS},
+        "metrics": {k: recorder.log_mean(k, 0.0) for k in METRICS},
         "kl_curve": [(log["step"], log.get(metric("kl"), 0.0)) for log in logs],
         "alerts": [(a["step"], a["alert"]) for a in monitor.alerts],
         "logs": logs,  # every logged row (the monitor's replay input)

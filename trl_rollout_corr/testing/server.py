@@ -1,4 +1,4 @@
-"""Start a vLLM server command for a test module and stop it by its process group, whatever happens."""
+"""Start a vLLM server command (a test module's, a benchmark's) and stop it by its process group, whatever happens."""
 
 from __future__ import annotations
 
