@@ -786,6 +786,7 @@ def load_runs(out: str) -> list[dict]:
 
 RESULTS = os.path.join(HERE, "results")  # the committed results
 MAIN_CSV, CONFIRM_CSV = "mismatch_train_results.csv", "mismatch_train_confirm_results.csv"
+TRUNCATION_CSV = "mismatch_train_truncation_results.csv"  # experiment P (S3)
 
 
 def runs_from_csv(path: str) -> list[dict]:
@@ -806,16 +807,18 @@ def runs_from_csv(path: str) -> list[dict]:
 def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     """Scenario -> the methods the pre-registered analyses of the committed results confirm above TRL's default (M1)
     there: S2 by experiment C (``CONFIRM_FAMILY`` on ``CONFIRM_SEEDS``), S2L by experiment L (``LONG_FAMILY`` on
-    ``LONG_SEEDS``: none ran, its cost check failed), S1 by none (the first family, seeds 0-9, picked no candidate, and
-    a candidate is confirmed only on held-out seeds; no later experiment ran a family in S1). What the monitor's
-    advice (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
+    ``LONG_SEEDS``: none ran, its cost check failed), S3 by experiment P (``P_FAMILY`` on ``P_SEEDS``), S1 by none
+    (the first family, seeds 0-9, picked no candidate, and a candidate is confirmed only on held-out seeds; no later
+    experiment ran a family in S1). What the monitor's advice (``trl_rollout_corr/monitor/advice.py``) may
+    recommend, and nothing else."""
     _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
     if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
         raise NotImplementedError(f"the first family picked {main['candidate']}: analyse its held-out seeds")
     runs = runs_from_csv(os.path.join(results, CONFIRM_CSV))
     _, c = analyse_family(runs, list(CONFIRM_SEEDS), "S2", CONFIRM_FAMILY, "C", established=C_GAP_SEEDS_0_9)
     _, long = analyse_family(runs, list(LONG_SEEDS), "S2L", LONG_FAMILY, "L")
-    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"]}
+    _, trunc = analyse_family(runs_from_csv(os.path.join(results, TRUNCATION_CSV)), list(P_SEEDS), "S3", P_FAMILY, "P")
+    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"]}
 
 
 def score_table(runs: list[dict]) -> dict:
