@@ -136,3 +136,90 @@ def test_batch_shape_sees_a_composition_dependent_forward(tmp_path):
     d = (batched - single)[data["mask"].bool()]
     assert src["batch_shape"]["k3"] == pytest.approx(float((torch.expm1(d) - d).mean()), rel=1e-3)
     assert src["batch_shape"]["k3"] > 1e-6
+
+
+# ---------------------------------------------------------------- the precision copy on a GPU (issue 37 remainder)
+GIB = 1 << 30
+
+
+def _scored_batch(trainer):
+    torch.manual_seed(0)
+    return trainer.score_generation_batch(next(iter(trainer.get_train_dataloader())))
+
+
+def _fake_cuda(monkeypatch, free, total, reserved=0, allocated=0):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+
+
+def test_the_precision_copy_is_built_only_when_it_fits_on_the_device(tmp_path, monkeypatch):
+    """fp32 trainer, bf16 engine: the precision part needs a bf16 copy of the policy. On a CUDA device (faked: the
+    copy's bytes reported on cuda:0, torch.cuda's memory queries monkeypatched) it is built when the copy plus the
+    margin (max(1 GiB, 10% of the device)) fits in what is free (the driver's free plus the allocator's unused
+    reserve), and otherwise skipped with the reason and the way out in the report, the other parts still measured."""
+    from trl_rollout_corr.cli import probe as probe_module
+    from trl_rollout_corr.cli.probe import SourceRescorer, copy_bytes_by_device, engine_dtype_copy, format_sources
+
+    trainer, _ = make_trainer(tmp_path, rollout_sampler=EmulatedRolloutEngine("bf16"), max_completion_length=6)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    # the copy's bytes: what the copy built on the CPU actually holds (independently of the estimate's arithmetic)
+    built = engine_dtype_copy(policy, torch.bfloat16)
+    held = sum(t.numel() * t.element_size() for t in [*built.parameters(), *built.buffers()])
+    need = copy_bytes_by_device(policy, torch.bfloat16)
+    assert need == {torch.device("cpu"): held}
+    assert held == sum(t.numel() * (2 if t.is_floating_point() else t.element_size())
+                       for t in policy.state_dict().values()) + sum(
+        b.numel() * 2 for name, b in policy.named_buffers() if name not in policy.state_dict())
+    del built
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(probe_module, "copy_bytes_by_device", lambda model, dtype: {cuda: held})
+    batch = _scored_batch(trainer)
+    total = 40 * GIB  # margin 4 GiB
+    margin = 4 * GIB
+
+    # one byte short: skipped, never built, the batch shape still measured
+    _fake_cuda(monkeypatch, free=held + margin - 1, total=total)
+    monkeypatch.setattr(probe_module, "engine_dtype_copy", lambda *a: pytest.fail("built a copy that does not fit"))
+    rescorer = SourceRescorer(trainer)
+    out = rescorer(batch)
+    assert "engine_dtype_logps" not in out and "reshaped_logps" in out
+    note = rescorer.describe()["precision_note"]
+    assert note.startswith("not measured: the copy of the model in the engine's dtype needs")
+    assert "cuda:0" in note and "--probe_split false" in note and "vllm_gpu_memory_utilization" in note
+    rescorer(batch)  # the second batch does not try again
+    report_sources = mismatch_by_source(batch["train_logps"], batch["train_logps"], batch["rollout_logps"],
+                                        batch["mask"], out.get("engine_dtype_logps"), out["reshaped_logps"])
+    assert report_sources["precision"] is None and report_sources["batch_shape"] is not None
+    lines = format_sources({"sources": {**report_sources, **rescorer.describe()}})
+    row = next(line for line in lines if "precision (bfloat16)" in line)
+    assert " - " in row and "not measured: the copy" in row
+
+    # exactly enough once the allocator's unused reserve counts as free: built and measured
+    _fake_cuda(monkeypatch, free=held + margin - 2, total=total, reserved=10, allocated=8)
+    monkeypatch.setattr(probe_module, "engine_dtype_copy", engine_dtype_copy)
+    rescorer = SourceRescorer(trainer)
+    out = rescorer(batch)
+    assert rescorer.describe()["precision_note"] is None and rescorer._copy is not None
+    assert out["engine_dtype_logps"].shape == batch["train_logps"].shape
+    assert not torch.equal(out["engine_dtype_logps"], batch["train_logps"].float())  # bf16 moved something
+
+
+def test_the_engine_dtype_copy_is_the_cast_model_and_leaves_the_policy_alone(tmp_path):
+    """The copy built tensor by tensor scores exactly as the whole model deep-copied and then cast (what the probe
+    did before, holding a full-precision copy on the way), and the policy keeps its float32 bits."""
+    from trl_rollout_corr.cli.probe import SourceRescorer, engine_dtype_copy
+
+    trainer, _ = make_trainer(tmp_path, rollout_sampler=EmulatedRolloutEngine("bf16"), max_completion_length=6)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    batch = _scored_batch(trainer)
+    rescorer = SourceRescorer(trainer)
+    size = trainer.args.per_device_train_batch_size
+    new = rescorer._forward(engine_dtype_copy(policy, torch.bfloat16), batch, size, autocast=False)  # (B, T)
+    old = rescorer._forward(copy.deepcopy(policy).to(torch.bfloat16), batch, size, autocast=False)  # (B, T)
+    assert torch.equal(new, old)
+    after = policy.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+    assert {p.data_ptr() for p in policy.parameters()}.isdisjoint(
+        p.data_ptr() for p in engine_dtype_copy(policy, torch.bfloat16).parameters())

@@ -144,12 +144,73 @@ def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return getattr(torch, name)
 
 
+#: free device memory the precision copy must leave for the re-scoring forward's activations and the allocator:
+#: the larger of these bytes and this fraction of the device's memory
+COPY_MARGIN_BYTES = 1 << 30
+COPY_MARGIN_FRACTION = 0.1
+#: the precision part's note for a sharded model (a copy would need the gathered weights)
+SHARDED_NOTE = "not measured: ZeRO-3/FSDP shards the weights; run the probe without sharding"
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s weights are sharded: DeepSpeed ZeRO-3 (parameters carry ``ds_id``) or FSDP2 (DTensors)."""
+    return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def copy_bytes_by_device(model: torch.nn.Module, dtype: torch.dtype) -> dict[torch.device, int]:
+    """The bytes a copy of ``model`` with its floating parameters and buffers cast to ``dtype`` takes, per device
+    (tied weights once; integer buffers at their own size)."""
+    out: dict[torch.device, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:  # both iterators skip a tensor seen before
+        size = torch.empty((), dtype=dtype).element_size() if t.is_floating_point() else t.element_size()
+        out[t.device] = out.get(t.device, 0) + t.numel() * size
+    return out
+
+
+def copy_fits(need: dict[torch.device, int]) -> str | None:
+    """None when a copy needing ``need`` bytes per device fits, else why not (the probe's note). On a CUDA device it
+    must leave ``max(COPY_MARGIN_BYTES, COPY_MARGIN_FRACTION * total)`` free: free is the driver's
+    ``torch.cuda.mem_get_info`` plus what torch's allocator holds unused (reserved - allocated). Other devices
+    (the CPU) are not checked."""
+    gib = float(1 << 30)
+    for device, size in need.items():
+        if device.type != "cuda":
+            continue
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        margin = max(COPY_MARGIN_BYTES, COPY_MARGIN_FRACTION * total)
+        if size + margin > free:
+            return (f"not measured: the copy of the model in the engine's dtype needs {size / gib:.2f} GiB on "
+                    f"{device} and {free / gib:.2f} GiB is free there ({margin / gib:.2f} GiB kept for the "
+                    "forward): skipped rather than run out of memory before training. To measure it, free memory "
+                    "on the device (a lower vllm_gpu_memory_utilization with a colocated vLLM, a device with more "
+                    "memory) or load the model in the engine's dtype (no copy then); --probe_split false skips "
+                    "the split and its forwards")
+    return None
+
+
+def engine_dtype_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` (its instance forwards, hooks and TRL's fused LM head go along) with every floating
+    parameter and buffer cast to ``dtype``, built without a full-precision copy first: each tensor is cast from the
+    original, which keeps its own bits (peak memory: the copy, not the copy plus a copy at the model's dtype)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point():
+            cast = t.detach().to(dtype)
+            memo[id(t)] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(t, torch.nn.Parameter) \
+                else cast
+    return copy.deepcopy(model, memo)
+
+
 class SourceRescorer:
     """Re-scores a scored generation batch with the trainer's own forward (TRL's ``_get_per_token_logps``, the
     fused LM head, the trainer's temperature) twice: (a) in the engine's dtype, weights and compute, autocast off
-    (the policy itself when the engine's dtype is the policy's, else a copy cast to it); (b) at the trainer's own
-    dtype in another batch composition: one sample per forward (the whole batch in reverse order when the trainer
-    already scores one at a time). Not done on a ZeRO-3 or FSDP model (a copy would need the gathered weights)."""
+    (the policy itself when the engine's dtype is the policy's, else a copy cast to it, :func:`engine_dtype_copy`,
+    built only when :func:`copy_fits` says it fits on the device); (b) at the trainer's own dtype in another batch
+    composition: one sample per forward (the whole batch in reverse order when the trainer already scores one at a
+    time). (a) is not done on a ZeRO-3 or FSDP model (a copy would need the gathered weights)."""
 
     def __init__(self, trainer: Any, engine_dtype: str | torch.dtype | None = None) -> None:
         self.trainer = trainer
@@ -161,13 +222,16 @@ class SourceRescorer:
         self.seconds = 0.0
         self._copy: torch.nn.Module | None = None
         self.precision_note: str | None = None
-        if any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in self.model.parameters()):
-            self.precision_note = "a ZeRO-3/FSDP model: not re-scored"
-            self.engine_dtype = None
+        #: "measure" (re-score in the engine's dtype), "same" (the trainer's own forward is that), "skip"
+        self.precision = "measure"
+        if is_sharded(self.model):
+            self.precision_note, self.precision = SHARDED_NOTE, "skip"
         elif self.engine_dtype is None:
+            self.precision = "skip"
             self.precision_note = ("the engine's dtype is unknown (a rollout_func or another sampler): pass "
                                    "--probe_engine_dtype")
         elif self.autocast is None and self.engine_dtype == self.policy_dtype:
+            self.precision = "same"
             self.precision_note = "the trainer computes in the engine's dtype already: nothing to separate"
 
     def _forward(self, model: torch.nn.Module, batch: dict, batch_size: int, order: torch.Tensor | None = None,
@@ -204,17 +268,20 @@ class SourceRescorer:
         start = time.perf_counter()
         out = {}
         size = batch["input_ids"].size(0)
-        if self.engine_dtype is not None and self.precision_note is None:
+        if self.precision == "measure":
             model = self.model
             if self.engine_dtype != self.policy_dtype:
                 if self._copy is None:
-                    import copy
-
-                    self._copy = copy.deepcopy(self.model).to(self.engine_dtype)  # TRL's fused forward goes along
+                    self.precision_note = copy_fits(copy_bytes_by_device(self.model, self.engine_dtype))
+                    if self.precision_note is not None:
+                        self.precision = "skip"
+                    else:
+                        self._copy = engine_dtype_copy(self.model, self.engine_dtype)  # TRL's fused forward too
                 model = self._copy
-            out["engine_dtype_logps"] = self._forward(model, batch, self.trainer.args.per_device_train_batch_size,
-                                                      autocast=False).float()  # (B, T)
-        elif self.engine_dtype is not None:
+            if self.precision == "measure":
+                out["engine_dtype_logps"] = self._forward(model, batch, self.trainer.args.per_device_train_batch_size,
+                                                          autocast=False).float()  # (B, T)
+        elif self.precision == "same":
             out["engine_dtype_logps"] = batch["train_logps"]  # (B, T) the same computation
         if self.trainer.args.per_device_train_batch_size > 1:
             out["reshaped_logps"] = self._forward(self.model, batch, 1)  # (B, T)
