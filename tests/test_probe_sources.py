@@ -223,3 +223,128 @@ def test_the_engine_dtype_copy_is_the_cast_model_and_leaves_the_policy_alone(tmp
     assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
     assert {p.data_ptr() for p in policy.parameters()}.isdisjoint(
         p.data_ptr() for p in engine_dtype_copy(policy, torch.bfloat16).parameters())
+
+
+# ---------------------------------------------------------------- cast_lm_head_to_fp32 (issue 38, F9)
+def _tied_model():
+    from transformers import Qwen2ForCausalLM
+
+    from trl_rollout_corr.testing.toy_task import build_model
+
+    config = build_model(hidden_size=32).config
+    config.tie_word_embeddings = True
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(config)
+
+
+def _reference_logps64(model, backbone_dtype, head_dtype, input_ids, attention_mask, width):
+    """log p(a_t) (B, T) from a plain transformers forward (TRL's patched forwards and hooks dropped): the backbone
+    in ``backbone_dtype``, the logits h W^T computed in ``head_dtype`` (bf16: rounded to bf16, as a bf16 engine's),
+    then taken to float64 for the softmax."""
+    m = copy.deepcopy(model).to(backbone_dtype).eval()
+    for module in m.modules():
+        module.__dict__.pop("forward", None)
+        module._forward_hooks.clear()
+    with torch.no_grad():
+        hidden = m.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, -width - 1:-1]
+        logits = hidden.to(head_dtype) @ model.lm_head.weight.detach().to(backbone_dtype).to(head_dtype).T
+    return torch.log_softmax(logits.double(), -1).gather(-1, input_ids[:, -width:, None]).squeeze(-1)  # (B, T)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cast_lm_head_to_fp32_puts_the_heads_rounding_in_the_precision_part(tmp_path, tied):
+    """A float32 trainer with TRL's cast_lm_head_to_fp32 against a bf16 engine (the policy cast to bf16). The engine
+    computes its logits in bf16; the precision part now re-scores that way (before: the copy projected its head in
+    float32, leaving the head's rounding out). Its k3 is that of a float64 derivation with the head in bf16, and not
+    that of one with a bf16 backbone and a float32 head. Tied embeddings (TRL then also hooks the embedding) too."""
+    # the tied model samples with the float32 policy and states the engine's dtype (--probe_engine_dtype): the
+    # emulated bf16 engine cannot run a tied model under cast_lm_head_to_fp32 (TRL's embedding hook goes along)
+    trainer, _ = make_trainer(tmp_path, model=_tied_model() if tied else None,
+                              rollout_sampler=EmulatedRolloutEngine("none" if tied else "bf16"),
+                              max_completion_length=12, cast_lm_head_to_fp32=True)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert policy.lm_head.weight.dtype == torch.float32
+    torch.manual_seed(0)
+    data = collect(trainer, 1, engine_dtype="bfloat16")
+    src = analyse(data, ())["sources"]
+    assert src["lm_head"].startswith("float32 in the trainer (cast_lm_head_to_fp32), bfloat16")
+    assert "LM head too" in "\n".join(format_report({**analyse(data, ()), "seconds": 0.0}).splitlines())
+    batch = data["batches"][0]
+    width = data["mask"].size(1)
+    args = (batch["input_ids"], batch["attention_mask"], width)
+    fp32 = _reference_logps64(policy, torch.float32, torch.float32, *args)  # (B, T) the trainer
+    valid = data["mask"].bool()
+    assert torch.allclose(data["train_logps"].double()[valid], fp32[valid], atol=1e-5)
+
+    def k3_of(other):
+        d = (fp32 - other)[valid]
+        return float((torch.expm1(d) - d).mean())
+
+    engine = k3_of(_reference_logps64(policy, torch.bfloat16, torch.bfloat16, *args))
+    head_fp32 = k3_of(_reference_logps64(policy, torch.bfloat16, torch.float32, *args))
+    assert abs(engine - head_fp32) > 0.05 * engine  # the head's rounding is a visible part here
+    assert src["precision"]["k3"] == pytest.approx(engine, rel=1e-2)
+    # the policy is untouched: its float32 head is back, TRL's forward with it
+    assert policy.lm_head.weight.dtype == torch.float32
+    if tied:
+        assert policy.lm_head.weight is policy.model.embed_tokens.weight
+
+
+def test_cast_lm_head_to_fp32_on_a_model_in_the_engines_dtype(tmp_path):
+    """A bf16 model under bf16 autocast with cast_lm_head_to_fp32, a bf16 engine: no copy of the model, but the
+    re-scoring still projects the head in bf16 (before: "nothing to separate" in the head, with the policy's float32
+    head). The engine-dtype log-probs are a float64 derivation with everything in bf16; the policy's float32 head
+    object is put back afterwards."""
+    from trl_rollout_corr.testing.toy_task import build_model
+
+    trainer, _ = make_trainer(tmp_path, model=build_model(hidden_size=32).to(torch.bfloat16), bf16=True,
+                              rollout_sampler=EmulatedRolloutEngine("bf16"), max_completion_length=12,
+                              cast_lm_head_to_fp32=True)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    head = policy.lm_head.weight
+    assert head.dtype == torch.float32
+    torch.manual_seed(0)
+    data = collect(trainer, 1)
+    assert data["split"]["lm_head"] is not None and data["split"]["precision_note"] is None
+    batch = data["batches"][0]
+    width = data["mask"].size(1)
+    args = (batch["input_ids"], batch["attention_mask"], width)
+    valid = data["mask"].bool()
+    engine = _reference_logps64(policy, torch.bfloat16, torch.bfloat16, *args)[valid]  # (N,)
+    head_fp32 = _reference_logps64(policy, torch.bfloat16, torch.float32, *args)[valid]  # (N,)
+    got = data["engine_dtype_logps"].double()[valid]
+    assert (got - engine).abs().max() < 0.2 * (head_fp32 - engine).abs().max()
+    assert policy.lm_head.weight is head and head.dtype == torch.float32 and "forward" in policy.__dict__
+
+
+# ---------------------------------------------------------------- ZeRO-3 / FSDP: the row says why it is empty
+def test_a_sharded_model_reports_the_precision_row_as_not_measured(tmp_path, monkeypatch):
+    """ZeRO-3 (parameters with ds_id) and FSDP2 (DTensor parameters) shard the weights, so the probe makes no copy:
+    the precision row is still in the table and the JSON, saying so and what to do; batch shape is measured."""
+    from trl_rollout_corr.cli import probe as probe_module
+    from trl_rollout_corr.cli.probe import SHARDED_NOTE, is_sharded
+
+    assert SHARDED_NOTE == "not measured: ZeRO-3/FSDP shards the weights; run the probe without sharding"
+    zero3 = torch.nn.Linear(2, 2)
+    assert not is_sharded(zero3)
+    zero3.weight.ds_id = 7  # what DeepSpeed ZeRO-3 puts on each parameter
+    assert is_sharded(zero3)
+
+    class DTensor(torch.nn.Parameter):  # FSDP2's parameters are torch.distributed.tensor.DTensor
+        pass
+
+    fsdp = torch.nn.Linear(2, 2)
+    fsdp.weight = DTensor(fsdp.weight.detach())
+    assert is_sharded(fsdp)
+
+    trainer, _ = make_trainer(tmp_path, rollout_sampler=EmulatedRolloutEngine("bf16"), max_completion_length=6)
+    monkeypatch.setattr(probe_module, "is_sharded", lambda model: True)
+    torch.manual_seed(0)
+    report = probe(trainer, 1, ("trl_default",))
+    src = report["sources"]
+    assert src["precision"] is None and src["remainder"] is None and src["precision_note"] == SHARDED_NOTE
+    assert src["engine_dtype"] == "bfloat16" and src["batch_shape"] is not None
+    row = next(line for line in format_report(report).splitlines() if "precision (bfloat16)" in line)
+    assert row.split()[2] == "-" and row.endswith(SHARDED_NOTE)
+    saved = json.load(open(write_report(report, str(tmp_path / "out"))[0]))
+    assert saved["sources"]["precision"] is None and saved["sources"]["precision_note"] == SHARDED_NOTE

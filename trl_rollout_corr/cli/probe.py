@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +205,34 @@ def engine_dtype_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return copy.deepcopy(model, memo)
 
 
+@contextmanager
+def engine_precision_head(model: torch.nn.Module, dtype: torch.dtype, temperature: float):
+    """While open, ``model``'s scoring forward projects its LM head as a ``dtype`` engine does, for a trainer with
+    TRL's ``cast_lm_head_to_fp32`` (which scores with the head in float32, autocast off): TRL's fused head re-installed
+    without the cast (logits = h W^T computed and rounded in the hidden states' dtype, then log-softmaxed in float32),
+    and the head's weight and bias swapped for ``dtype`` copies (the float32 ones are put back, not cast in place).
+    The log-probs then carry the head's rounding, which the precision part of the split attributes."""
+    from ..trl_hooks.grpo import fused_lm_head
+
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: TRL patches the base
+    head = target.get_output_embeddings()
+    saved = {name: p for name, p in head.named_parameters(recurse=False) if name in ("weight", "bias")}
+    forward = target.__dict__.get("forward")
+    try:
+        for name, param in saved.items():
+            if param.dtype != dtype:
+                setattr(head, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
+        fused_lm_head(target, temperature, cast_lm_head_to_fp32=False)
+        yield
+    finally:
+        for name, param in saved.items():
+            setattr(head, name, param)
+        if forward is None:
+            target.__dict__.pop("forward", None)
+        else:
+            target.forward = forward
+
+
 class SourceRescorer:
     """Re-scores a scored generation batch with the trainer's own forward (TRL's ``_get_per_token_logps``, the
     fused LM head, the trainer's temperature) twice: (a) in the engine's dtype, weights and compute, autocast off
@@ -221,7 +250,11 @@ class SourceRescorer:
         self.engine_dtype = _as_dtype(engine_dtype) or probe_engine_dtype(trainer)
         self.seconds = 0.0
         self._copy: torch.nn.Module | None = None
+        self._prepared = False
+        self._engine_head = False
         self.precision_note: str | None = None
+        #: TRL's cast_lm_head_to_fp32: the trainer's head runs in float32, a lower-precision engine's does not
+        self.head_fp32 = bool(getattr(args, "cast_lm_head_to_fp32", False))
         #: "measure" (re-score in the engine's dtype), "same" (the trainer's own forward is that), "skip"
         self.precision = "measure"
         if is_sharded(self.model):
@@ -230,9 +263,34 @@ class SourceRescorer:
             self.precision = "skip"
             self.precision_note = ("the engine's dtype is unknown (a rollout_func or another sampler): pass "
                                    "--probe_engine_dtype")
-        elif self.autocast is None and self.engine_dtype == self.policy_dtype:
+        elif self.autocast is None and self.engine_dtype == self.policy_dtype and not (
+                self.head_fp32 and self.engine_dtype != torch.float32):
             self.precision = "same"
             self.precision_note = "the trainer computes in the engine's dtype already: nothing to separate"
+
+    def _prepare(self) -> None:
+        """Once, before the first engine-dtype forward: whether the model needs a copy in the engine's dtype and the
+        LM head the engine's projection, and whether that fits on the device (:func:`copy_fits`); builds the copy."""
+        self._prepared = True
+        dtype = self.engine_dtype
+        self._engine_head = self.head_fp32 and dtype != torch.float32
+        need: dict[torch.device, int] = {}
+        if dtype != self.policy_dtype:
+            need = copy_bytes_by_device(self.model, dtype)
+        elif self._engine_head:  # the policy itself, with a head in the engine's dtype for the forward
+            head = self.model.get_output_embeddings()
+            for p in head.parameters(recurse=False):
+                need[p.device] = need.get(p.device, 0) + p.numel() * torch.empty((), dtype=dtype).element_size()
+        self.precision_note = copy_fits(need)
+        if self.precision_note is not None:
+            self.precision = "skip"
+        elif dtype != self.policy_dtype:
+            self._copy = engine_dtype_copy(self.model, dtype)  # TRL's fused forward and hooks go along
+            if self.head_fp32:
+                # TRL's cast_lm_head_to_fp32 casts a tied embedding's output back to the model's dtype at
+                # construction; in the copy it must stay in the engine's dtype, as in the engine
+                self._copy.get_input_embeddings().register_forward_hook(
+                    lambda module, args, output: output.to(dtype))
 
     def _forward(self, model: torch.nn.Module, batch: dict, batch_size: int, order: torch.Tensor | None = None,
                  autocast: bool = True) -> torch.Tensor:
@@ -269,18 +327,15 @@ class SourceRescorer:
         out = {}
         size = batch["input_ids"].size(0)
         if self.precision == "measure":
-            model = self.model
-            if self.engine_dtype != self.policy_dtype:
-                if self._copy is None:
-                    self.precision_note = copy_fits(copy_bytes_by_device(self.model, self.engine_dtype))
-                    if self.precision_note is not None:
-                        self.precision = "skip"
-                    else:
-                        self._copy = engine_dtype_copy(self.model, self.engine_dtype)  # TRL's fused forward too
-                model = self._copy
+            if not self._prepared:
+                self._prepare()
             if self.precision == "measure":
-                out["engine_dtype_logps"] = self._forward(model, batch, self.trainer.args.per_device_train_batch_size,
-                                                          autocast=False).float()  # (B, T)
+                model = self._copy if self._copy is not None else self.model
+                head = (engine_precision_head(model, self.engine_dtype, self.trainer.temperature)
+                        if self._engine_head else nullcontext())
+                with head:
+                    out["engine_dtype_logps"] = self._forward(
+                        model, batch, self.trainer.args.per_device_train_batch_size, autocast=False).float()  # (B, T)
         elif self.precision == "same":
             out["engine_dtype_logps"] = batch["train_logps"]  # (B, T) the same computation
         if self.trainer.args.per_device_train_batch_size > 1:
@@ -295,11 +350,14 @@ class SourceRescorer:
 
     def describe(self) -> dict[str, Any]:
         size = self.trainer.args.per_device_train_batch_size
+        engine = str(self.engine_dtype).removeprefix("torch.")
         return {
             "trainer_dtype": str(self.policy_dtype).removeprefix("torch.")
             + (f" + autocast {str(self.autocast).removeprefix('torch.')}" if self.autocast else ""),
             "engine_dtype": None if self.engine_dtype is None else str(self.engine_dtype).removeprefix("torch."),
             "precision_note": self.precision_note,
+            "lm_head": (f"float32 in the trainer (cast_lm_head_to_fp32), {engine} in the re-scoring, as the engine "
+                        "projects it" if self._engine_head else None),
             "batch_shape_composition": (f"one sample per forward against {size}" if size > 1
                                         else "the whole batch in reverse order against one sample per forward"),
             "seconds": self.seconds,
@@ -479,7 +537,9 @@ def format_sources(report: dict[str, Any]) -> list[str]:
                      + ("removed by the trainer's renormalization (not in the share)"
                         if report["truncation"]["applied_by_trainer"] else "kept: the trainer does not renormalize"))
     lines.append(row(f"precision ({engine})", src["precision"],
-                     src["precision_note"] or f"the trainer ({src['trainer_dtype']}) re-scored in {engine}"))
+                     src["precision_note"] or f"the trainer ({src['trainer_dtype']}) re-scored in {engine}"
+                     + (" (LM head too: the trainer's is float32, cast_lm_head_to_fp32)" if src.get("lm_head") else
+                        "")))
     lines.append(row("batch shape", src["batch_shape"], f"the trainer re-scored, {src['batch_shape_composition']}"))
     lines.append(row("remainder", src["remainder"], "kernels, the engine's batch composition, quantization, "
                      "staleness, ... (log rho with the trainer in the engine's dtype)"))
