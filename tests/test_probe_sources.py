@@ -290,22 +290,27 @@ def test_cast_lm_head_to_fp32_puts_the_heads_rounding_in_the_precision_part(tmp_
         assert policy.lm_head.weight is policy.model.embed_tokens.weight
 
 
-def test_cast_lm_head_to_fp32_on_a_model_in_the_engines_dtype(tmp_path):
-    """A bf16 model under bf16 autocast with cast_lm_head_to_fp32, a bf16 engine: no copy of the model, but the
-    re-scoring still projects the head in bf16 (before: "nothing to separate" in the head, with the policy's float32
-    head). The engine-dtype log-probs are a float64 derivation with everything in bf16; the policy's float32 head
-    object is put back afterwards."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_cast_lm_head_to_fp32_on_a_model_in_the_engines_dtype(tmp_path, monkeypatch, tied):
+    """A bf16 model under bf16 autocast with cast_lm_head_to_fp32, a bf16 engine: no copy of the model (tied too,
+    whose embedding TRL made float32 with the head: the model's dtype is read outside the head), but the
+    re-scoring still projects the head in bf16 (before: the policy's float32 head). The engine-dtype log-probs are a
+    float64 derivation with everything in bf16; the policy's float32 head object is put back afterwards."""
+    from trl_rollout_corr.cli import probe as probe_module
     from trl_rollout_corr.testing.toy_task import build_model
 
-    trainer, _ = make_trainer(tmp_path, model=build_model(hidden_size=32).to(torch.bfloat16), bf16=True,
+    model = _tied_model() if tied else build_model(hidden_size=32)
+    trainer, _ = make_trainer(tmp_path, model=model.to(torch.bfloat16), bf16=True,
                               rollout_sampler=EmulatedRolloutEngine("bf16"), max_completion_length=12,
                               cast_lm_head_to_fp32=True)
     policy = trainer.accelerator.unwrap_model(trainer.model)
     head = policy.lm_head.weight
     assert head.dtype == torch.float32
+    monkeypatch.setattr(probe_module, "engine_dtype_copy", lambda *a: pytest.fail("copied a bf16 model"))
     torch.manual_seed(0)
     data = collect(trainer, 1)
     assert data["split"]["lm_head"] is not None and data["split"]["precision_note"] is None
+    assert data["split"]["trainer_dtype"] == "bfloat16 + autocast bfloat16"
     batch = data["batches"][0]
     width = data["mask"].size(1)
     args = (batch["input_ids"], batch["attention_mask"], width)

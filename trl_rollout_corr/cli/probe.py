@@ -158,6 +158,21 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in model.parameters())
 
 
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of most of ``model``'s parameter elements outside its LM head (TRL's ``cast_lm_head_to_fp32`` makes
+    the head, and a tied embedding with it, float32 in a bf16 model); the first parameter's for a model whose
+    parameters hold no elements here (ZeRO-3 shards)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_head = {id(p) for p in head.parameters()} if isinstance(head, torch.nn.Module) else set()
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if id(p) not in in_head:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if counts and max(counts.values()) > 0:
+        return max(counts, key=counts.get)
+    return next(model.parameters()).dtype
+
+
 def copy_bytes_by_device(model: torch.nn.Module, dtype: torch.dtype) -> dict[torch.device, int]:
     """The bytes a copy of ``model`` with its floating parameters and buffers cast to ``dtype`` takes, per device
     (tied weights once; integer buffers at their own size)."""
@@ -244,7 +259,7 @@ class SourceRescorer:
     def __init__(self, trainer: Any, engine_dtype: str | torch.dtype | None = None) -> None:
         self.trainer = trainer
         self.model = trainer.accelerator.unwrap_model(trainer.model)
-        self.policy_dtype = next(self.model.parameters()).dtype
+        self.policy_dtype = model_dtype(self.model)
         args = trainer.args
         self.autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         self.engine_dtype = _as_dtype(engine_dtype) or probe_engine_dtype(trainer)
