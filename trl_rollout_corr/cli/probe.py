@@ -61,7 +61,8 @@ class ProbeArguments:
                 "or the policy's own for transformers generate."})
     probe_split: bool = field(default=True, metadata={
         "help": "Split the mismatch by source: re-score each batch in the engine's dtype and one sample per "
-                "forward (two more forwards per batch, and a copy of the model in the engine's dtype)."})
+                "forward (two more forwards per batch, and a copy of the model in the engine's dtype, made only "
+                "where it fits on the device)."})
 
 
 def collect(trainer: Any, batches: int, split: bool = True, engine_dtype: str | torch.dtype | None = None
