@@ -136,7 +136,7 @@ def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_on
     from trl_rollout_corr.monitor import advice
 
     confirmed = mt.confirmed_methods()
-    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": []}
+    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": []}
     assert set(advice.REMEDIES) <= set(advice.SCENARIOS)
     for kind, scenario in advice.SCENARIOS.items():
         methods = confirmed[scenario]
