@@ -178,6 +178,26 @@ def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
     assert mt.S2_LAG == 8 and mt.HIDDEN == 96 and mt.STEPS_PER_GENERATION == 2
 
 
+def test_the_truncation_advice_is_experiment_ps():
+    """The truncating-sampler advice quotes experiment P's own numbers, recomputed from the committed CSV: the cost of
+    truncation (on_policy - M0), its regime, and that nothing was confirmed above TRL's default."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TRUNCATION_CSV))
+    _, p = mt.analyse_family(runs, list(mt.P_SEEDS), "S3", mt.P_FAMILY, "P")
+    assert p["counts"] and p["confirmed"] == [] and len(p["family"]) == 4
+    gap = p["gap"]
+    e = advice.TRUNCATION_EVIDENCE
+    assert (gap["n"], round(gap["diff"], 3), round(gap["diff_lo"], 3), round(gap["diff_hi"], 3)) == (
+        e["seeds"], e["cost"], e["cost_lo"], e["cost_hi"])
+    m0 = [r for r in runs if (r["scenario"], r["method"]) == ("S3", "M0")]
+    assert f"{fmean(r['kl_token'] for r in m0):.1e}" == f"{e['kl_token']:.1e}"
+    assert round(fmean(r["t_kl"] for r in m0), 2) == e["t_kl"]
+    assert mt.S3_TOP_P == e["top_p"] and mt.HIDDEN == 96
+    text = advice.truncation_advice("top_p=0.9")
+    assert f"{e['cost']} [{e['cost_lo']}, {e['cost_hi']}]" in text and "T = 49" in text
+
+
 def test_no_remedy_survives_holm_on_the_old_benchmark(rows):
     """What the monitor and the README drop: the old remedies' Holm p (paired, 33 comparisons) are >= 0.05; the one
     correction that passes on stale4, bypass_m2, was designed after the first results (post hoc): never recommended."""
