@@ -240,6 +240,12 @@ P_HELD_OUT = tuple(range(50, 55))
 P_ARMS_COST = ("on_policy", "M0")
 P_ARMS = ("M1", "M1p", "M3", "M2")
 P_FAMILY = (("S3", "M1p"), ("S3", "M3"), ("S3", "M2"), ("S3", "M0"))  # each - M1, Holm over these 4
+# Pre-registration 4 (written 2026-11-26 17:25 UTC, after P's analysis of seeds 40-49 and BEFORE any run on seeds
+# 50-54): P confirmed no method, so its held-out seeds were free. The advice P's result supports is "sample the full
+# distribution" (on_policy - M0 counted: +0.055, p 0.0022); it is confirmed on the held-out seeds P_HELD_OUT iff
+# on_policy - M0 there has the same sign (paired t and sign-flip p reported; with 5 seeds the two-sided sign-flip p
+# cannot go below 0.0625). Runs: on_policy and M0 on P_HELD_OUT.
+P_HELD_OUT_ARMS = ("on_policy", "M0")
 
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
@@ -1308,11 +1314,30 @@ def p_candidate(result: dict) -> dict | None:
     return None if best is None else {"scenario": best["scenario"], "method": best["method"], "diff": best["diff"]}
 
 
+def p_cost_held_out(runs: list[dict], seeds: list[int]) -> dict | None:
+    """Pre-registration 4: S3's cost on_policy - M0 on the held-out ``seeds`` (confirmed iff positive, as on P_SEEDS);
+    None with fewer than 2 paired seeds."""
+    common, o, u = paired(score_table(runs), "S3", "on_policy", "M0", seeds)
+    if len(common) < 2:
+        return None
+    row = _stats().compare_paired(o, u)
+    return {**row, "confirmed": row["diff"] > 0}
+
+
 def p_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
-    """Experiment P's held-out check: the candidate - M1 on ``seeds`` (survives iff the same sign)."""
+    """Experiment P's held-out checks: S3's cost (pre-registration 4) and the candidate - M1 on ``seeds`` (survives
+    iff the same sign)."""
+    cost = p_cost_held_out(runs, seeds)
+    head = ("" if cost is None else
+            f"**Held-out seeds** {seeds[0]}-{seeds[-1]}, the cost of truncation (pre-registration 4): on_policy − M0 "
+            f"{cost['diff']:+.4f} [{cost['diff_lo']:+.4f}, {cost['diff_hi']:+.4f}] (n {cost['n']}, paired t p "
+            f"{cost['p']:.3g}, sign-flip p {cost['p_sign_flip']:.3g}): "
+            + ("the same sign: CONFIRMED.\n\n" if cost["confirmed"] else "the sign flips: NOT confirmed.\n\n"))
+    if cost is not None:
+        result["held_out_cost"] = cost
     candidate = p_candidate(result)
     if candidate is None:
-        return "**Held-out seeds**: nothing confirmed, so none ran."
+        return head + "**Held-out family row**: nothing confirmed, so none ran."
     common, x, ref = paired(score_table(runs), "S3", candidate["method"], REFERENCE, seeds)
     if len(common) < 2:
         return f"**Held-out seeds** {seeds[0]}-{seeds[-1]}: {candidate['method']} and M1 not run yet."
@@ -1428,7 +1453,9 @@ def main(argv=None) -> None:
         if a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3
             _, result = analyse_family(load_runs(a.out), analysis_seeds, "S3", P_FAMILY, "P")
             candidate = p_candidate(result)
-            todo = [] if candidate is None else cells(["S3"], [candidate["method"], REFERENCE], seeds, False)
+            todo = cells(["S3"], ["M0"], seeds)  # pre-registration 4: P_HELD_OUT_ARMS
+            if candidate is not None:
+                todo += cells(["S3"], [candidate["method"], REFERENCE], seeds, False)
         else:
             todo = (held_out_cells(a.out, seeds, analysis_seeds) if a.held_out else
                     cells(scenarios, methods, seeds, on_policy=not a.without_on_policy))
