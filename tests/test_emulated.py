@@ -65,3 +65,31 @@ def test_a_stale_engine_keeps_its_snapshots_on_the_cpu(monkeypatch):
     saved = engine.state_dict()["snapshots"]
     assert 1 <= len(saved) <= 3  # at most lag + 1
     assert all(t.device.type == "cpu" for _, state in saved for t in state.values())
+
+
+def test_a_bf16_engine_samples_a_tied_model_under_cast_lm_head_to_fp32(tmp_path):
+    """TRL's cast_lm_head_to_fp32 on a tied model hooks the input embedding to cast its output back to the policy's
+    dtype (fp32); the engine's bf16 copy inherited that hook and failed with a dtype error in its first layer. The
+    copy now runs in bf16 end to end: training steps run, and the engine's log-probs are a bf16 model's (not equal
+    to the fp32 trainer's, a small positive KL)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainer_utils import make_trainer
+    from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
+    from trl_rollout_corr.testing.toy_task import VOCAB
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(VOCAB), hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+        bos_token_id=3))
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    engine = EmulatedRolloutEngine("bf16")
+    trainer, logs = make_trainer(tmp_path, model=model, preset="decoupled_token_is", max_steps=2,
+                                 rollout_sampler=engine, cast_lm_head_to_fp32=True)
+    trainer.train()
+    steps = [log for log in logs.logs if "loss" in log]
+    assert len(steps) == 2
+    assert engine._engine.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert all(0 < log["rollout_corr/kl"] < 1e-2 for log in steps)  # a bf16 engine's mismatch, finite and small

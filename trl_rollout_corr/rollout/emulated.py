@@ -78,10 +78,9 @@ class EmulatedRolloutEngine:
                 engine = self._engine
             engine.load_state_dict(state)  # copies into the engine's device (from the CPU for a stale one)
             del state
-        if self.kind == "bf16":
-            engine = engine.to(torch.bfloat16)
-        elif self.kind == "fp16":
-            engine = engine.to(torch.float16)
+        if self.kind in ("bf16", "fp16"):
+            engine = engine.to(torch.bfloat16 if self.kind == "bf16" else torch.float16)
+            _keep_embedding_output_in(engine, engine.get_input_embeddings().weight.dtype)
         elif self.kind == "int8":
             engine = torch.ao.quantization.quantize_dynamic(engine, {torch.nn.Linear}, dtype=torch.qint8)
         elif self.kind == "wq":
@@ -119,6 +118,17 @@ class EmulatedRolloutEngine:
         if self._engine is None:
             raise RuntimeError("EmulatedRolloutEngine.generate called before sync(policy, step).")
         return self._engine.generate(*args, **kwargs)
+
+
+def _keep_embedding_output_in(engine: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A low-precision copy of a policy whose input embedding carries TRL's ``cast_lm_head_to_fp32`` hook (a tied
+    model: the hook casts the embedding's output back to the *policy's* dtype) would feed fp32 activations to its
+    bf16/fp16 layers: cast them to the engine's dtype after every other hook, once per copy."""
+    embedding = engine.get_input_embeddings()
+    if embedding is None or getattr(embedding, "_rc_engine_dtype_hook", False):
+        return
+    embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
+    embedding._rc_engine_dtype_hook = True
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
