@@ -32,8 +32,18 @@ is the fp32 trainer's, with pi_old = pi_theta (one optimizer step per generation
 policy. TRL's private names are reached here, in a benchmark, as the tests reach them (``tests/test_trl_boundary.py``
 scans the package only).
 
+MoE routing flips (source ``moe``). A tiny Qwen2-MoE (:func:`build_moe_model`: 8 experts, top-2, a shared expert,
+hidden 64, 2 layers, 280k parameters) trained as the dense model (the same 150 supervised steps, the same 64
+on-policy steps) is the trainer; its engine is a copy whose routers flip a share q of the (token, layer) routings
+(q = 0, the control, and 1%, 2%, 5%: the weakest chosen expert replaced by the next-ranked one, :class:`RoutingFlips`),
+the routing mismatch of arXiv:2510.11370 (Routing Replay, R3) and arXiv:2510.18855 (IcePop). Each cell reports the
+measured share of routings whose expert set differs between the engine's sampling and the trainer's forward on the
+same tokens (``routing_flip``: the injected flips and what they change downstream) and, as every source, the
+measured per-token KL. The MoE cells have their own g* and V_on (the MoE model's on-policy gradient).
+
 Run: ``python benchmarks/estimator_map.py --out DIR`` (or ``python benchmarks/mismatch_bench.py --map --out DIR``);
-``--smoke`` for one T, one source, one level, 2 batches.
+``--smoke`` for one T, one source, one level, 2 batches (``--smoke --sources moe``: one MoE cell);
+``--sources moe --append`` adds cells to OUT's CSV, replacing only the (T, source) pairs it measures.
 """
 
 from __future__ import annotations
@@ -212,6 +222,112 @@ class Engine:
                 st[0], st[1] = out.past_key_values, out.logits[:, -1]  # (rows, V)
         partner_ys = torch.cat(pys, 1) if partner is not None else None  # (N, T)
         return torch.cat(ys, 1), torch.cat(lps, 1), partner_ys  # (N, T), (N, T), (N, T)
+
+
+# ---------------------------------------------------------------- MoE routing flips
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+MOE_FLIP_RATES = (0.01, 0.02, 0.05)  # the share of (token, layer) routings the engine changes
+
+
+def build_moe_model(hidden: int = 64, layers: int = 2, seed: int = 0, max_len: int = 1100):
+    """A tiny Qwen2-MoE (``Qwen2MoeForCausalLM``, built locally): ``MOE_EXPERTS`` routed experts of width ``hidden``
+    (top-``MOE_TOP_K``, routing weights the chosen experts' softmax probabilities, Qwen2-MoE's default
+    ``norm_topk_prob=False``) plus a gated shared expert of width ``hidden`` in every layer; the same vocabulary,
+    attention and task as :func:`build_model`."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=4 * hidden,
+                         moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
+                         num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, decoder_sparse_step=1,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=max_len, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=3)
+    return Qwen2MoeForCausalLM(cfg).eval()
+
+
+def routers(model) -> list[torch.nn.Module]:
+    """The model's top-k routers (modules returning (router logits, routing weights, expert indices))."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+class RoutingFlips:
+    """The engine's routing differs from the trainer's: at each (token, layer) routing, with probability ``rate``
+    (its own generator), the k-th chosen expert (the weakest of the top-k) is replaced by the (k+1)-th ranked one
+    and the routing weights are re-read from the router's probabilities: the near-tie flip that a different kernel,
+    precision or batch composition produces in an inference engine (Routing Replay / R3, arXiv:2510.11370; IcePop,
+    arXiv:2510.18855). Forward hooks on every router of ``model`` (the engine's own copy)."""
+
+    def __init__(self, model, rate: float, seed: int = 0):
+        self.rate, self.flipped, self.routed = rate, 0, 0
+        self.gen = torch.Generator().manual_seed(seed)
+        self.handles = [r.register_forward_hook(self.hook) for r in routers(model)]
+
+    def hook(self, module, args, out):
+        logits, _, idx = out  # (n, E), (n, k), (n, k)
+        probs = logits.float().softmax(-1)  # (n, E)
+        k = idx.size(1)
+        ranked = probs.topk(k + 1, dim=-1).indices  # (n, k+1)
+        flip = torch.rand(idx.size(0), generator=self.gen).to(idx.device) < self.rate  # (n,)
+        idx = idx.clone()  # (n, k)
+        idx[:, k - 1] = torch.where(flip, ranked[:, k], idx[:, k - 1])  # (n, k)
+        weights = probs.gather(1, idx)  # (n, k)
+        if module.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)  # (n, k)
+        self.flipped += int(flip.sum())
+        self.routed += idx.size(0)
+        return logits, weights.to(logits.dtype), idx
+
+
+class RouteRecorder:
+    """Records every router call's chosen experts, per layer: ``calls[layer]`` = list of (rows, positions, k)."""
+
+    def __init__(self, model):
+        self.calls: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.handles = []
+        for i, r in enumerate(routers(model)):
+            self.handles.append(r.register_forward_hook(
+                lambda mod, args, out, i=i: self.calls[i].append((args[0].shape[:-1], out[2]))))
+
+    def sets(self, rows: int) -> torch.Tensor:
+        """The chosen expert sets, (layers, rows, positions, k) sorted, positions concatenated over the calls."""
+        per_layer = []
+        for i in sorted(self.calls):
+            parts = [idx.view(rows, -1, idx.size(-1)) for _, idx in self.calls[i]]  # (rows, S, k) each
+            per_layer.append(torch.cat(parts, 1).sort(-1).values)  # (rows, positions, k)
+        return torch.stack(per_layer)  # (L, rows, positions, k)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def moe_flip_engine(model, rate: float, seed: int = 0) -> Engine:
+    eng = copy.deepcopy(model).eval()
+    engine = Engine(eng)
+    engine.flips = RoutingFlips(eng, rate, seed)
+    return engine
+
+
+@torch.no_grad()
+def measure_routing_flips(engine: Engine, model, T: int, n: int, seed: int) -> float:
+    """The share of (token, layer) routings where the engine's chosen expert set differs from the trainer's on the
+    same tokens (the engine's samples, re-read by the trainer's full forward): the injected flips plus what they
+    change downstream."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = prompt_ids(prompt_digits(n, gen))  # (n, P)
+    rec_e = RouteRecorder(engine.model)
+    try:
+        comp, _, _ = engine.sample(prompts, T, gen)  # (n, T)
+    finally:
+        rec_e.remove()
+    rec_t = RouteRecorder(model)
+    try:
+        model(input_ids=torch.cat([prompts, comp], 1))
+    finally:
+        rec_t.remove()
+    e, t = rec_e.sets(n), rec_t.sets(n)  # (L, n, P+T, k) each
+    return (e != t).any(-1).float().mean().item()
 
 
 # ---------------------------------------------------------------- the trainer's forward and the lm_head gradient
@@ -584,9 +700,10 @@ def stale_checkpoints(model, steps: int, T: int, target_step_kl: float = 1e-3, s
 
 
 def write_csv(rows: list[dict], path: str) -> None:
-    keys = list(rows[0])
+    """Every key of any row is a column (a row without it: empty), floats to 6 significant digits."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=keys, restval="")
         w.writeheader()
         for r in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
@@ -598,7 +715,7 @@ def read_csv(path: str) -> list[dict]:
     for r in rows:
         for k, v in r.items():
             if k not in ("source", "level", "method"):
-                r[k] = float(v)
+                r[k] = float(v) if v != "" else math.nan
     return rows
 
 
@@ -613,6 +730,11 @@ def _table(rows: list[dict], cells: list, methods: list[str], value) -> list[str
     return lines
 
 
+def flips(row: dict) -> str:
+    value = row.get("routing_flip", math.nan)
+    return "" if value == "" or value is None or math.isnan(value) else f"{value:.3g}"
+
+
 def markdown(rows: list[dict]) -> str:
     """The cells (KL, T*KL, ESS against theory, the best methods), then one table per measure, method by method."""
     cells = list(dict.fromkeys((r["T"], r["source"], r["level"]) for r in rows))
@@ -620,7 +742,8 @@ def markdown(rows: list[dict]) -> str:
     by = {(r["T"], r["source"], r["level"], r["method"]): r for r in rows}
     out = ["### Cells", "",
            "| T | source | level | KL k3 | KL k1 | T*KL | max abs log rho | raw seq-weight ESS | exp(-2 T KL) | "
-           "coupled tokens equal | on-policy SNR | lowest MSE | highest bias^2 |", "|---" * 13 + "|"]
+           "coupled tokens equal | on-policy SNR | routings flipped | lowest MSE | highest bias^2 |",
+           "|---" * 14 + "|"]
     for key in cells:
         rs = [by[(*key, m)] for m in methods if (*key, m) in by]
         r0 = rs[0]
@@ -628,8 +751,8 @@ def markdown(rows: list[dict]) -> str:
         worst = max(rs, key=lambda r: r["bias2"])
         out.append(f"| {key[0]:g} | {key[1]} | {key[2]} | {r0['kl_k3']:.2g} | {r0['kl_k1']:.2g} | {r0['t_kl']:.3g} | "
                    f"{r0['max_abs_log_rho']:.2g} | {r0['ess_seq_raw']:.3g} | {r0['ess_seq_theory']:.3g} | "
-                   f"{r0['coupled_same']:.3g} | {r0['snr_on']:.2g} | {best['method']} ({best['mse']:.3g}) | "
-                   f"{worst['method']} ({worst['bias2']:.2g}) |")
+                   f"{r0['coupled_same']:.3g} | {r0['snr_on']:.2g} | {flips(r0)} | "
+                   f"{best['method']} ({best['mse']:.3g}) | {worst['method']} ({worst['bias2']:.2g}) |")
     measures = [
         ("MSE E||g - g*||^2 / V_on (= relvar + bias^2; the uncorrected estimator on on-policy batches: 1)",
          lambda r: f"{r['mse']:.3g}"),
@@ -681,8 +804,9 @@ def summarize(rows: list[dict], out: str, plot_too: bool) -> None:
         plot(rows, os.path.join(out, "estimator_map.png"))
 
 
-def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False):
-    model = build_model(hidden=32, layers=1, seed=seed) if small else build_model(seed=seed)
+def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False, moe: bool = False):
+    build = build_moe_model if moe else build_model
+    model = build(hidden=32, layers=1, seed=seed) if small else build(seed=seed)
     supervised_warmup(model, warmup_steps, T=32, seed=seed)
     return model
 
@@ -709,45 +833,92 @@ def sources(model, ckpts, heavy_scales, smoke: bool):
     yield "truncation", "top_k8", Engine(model, "top_k", 8)
 
 
+def moe_sources(model, smoke: bool, seed: int):
+    """(level label, flip rate, engine): the MoE trainer's own engine (no flip, the control) and one engine per flip
+    rate (its own flip generator, seeded per T and level)."""
+    rates = MOE_FLIP_RATES[-1:] if smoke else (0.0, *MOE_FLIP_RATES)
+    for j, rate in enumerate(rates):
+        yield f"flip{rate:g}", rate, (moe_flip_engine(model, rate, seed + j) if rate else Engine(model))
+
+
+def run_moe(trl: TrlLoss, moe, T: int, n_batches: int, pkg: dict, smoke: bool) -> list[dict]:
+    """The MoE source's cells at one T, with their own on-policy gradient (the MoE model's; its V_on is the unit)."""
+    on_policy, rows = OnPolicy(), []
+    for j, (level, rate, engine) in enumerate(moe_sources(moe, smoke, seed=T * 100 + 50)):
+        t1 = time.time()
+        measured = measure_routing_flips(engine, moe, T, n=16 if smoke else 64, seed=T * 100 + 70 + j)
+        cell = run_cell(trl, moe, engine, T, n_batches, pkg, T * 100 + 50 + j, on_policy)
+        rows += [dict(T=T, source="moe", level=level, **r, routing_flip=measured, routing_flip_asked=rate)
+                 for r in cell]
+        print(f"T={T} moe {level}: routings flipped {measured:.3g} (asked {rate:g}); KL k3 {cell[0]['kl_k3']:.3g} "
+              f"T*KL {cell[0]['t_kl']:.3g} ({time.time() - t1:.0f} s)", flush=True)
+    on = on_policy.finish()
+    finish_rows(rows, on)
+    print(f"T={T} moe: on-policy ||g*||^2 / V_on = {on['g_star_sq'] / on['v_on']:.3g} from {on['n_on']} batches",
+          flush=True)
+    return rows
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``--append``: the new rows replace the old ones of the same (T, source); the rest of ``old`` is kept."""
+    replaced = {(float(r["T"]), r["source"]) for r in new}
+    return [r for r in old if (float(r["T"]), r["source"]) not in replaced] + new
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/estimator_map")
     p.add_argument("--lengths", default="8,64,256", help="completion lengths T")
     p.add_argument("--batches", default="16,12,6", help="batches of 64 per cell, per T (one value: every T)")
-    p.add_argument("--sources", default=None, help="comma-separated subset of the sources (default: all)")
+    p.add_argument("--sources", default=None, help="comma-separated subset of the sources (default: all; the MoE "
+                   "routing flips are 'moe')")
     p.add_argument("--warmup_steps", type=int, default=150)
     p.add_argument("--stale_steps", type=int, default=64)
     p.add_argument("--smoke", action="store_true", help="one T (8), one source, one level, 2 batches")
+    p.add_argument("--append", action="store_true", help="merge into OUT's CSV: rows of the (T, source) pairs this "
+                   "run measures are replaced, the others kept")
     p.add_argument("--summarize", action="store_true", help="only rewrite the tables and the plot from OUT's CSV")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core machine)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    csv_path = os.path.join(a.out, "estimator_map.csv")
     if a.summarize:
-        rows = read_csv(os.path.join(a.out, "estimator_map.csv"))
+        rows = read_csv(csv_path)
         summarize(rows, a.out, plot_too=True)
         return rows
     if a.smoke:
         a.lengths, a.batches, a.warmup_steps, a.stale_steps = "8", "2", 5, 0
     os.makedirs(a.out, exist_ok=True)
+    wanted = a.sources.split(",") if a.sources else None
+    dense = wanted is None or any(s != "moe" for s in wanted)
     t0 = time.time()
     model = build_trainer_model(a.warmup_steps, small=a.smoke)
     ckpts, stale_lr = [], float("nan")
-    if a.stale_steps:
+    if a.stale_steps and dense:
         stale_lr, ckpts = stale_checkpoints(model, a.stale_steps, T=32)
         model.load_state_dict(ckpts[-1])  # the trainer is the end of the short on-policy training
     heavy = (calibrate_heavy(model, TARGET_KLS[-1:], T=8, n=16, rounds=1) if a.smoke
-             else calibrate_heavy(model, TARGET_KLS))
-    print(f"setup {time.time() - t0:.0f} s; stale lr {stale_lr:.3g}; heavy scales {heavy}", flush=True)
+             else calibrate_heavy(model, TARGET_KLS)) if dense else {}
+    moe, moe_lr = None, float("nan")
+    if (wanted is None and not a.smoke) or (wanted and "moe" in wanted):
+        # trained as the dense model: the same supervised warm-up, the same on-policy steps
+        moe = build_trainer_model(a.warmup_steps, small=a.smoke, moe=True)
+        if a.stale_steps:
+            moe_lr, moe_ckpts = stale_checkpoints(moe, a.stale_steps, T=32)
+            moe.load_state_dict(moe_ckpts[-1])
+            del moe_ckpts
+    print(f"setup {time.time() - t0:.0f} s; stale lr {stale_lr:.3g}; heavy scales {heavy}; MoE on-policy lr "
+          f"{moe_lr:.3g}", flush=True)
     pkg = package_methods()
+    old = read_csv(csv_path) if a.append and os.path.isfile(csv_path) else []
     rows = []
     lengths = [int(x) for x in a.lengths.split(",")]
     counts = [int(x) for x in a.batches.split(",")]
     batches = dict(zip(lengths, counts if len(counts) == len(lengths) else counts[:1] * len(lengths)))
-    wanted = a.sources.split(",") if a.sources else None
     for T in lengths:
         trl = TrlLoss(model, T, os.path.join(a.out, "trl"))
         on_policy, t_rows, t_start = OnPolicy(), [], time.time()
-        for i, (source, level, engine) in enumerate(sources(model, ckpts, heavy, a.smoke)):
+        for i, (source, level, engine) in enumerate(sources(model, ckpts, heavy, a.smoke) if dense else ()):
             if wanted and source not in wanted:
                 continue
             t1 = time.time()
@@ -755,12 +926,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             t_rows += [dict(T=T, source=source, level=level, **r) for r in cell]
             print(f"T={T} {source} {level}: KL k3 {cell[0]['kl_k3']:.3g} T*KL {cell[0]['t_kl']:.3g} "
                   f"({time.time() - t1:.0f} s)", flush=True)
-        on = on_policy.finish()
-        finish_rows(t_rows, on)
+        if t_rows:
+            on = on_policy.finish()
+            finish_rows(t_rows, on)
+            print(f"T={T}: {time.time() - t_start:.0f} s; on-policy ||g*||^2 / V_on = "
+                  f"{on['g_star_sq'] / on['v_on']:.3g} from {on['n_on']} batches", flush=True)
+        if moe is not None:
+            t_rows += run_moe(trl, moe, T, batches[T], pkg, a.smoke)
         rows += t_rows
-        print(f"T={T}: {time.time() - t_start:.0f} s; on-policy ||g*||^2 / V_on = {on['g_star_sq'] / on['v_on']:.3g}"
-              f" from {on['n_on']} batches", flush=True)
-        write_csv(rows, os.path.join(a.out, "estimator_map.csv"))
+        write_csv(merge_rows(old, rows), csv_path)
+    rows = merge_rows(old, rows)
     summarize(rows, a.out, plot_too=not a.smoke)
     print(f"total {time.time() - t0:.0f} s")
     return rows

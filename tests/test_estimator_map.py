@@ -132,3 +132,36 @@ def test_coupled_sampling_keeps_each_distribution_and_the_bias_units():
     em.finish_rows([row], {"v_on": 2.0, "g_star_sq": 4.0, "n_on": 10})
     assert (row["relvar"], row["bias2"], row["mse"], row["bias_rel"], row["norm_ratio"]) == (2.0, 0.5, 2.5, 0.5, 1.5)
     assert row["breakeven_batch"] == em.BATCH * 2.0 / 0.5 and row["snr_on"] == 2.0
+
+
+def test_moe_routing_flips_at_the_requested_rate(one_thread):
+    """The MoE engine's routings differ from the trainer's at the requested rate, measured independently: every
+    router's chosen expert set recorded in the engine's KV-cache sampling and in the trainer's full forward over the
+    same tokens, compared (L x rows x positions routings). Rate 0: the engine is the trainer (no routing differs,
+    log-probs equal); rate 0.1: 10% +- 3 s.e. differ, and the engine's log-probs move."""
+    moe = em.build_moe_model(hidden=32, layers=2)
+    em.supervised_warmup(moe, 5, T=8)
+    assert len(em.routers(moe)) == 2
+    n, T = 64, 8
+    routings = 2 * n * (T + em.N_PROMPT_DIGITS + 2)  # layers x rows x (prompt + completion) positions
+    exact = em.moe_flip_engine(moe, 0.0)
+    assert em.measure_routing_flips(exact, moe, T, n, seed=1) == 0.0
+    flip = em.moe_flip_engine(moe, 0.1, seed=2)
+    measured = em.measure_routing_flips(flip, moe, T, n, seed=1)
+    se = math.sqrt(0.1 * 0.9 / routings)
+    assert abs(measured - 0.1) < 3 * se, (measured, se)
+    gen = torch.Generator().manual_seed(4)
+    prompts = em.prompt_ids(em.prompt_digits(n, gen))  # (n, P)
+    comp, elp, _ = exact.sample(prompts, T, gen)  # (n, T)
+    torch.testing.assert_close(elp, em.trainer_forward(moe, prompts, comp).logp, atol=1e-5, rtol=0)
+    comp, elp, _ = flip.sample(prompts, T, gen)  # (n, T)
+    assert (elp - em.trainer_forward(moe, prompts, comp).logp).abs().max() > 1e-4
+
+
+def test_smoke_run_of_the_moe_source(tmp_path, one_thread):
+    rows = em.main(["--smoke", "--sources", "moe", "--out", str(tmp_path)])
+    assert {r["source"] for r in rows} == {"moe"} and {r["level"] for r in rows} == {"flip0.05"}
+    assert all(0 < r["routing_flip"] < 0.15 and r["routing_flip_asked"] == 0.05 for r in rows)
+    assert all(math.isfinite(r["mse"]) for r in rows)
+    again = em.merge_rows(em.read_csv(str(tmp_path / "estimator_map.csv")), [dict(rows[0], level="x")])
+    assert [r["level"] for r in again] == ["x"]  # --append replaces the (T, source) rows it measures
