@@ -41,6 +41,20 @@ measured share of routings whose expert set differs between the engine's samplin
 same tokens (``routing_flip``: the injected flips and what they change downstream) and, as every source, the
 measured per-token KL. The MoE cells have their own g* and V_on (the MoE model's on-policy gradient).
 
+Sizes (``--size``, :data:`SIZES`; ``--device cpu`` or ``cuda``). ``cpu`` (the default, the committed results): the
+model above, hidden 64, 2 layers, vocabulary 256, ~0.16M parameters, fp32, T = 8 / 64 / 256 (1024 with
+``--lengths``), 16 / 12 / 6 batches. ``gpu``: a Qwen2.5-0.5B-shaped Qwen2 (``Qwen2Config``: hidden 896, 24 layers, 14
+attention heads, 2 KV heads, intermediate 4864, vocabulary 151,936 of which the task uses the first 256, tied
+embeddings, rope theta 1e6; 494,032,768 parameters), random weights built locally (nothing downloaded), trained in
+fp32 as the CPU model is (150 supervised steps, 64 on-policy steps; only the checkpoints of lags 1/4/16/64 kept),
+then cast to bf16: the trainer is bf16, its precision engines fp16 and fp32; T = 512 / 1024 / 2048 / 4096, 4 / 3 /
+2 / 2 batches per cell; the MoE source stays at the CPU size. Memory: the trainer's forward runs one sequence at a
+time through the base model and lm_head (no (B, P+T, V) logits tensor), the measured gradient is that of the
+lm_head rows of the task's 256 tokens (the whole lm_head at the CPU size), in chunks of 8192 tokens; sampling 64
+rows at a time; TRL's loss on the CPU. ``gpu_toy``: the same code path at toy size (hidden 32, 1 layer, vocabulary
+1024, bf16), what the CPU test runs. ``python benchmarks/estimator_map.py --device cuda --size gpu --out DIR`` has
+NOT been run on a GPU (no GPU in the session that wrote it): its run time and memory are not measured.
+
 Run: ``python benchmarks/estimator_map.py --out DIR`` (or ``python benchmarks/mismatch_bench.py --map --out DIR``);
 ``--smoke`` for one T, one source, one level, 2 batches (``--smoke --sources moe``: one MoE cell);
 ``--sources moe --append`` adds cells to OUT's CSV, replacing only the (T, source) pairs it measures.
@@ -74,6 +88,25 @@ TRL_C = 3.0
 M2_TAU = 0.04
 TARGET_KLS = (3e-4, 3e-3, 3e-2)
 
+#: Qwen2.5-0.5B's shape (its config.json): random weights, built locally, nothing downloaded
+QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151_936, max_len=32_768,
+                  rope_theta=1e6)
+#: ``--size``: the trainer model (``model``: None is :func:`build_model`'s; a dict is :func:`build_sized_model`'s), its
+#: dtype, the default lengths and batches per cell, and the memory chunks: rows per trainer forward (``fwd_rows``,
+#: None: the whole batch at once, its hidden states read by a hook), tokens per gradient chunk (``grad_tokens``) and
+#: rows per sampling call (``sample_rows``). ``gpu_toy`` runs ``gpu``'s code path at toy size (the CPU smoke test):
+#: bf16, tied embeddings, a model vocabulary larger than the task's, chunked forward and gradient.
+SIZES = {
+    "cpu": dict(model=None, dtype=torch.float32, lengths="8,64,256", batches="16,12,6", fwd_rows=None,
+                grad_tokens=None, sample_rows=512),
+    "gpu": dict(model=QWEN25_05B, dtype=torch.bfloat16, lengths="512,1024,2048,4096", batches="4,3,2,2",
+                fwd_rows=1, grad_tokens=8192, sample_rows=64),
+    "gpu_toy": dict(model=dict(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, vocab=1024, max_len=1100,
+                               rope_theta=1e6), dtype=torch.bfloat16, lengths="16", batches="2", fwd_rows=16,
+                    grad_tokens=100, sample_rows=64),
+}
+CHUNKS = SimpleNamespace(fwd_rows=None, grad_tokens=None, sample_rows=512)  # set by main from --size
+
 
 # ---------------------------------------------------------------- task and model
 def build_tokenizer():
@@ -98,14 +131,43 @@ def build_model(hidden: int = 64, layers: int = 2, seed: int = 0, max_len: int =
     return model
 
 
+def build_sized_model(spec: dict, seed: int = 0):
+    """A Qwen2 model of ``spec``'s shape (:data:`SIZES`; tied input and output embeddings, as Qwen2.5-0.5B), random
+    weights; the task's tokens are its first ``len(VOCAB)`` ids, the rest a never-trained tail."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+                      num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                      num_key_value_heads=spec["kv_heads"], max_position_embeddings=spec["max_len"],
+                      rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"]},
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=3)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device``: ``cpu`` or ``cuda`` (``cuda:N``); a CUDA device without CUDA fails here, naming the flag."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here (torch.cuda.is_available() is False; torch "
+                         f"{torch.__version__}); run with --device cpu, or on a machine with a GPU and a CUDA build "
+                         "of torch")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise ValueError(f"--device {name}: expected cpu or cuda[:N]")
+    return torch.device(name)
+
+
 def prompt_digits(n: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, 10, (n, N_PROMPT_DIGITS), generator=gen)  # (N, 4)
+    return torch.randint(0, 10, (n, N_PROMPT_DIGITS), generator=gen, device=gen.device)  # (N, 4)
 
 
 def prompt_ids(digits: torch.Tensor) -> torch.Tensor:
     n = digits.size(0)
-    head = torch.full((n, 1), VOCAB.index("sum"))  # (N, 1)
-    tail = torch.full((n, 1), VOCAB.index("="))  # (N, 1)
+    head = torch.full((n, 1), VOCAB.index("sum"), device=digits.device)  # (N, 1)
+    tail = torch.full((n, 1), VOCAB.index("="), device=digits.device)  # (N, 1)
     return torch.cat([head, digits + DIGIT0, tail], dim=1)  # (N, P)
 
 
@@ -129,7 +191,7 @@ def reward_from_ids(digits: torch.Tensor, completion: torch.Tensor) -> torch.Ten
 
 
 def supervised_warmup(model, steps: int, T: int, lr: float = 3e-3, seed: int = 0) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device_of(model)).manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
@@ -168,8 +230,8 @@ class Engine:
     def log_probs(self, logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         z = logits.float().log_softmax(-1)  # (N, V)
         if self.kind == "heavy":  # dense noise + sparse spikes on low-probability tokens (Liu et al.'s mechanism)
-            noise = torch.randn(z.shape, generator=gen)  # (N, V)
-            spike = (torch.rand(z.shape, generator=gen) < 0.01) & (z < math.log(1e-3))  # (N, V)
+            noise = torch.randn(z.shape, generator=gen, device=z.device)  # (N, V)
+            spike = (torch.rand(z.shape, generator=gen, device=z.device) < 0.01) & (z < math.log(1e-3))  # (N, V)
             z = (z + self.knob * (noise + 10.0 * spike)).log_softmax(-1)  # (N, V)
         elif self.kind == "top_p":
             p = z.exp()  # (N, V)
@@ -205,7 +267,7 @@ class Engine:
             else:
                 logits_e, logits_p = state[0][1], (state[1][1] if partner is not None else None)
             z = self.log_probs(logits_e, gen)  # (N, V)
-            u = torch.rand(z.shape, generator=gen).clamp_(min=1e-20)  # (N, V)
+            u = torch.rand(z.shape, generator=gen, device=z.device).clamp_(min=1e-20)  # (N, V)
             gumbel = -torch.log(-torch.log(u))  # (N, V)
             y = (z + gumbel).argmax(-1, keepdim=True)  # (N, 1)
             ys.append(y)
@@ -314,7 +376,7 @@ def measure_routing_flips(engine: Engine, model, T: int, n: int, seed: int) -> f
     """The share of (token, layer) routings where the engine's chosen expert set differs from the trainer's on the
     same tokens (the engine's samples, re-read by the trainer's full forward): the injected flips plus what they
     change downstream."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device_of(model)).manual_seed(seed)
     prompts = prompt_ids(prompt_digits(n, gen))  # (n, P)
     rec_e = RouteRecorder(engine.model)
     try:
@@ -339,7 +401,14 @@ class Forward(SimpleNamespace):
 
 
 @torch.no_grad()
-def trainer_forward(model, prompts: torch.Tensor, completions: torch.Tensor) -> Forward:
+def trainer_forward(model, prompts: torch.Tensor, completions: torch.Tensor, rows: int | None = None) -> Forward:
+    """The trainer's log-probs of the completions, its lm_head inputs h_t and pi_theta over the task's vocabulary
+    (the first ``len(VOCAB)`` ids: the rows of lm_head whose gradient the map measures; all of them at the CPU size).
+    ``rows`` (default ``CHUNKS.fwd_rows``): the GPU sizes' path, ``rows`` sequences per forward of the base model and
+    its lm_head, so that no (B, P+T, V) logits tensor is ever built (64 x 4k x 152k)."""
+    rows = CHUNKS.fwd_rows if rows is None else rows
+    if rows:
+        return _chunked_forward(model, prompts, completions, rows)
     captured = {}
     handle = model.lm_head.register_forward_pre_hook(lambda mod, args: captured.__setitem__("h", args[0]))
     try:
@@ -356,15 +425,42 @@ def trainer_forward(model, prompts: torch.Tensor, completions: torch.Tensor) -> 
                    hidden=hidden.reshape(-1, hidden.size(-1)), tokens=completions.reshape(-1))
 
 
-def lm_head_grads(fwd: Forward, coefs: torch.Tensor) -> torch.Tensor:
-    """g_m = sum_t c_m,t (e_{y_t} - p_t) h_t^T for M coefficient sets (M, B, T) at once.   (M, V, d)"""
+def _chunked_forward(model, prompts: torch.Tensor, completions: torch.Tensor, rows: int) -> Forward:
+    P, T = prompts.size(1), completions.size(1)
+    G = len(VOCAB)
+    logp, probs, hidden = [], [], []
+    for i in range(0, prompts.size(0), rows):
+        ids = torch.cat([prompts[i:i + rows], completions[i:i + rows]], 1)  # (r, P+T)
+        h = model.model(input_ids=ids).last_hidden_state[:, P - 1:P - 1 + T]  # (r, T, d)
+        logprobs = model.lm_head(h).float().log_softmax(-1)  # (r, T, V)
+        logp.append(logprobs.gather(-1, completions[i:i + rows].unsqueeze(-1)).squeeze(-1))  # (r, T)
+        probs.append(logprobs[..., :G].exp().reshape(-1, G))  # (r*T, G)
+        hidden.append(h.float().reshape(-1, h.size(-1)))  # (r*T, d)
+        del logprobs
+    return Forward(logp=torch.cat(logp), probs=torch.cat(probs), hidden=torch.cat(hidden),
+                   tokens=completions.reshape(-1))
+
+
+def lm_head_grads(fwd: Forward, coefs: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """g_m = sum_t c_m,t (e_{y_t} - p_t) h_t^T for M coefficient sets (M, B, T) at once, over the V rows of
+    ``fwd.probs`` (a sampled token outside them adds only its -p_t part).   (M, V, d)
+
+    ``chunk`` (default ``CHUNKS.grad_tokens``; None: all at once) tokens at a time bounds the (M, chunk, d) product."""
+    chunk = CHUNKS.grad_tokens if chunk is None else chunk
     M = coefs.size(0)
-    c = coefs.reshape(M, -1).to(fwd.hidden.dtype)  # (M, N)
-    V, d = fwd.probs.size(1), fwd.hidden.size(1)
-    ch = c.unsqueeze(-1) * fwd.hidden.unsqueeze(0)  # (M, N, d)
-    g = torch.zeros(M, V, d, dtype=ch.dtype)  # (M, V, d)
-    g.index_add_(1, fwd.tokens, ch)  # (M, V, d)  sum_t c_t e_{y_t} h_t^T
-    g -= torch.einsum("nv,mnd->mvd", fwd.probs, ch)  # (M, V, d)  - sum_t c_t p_t h_t^T
+    c = coefs.reshape(M, -1).to(device=fwd.hidden.device, dtype=fwd.hidden.dtype)  # (M, N)
+    N, V, d = c.size(1), fwd.probs.size(1), fwd.hidden.size(1)
+    g = torch.zeros(M, V, d, dtype=c.dtype, device=c.device)  # (M, V, d)
+    step = chunk or N
+    for i in range(0, N, step):
+        ch = c[:, i:i + step].unsqueeze(-1) * fwd.hidden[i:i + step].unsqueeze(0)  # (M, n, d)
+        tokens = fwd.tokens[i:i + step]  # (n,)
+        inside = tokens < V  # (n,)
+        if inside.all():
+            g.index_add_(1, tokens, ch)  # (M, V, d)  sum_t c_t e_{y_t} h_t^T
+        else:
+            g.index_add_(1, tokens[inside], ch[:, inside])  # (M, V, d)
+        g -= torch.einsum("nv,mnd->mvd", fwd.probs[i:i + step], ch)  # (M, V, d)  - sum_t c_t p_t h_t^T
     return g  # (M, V, d)
 
 
@@ -413,7 +509,9 @@ class TrlLoss:
 
         def rollout_func(prompts, trainer):
             b = self.batch
-            return {"prompt_ids": b["prompts"].tolist(), "completion_ids": b["completions"].tolist(),
+            tail = b["completions"] >= len(VOCAB)  # (B, T) GPU sizes: a model vocabulary beyond the tokenizer's
+            completions = b["completions"].masked_fill(tail, VOCAB.index("<unk>"))  # (B, T) TRL only decodes them
+            return {"prompt_ids": b["prompts"].tolist(), "completion_ids": completions.tolist(),
                     "logprobs": b["engine_logp"].double().tolist()}
 
         # TRL gets its own copy: its setup wraps the model's forward (a deepcopy of the wrapped model would still run
@@ -510,12 +608,14 @@ def method_coefs(trl: TrlLoss, batch: dict, pkg: dict) -> dict[str, torch.Tensor
 
 
 # ---------------------------------------------------------------- the map
-def sample_batches(engine: Engine, trainer_model, T: int, n_batches: int, gen: torch.Generator, chunk: int = 512,
-                   coupled: bool = False):
+def sample_batches(engine: Engine, trainer_model, T: int, n_batches: int, gen: torch.Generator,
+                   chunk: int | None = None, coupled: bool = False):
     """``n_batches`` batches of 8 prompts x 8 completions from ``engine``, sampled together (up to ``chunk`` rows at a
     time: one step of a small model costs about the same for 64 rows as for 512), each with the trainer's forward.
     ``coupled``: each batch also carries ``"policy"``, the trainer's own samples for the same prompts, coupled to the
-    engine's (:meth:`Engine.sample`)."""
+    engine's (:meth:`Engine.sample`). The batch's (B, T) tensors are on the CPU (TRL's loss runs there), its
+    forward (``"fwd"``) on the model's device."""
+    chunk = chunk or CHUNKS.sample_rows
     digits = prompt_digits(n_batches * PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (n*B, 4)
     prompts = prompt_ids(digits)  # (n*B, P)
     partner = Engine(trainer_model) if coupled else None
@@ -526,13 +626,14 @@ def sample_batches(engine: Engine, trainer_model, T: int, n_batches: int, gen: t
     for b in range(n_batches):
         rows = slice(b * BATCH, (b + 1) * BATCH)
         fwd = trainer_forward(trainer_model, prompts[rows], completions[rows])
-        batch = {"prompts": prompts[rows], "completions": completions[rows], "engine_logp": engine_logp[rows],
-                 "train_logp": fwd.logp, "reward": reward_from_ids(digits[rows], completions[rows]), "fwd": fwd}
+        batch = {"prompts": prompts[rows].cpu(), "completions": completions[rows].cpu(),
+                 "engine_logp": engine_logp[rows].cpu(), "train_logp": fwd.logp.cpu(),
+                 "reward": reward_from_ids(digits[rows], completions[rows]).cpu(), "fwd": fwd}
         if coupled:
             pf = trainer_forward(trainer_model, prompts[rows], policy[rows])
-            batch["policy"] = {"prompts": prompts[rows], "completions": policy[rows], "engine_logp": pf.logp,
-                               "train_logp": pf.logp, "reward": reward_from_ids(digits[rows], policy[rows]),
-                               "fwd": pf}
+            batch["policy"] = {"prompts": prompts[rows].cpu(), "completions": policy[rows].cpu(),
+                               "engine_logp": pf.logp.cpu(), "train_logp": pf.logp.cpu(),
+                               "reward": reward_from_ids(digits[rows], policy[rows]).cpu(), "fwd": pf}
         yield batch
 
 
@@ -571,7 +672,7 @@ class OnPolicy:
 def run_cell(trl: TrlLoss, model, engine: Engine, T: int, n_batches: int, pkg: dict, seed: int,
              on_policy: OnPolicy) -> list[dict]:
     """Every method's raw measures on one (T, source, level) cell (:func:`finish_rows` scales them by V_on)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device_of(model)).manual_seed(seed)
     acc = defaultdict(lambda: defaultdict(float))
     names, w_all, lr_all, same = None, defaultdict(list), [], []
     for batch in sample_batches(engine, model, T, n_batches, gen, coupled=True):
@@ -642,7 +743,7 @@ def finish_rows(rows: list[dict], on: dict) -> None:
 
 
 def measure_kl(engine: Engine, model, T: int, n: int, seed: int) -> float:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device_of(model)).manual_seed(seed)
     d = prompt_digits(n, gen)
     prompts = prompt_ids(d)
     comp, elp, _ = engine.sample(prompts, T, gen)
@@ -662,14 +763,18 @@ def calibrate_heavy(model, targets_kl, T: int = 32, n: int = 64, rounds: int = 2
     return out
 
 
-def stale_checkpoints(model, steps: int, T: int, target_step_kl: float = 1e-3, seed: int = 5):
+def stale_checkpoints(model, steps: int, T: int, target_step_kl: float = 1e-3, seed: int = 5,
+                      lags: tuple | None = None):
     """A short on-policy training (REINFORCE with GRPO group advantages, Adam), its learning rate chosen by a pilot
-    step so that the per-step policy movement is ~``target_step_kl`` per token; every step's weights are kept."""
+    step so that the per-step policy movement is ~``target_step_kl`` per token; every step's weights are kept (with
+    ``lags``: only the last and those ``lags`` steps before it, None in the other places; the GPU size's memory)."""
+    wanted = None if lags is None else {steps} | {steps - lag for lag in lags}
+
     def train(lr, n_steps, keep):
         m = copy.deepcopy(model)
         opt = torch.optim.Adam(m.parameters(), lr=lr)
-        gen = torch.Generator().manual_seed(seed)
-        ckpts = [copy.deepcopy(m.state_dict())] if keep else []
+        gen = torch.Generator(device=device_of(model)).manual_seed(seed)
+        ckpts = [copy.deepcopy(m.state_dict()) if wanted is None or 0 in wanted else None] if keep else []
         for _ in range(n_steps):
             digits = prompt_digits(PROMPTS_PER_BATCH, gen).repeat_interleave(GROUP, 0)  # (B, 4)
             prompts = prompt_ids(digits)
@@ -685,7 +790,8 @@ def stale_checkpoints(model, steps: int, T: int, target_step_kl: float = 1e-3, s
             opt.step()
             m.eval()
             if keep:
-                ckpts.append(copy.deepcopy(m.state_dict()))
+                kept = wanted is None or len(ckpts) in wanted
+                ckpts.append(copy.deepcopy(m.state_dict()) if kept else None)
         return m, ckpts
 
     def step_kl(a, b):
@@ -804,11 +910,28 @@ def summarize(rows: list[dict], out: str, plot_too: bool) -> None:
         plot(rows, os.path.join(out, "estimator_map.png"))
 
 
-def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False, moe: bool = False):
-    build = build_moe_model if moe else build_model
-    model = build(hidden=32, layers=1, seed=seed) if small else build(seed=seed)
+def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False, moe: bool = False, size: str = "cpu",
+                        device: str | torch.device = "cpu"):
+    """The trainer before its on-policy steps: built (``size``'s model, or the MoE one), moved to ``device`` in fp32,
+    ``warmup_steps`` supervised steps at T = 32. The caller casts it to ``size``'s dtype after its training."""
+    spec = SIZES[size]["model"]
+    if spec is not None:
+        model = build_sized_model(spec, seed=seed)
+    else:
+        build = build_moe_model if moe else build_model
+        model = build(hidden=32, layers=1, seed=seed) if small else build(seed=seed)
+    model.to(device)
     supervised_warmup(model, warmup_steps, T=32, seed=seed)
     return model
+
+
+PRECISIONS = (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))
+
+
+def precision_engines(dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
+    """The precision source's engine dtypes: every one of bf16, fp16, fp32 but the trainer's (the CPU size's fp32
+    trainer: bf16 and fp16 engines; the GPU sizes' bf16 trainer: fp16 and fp32 engines)."""
+    return [(label, d) for label, d in PRECISIONS if d != dtype]
 
 
 def sources(model, ckpts, heavy_scales, smoke: bool):
@@ -817,8 +940,8 @@ def sources(model, ckpts, heavy_scales, smoke: bool):
         yield "heavy", f"s={heavy_scales[TARGET_KLS[-1]]:.3g}", Engine(model, "heavy", heavy_scales[TARGET_KLS[-1]])
         return
     yield "exact", "-", Engine(model)
-    yield "precision", "bf16", Engine(copy.deepcopy(model).to(torch.bfloat16))
-    yield "precision", "fp16", Engine(copy.deepcopy(model).to(torch.float16))
+    for label, dtype in precision_engines(next(model.parameters()).dtype):
+        yield "precision", label, Engine(copy.deepcopy(model).to(dtype))
     for target, s in heavy_scales.items():
         yield "heavy", f"~{target:g}", Engine(model, "heavy", s)
     yield "fp8", "e4m3", Engine(fp8_like(model))
@@ -868,8 +991,13 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/estimator_map")
-    p.add_argument("--lengths", default="8,64,256", help="completion lengths T")
-    p.add_argument("--batches", default="16,12,6", help="batches of 64 per cell, per T (one value: every T)")
+    p.add_argument("--lengths", default=None, help="completion lengths T (default: the size's)")
+    p.add_argument("--batches", default=None, help="batches of 64 per cell, per T (one value: every T; default: the "
+                   "size's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: the models, sampling and gradients (TRL's loss "
+                   "on the CPU)")
+    p.add_argument("--size", default="cpu", choices=sorted(SIZES), help="cpu: the ~0.16M model in fp32, T 8/64/256; "
+                   "gpu: Qwen2.5-0.5B's shape in bf16, T 512-4096; gpu_toy: gpu's code path at toy size")
     p.add_argument("--sources", default=None, help="comma-separated subset of the sources (default: all; the MoE "
                    "routing flips are 'moe')")
     p.add_argument("--warmup_steps", type=int, default=150)
@@ -880,7 +1008,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--summarize", action="store_true", help="only rewrite the tables and the plot from OUT's CSV")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core machine)")
     a = p.parse_args(argv)
+    try:
+        device = resolve_device(a.device)
+    except ValueError as err:
+        p.error(str(err))
+    size = SIZES[a.size]
+    a.lengths, a.batches = a.lengths or size["lengths"], a.batches or size["batches"]
     torch.set_num_threads(a.threads)
+    saved = dict(vars(CHUNKS))
+    CHUNKS.__dict__.update(fwd_rows=size["fwd_rows"], grad_tokens=size["grad_tokens"], sample_rows=size["sample_rows"])
+    try:
+        return run_map(a, device)
+    finally:
+        CHUNKS.__dict__.update(saved)
+
+
+def run_map(a, device: torch.device) -> list[dict]:
     csv_path = os.path.join(a.out, "estimator_map.csv")
     if a.summarize:
         rows = read_csv(csv_path)
@@ -892,15 +1035,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     wanted = a.sources.split(",") if a.sources else None
     dense = wanted is None or any(s != "moe" for s in wanted)
     t0 = time.time()
-    model = build_trainer_model(a.warmup_steps, small=a.smoke)
+    model = build_trainer_model(a.warmup_steps, small=a.smoke, size=a.size, device=device)
     ckpts, stale_lr = [], float("nan")
     if a.stale_steps and dense:
-        stale_lr, ckpts = stale_checkpoints(model, a.stale_steps, T=32)
+        lags = None if a.size == "cpu" else (1, 4, 16, 64)
+        stale_lr, ckpts = stale_checkpoints(model, a.stale_steps, T=32, lags=lags)
         model.load_state_dict(ckpts[-1])  # the trainer is the end of the short on-policy training
+    model.to(SIZES[a.size]["dtype"])  # trained in fp32; the trainer in its size's dtype (the GPU sizes: bf16)
     heavy = (calibrate_heavy(model, TARGET_KLS[-1:], T=8, n=16, rounds=1) if a.smoke
              else calibrate_heavy(model, TARGET_KLS)) if dense else {}
     moe, moe_lr = None, float("nan")
-    if (wanted is None and not a.smoke) or (wanted and "moe" in wanted):
+    if a.size != "cpu" and wanted and "moe" in wanted:
+        print("moe: the MoE source runs at --size cpu only (a tiny Qwen2-MoE)", flush=True)
+    if a.size == "cpu" and ((wanted is None and not a.smoke) or (wanted and "moe" in wanted)):
         # trained as the dense model: the same supervised warm-up, the same on-policy steps
         moe = build_trainer_model(a.warmup_steps, small=a.smoke, moe=True)
         if a.stale_steps:
@@ -916,7 +1063,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     counts = [int(x) for x in a.batches.split(",")]
     batches = dict(zip(lengths, counts if len(counts) == len(lengths) else counts[:1] * len(lengths)))
     for T in lengths:
-        trl = TrlLoss(model, T, os.path.join(a.out, "trl"))
+        # TRL's trainer needs a model only to be built (its policy forward is stubbed): a small CPU one at GPU sizes
+        trl = TrlLoss(model if a.size == "cpu" else build_model(hidden=32, layers=1), T, os.path.join(a.out, "trl"))
         on_policy, t_rows, t_start = OnPolicy(), [], time.time()
         for i, (source, level, engine) in enumerate(sources(model, ckpts, heavy, a.smoke) if dense else ()):
             if wanted and source not in wanted:

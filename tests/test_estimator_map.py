@@ -165,3 +165,54 @@ def test_smoke_run_of_the_moe_source(tmp_path, one_thread):
     assert all(math.isfinite(r["mse"]) for r in rows)
     again = em.merge_rows(em.read_csv(str(tmp_path / "estimator_map.csv")), [dict(rows[0], level="x")])
     assert [r["level"] for r in again] == ["x"]  # --append replaces the (T, source) rows it measures
+
+
+def test_gpu_size_is_qwen25_05b_shaped_and_cuda_without_cuda_fails_naming_the_flag(tmp_path, capsys):
+    """--size gpu's model has Qwen2.5-0.5B's parameter count (494,032,768 with tied embeddings; the model card's
+    0.49B total, 0.36B without embeddings), built on the meta device (no memory, no download); --device cuda on a
+    machine without CUDA stops before any work, naming the flag."""
+    with torch.device("meta"):
+        model = em.build_sized_model(em.QWEN25_05B)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 494_032_768 and total - 151_936 * 896 == 357_898_112
+    assert em.SIZES["gpu"]["dtype"] == torch.bfloat16 and em.SIZES["gpu"]["lengths"] == "512,1024,2048,4096"
+    assert [d for _, d in em.precision_engines(torch.bfloat16)] == [torch.float16, torch.float32]
+    assert [d for _, d in em.precision_engines(torch.float32)] == [torch.bfloat16, torch.float16]
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(SystemExit):
+        em.main(["--device", "cuda", "--size", "gpu_toy", "--smoke", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "CUDA is not available" in err and "--device cpu" in err
+    assert not (tmp_path / "estimator_map.csv").exists()
+
+
+def test_gpu_code_path_chunks_equal_the_whole_batch(one_thread):
+    """The GPU sizes' forward (rows at a time through the base model and lm_head, pi_theta kept over the task's 256
+    ids of a 1024-id vocabulary) and chunked gradient equal the CPU size's whole-batch forward and gradient restricted
+    to the same lm_head rows, on a batch whose samples include tail ids (>= 256)."""
+    spec = dict(em.SIZES["gpu_toy"]["model"])
+    model = em.build_sized_model(spec)  # fp32 here: the comparison is of the code paths, not of bf16 rounding
+    gen = torch.Generator().manual_seed(0)
+    prompts = em.prompt_ids(em.prompt_digits(16, gen))  # (16, P)
+    comp, _, _ = em.Engine(model).sample(prompts, 8, gen)  # (16, 8) an untrained model: many tail ids
+    assert (comp >= len(em.VOCAB)).any()
+    whole = em.trainer_forward(model, prompts, comp, rows=0)
+    chunked = em.trainer_forward(model, prompts, comp, rows=3)
+    G = len(em.VOCAB)
+    torch.testing.assert_close(chunked.logp, whole.logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked.hidden, whole.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked.probs, whole.probs[:, :G], atol=1e-6, rtol=1e-5)
+    coefs = torch.randn(3, 16, 8, generator=gen)  # (3, B, T)
+    expected = em.lm_head_grads(whole, coefs, chunk=0)[:, :G]  # (3, G, d)
+    torch.testing.assert_close(em.lm_head_grads(chunked, coefs, chunk=7), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_smoke_run_of_the_gpu_code_path_at_toy_size(tmp_path, one_thread):
+    rows = em.main(["--smoke", "--size", "gpu_toy", "--out", str(tmp_path)])
+    by = {r["method"]: r for r in rows}
+    assert all(math.isfinite(r["mse"]) for r in rows) and by["none"]["kl_k3"] > 0
+    for key in ("bias2", "mse", "relvar", "masked_tok", "masked_seq", "ess_token"):  # TRL's code = the package's
+        assert by["pkg_trl_default"][key] == pytest.approx(by["trl_sequence_mask"][key], rel=1e-5, abs=1e-9), key
+    assert em.CHUNKS.fwd_rows is None and em.CHUNKS.grad_tokens is None  # main restores the CPU size's chunks
