@@ -42,18 +42,18 @@ same tokens (``routing_flip``: the injected flips and what they change downstrea
 measured per-token KL. The MoE cells have their own g* and V_on (the MoE model's on-policy gradient).
 
 Sizes (``--size``, :data:`SIZES`; ``--device cpu`` or ``cuda``). ``cpu`` (the default, the committed results): the
-model above, hidden 64, 2 layers, vocabulary 256, ~0.16M parameters, fp32, T = 8 / 64 / 256 (1024 with
-``--lengths``), 16 / 12 / 6 batches. ``gpu``: a Qwen2.5-0.5B-shaped Qwen2 (``Qwen2Config``: hidden 896, 24 layers, 14
-attention heads, 2 KV heads, intermediate 4864, vocabulary 151,936 of which the task uses the first 256, tied
-embeddings, rope theta 1e6; 494,032,768 parameters), random weights built locally (nothing downloaded), trained in
-fp32 as the CPU model is (150 supervised steps, 64 on-policy steps; only the checkpoints of lags 1/4/16/64 kept),
-then cast to bf16: the trainer is bf16, its precision engines fp16 and fp32; T = 512 / 1024 / 2048 / 4096, 4 / 3 /
-2 / 2 batches per cell; the MoE source stays at the CPU size. Memory: the trainer's forward runs one sequence at a
-time through the base model and lm_head (no (B, P+T, V) logits tensor), the measured gradient is that of the
-lm_head rows of the task's 256 tokens (the whole lm_head at the CPU size), in chunks of 8192 tokens; sampling 64
-rows at a time; TRL's loss on the CPU. ``gpu_toy``: the same code path at toy size (hidden 32, 1 layer, vocabulary
-1024, bf16), what the CPU test runs. ``python benchmarks/estimator_map.py --device cuda --size gpu --out DIR`` has
-NOT been run on a GPU (no GPU in the session that wrote it): its run time and memory are not measured.
+model above, hidden 64, 2 layers, vocabulary 256, ~0.16M parameters, fp32, T = 8 / 64 / 256 (1024 with ``--lengths``),
+16 / 12 / 6 batches. ``gpu``: a Qwen2.5-0.5B-shaped Qwen2 (``Qwen2Config``: hidden 896, 24 layers, 14 attention heads,
+2 KV heads, intermediate 4864, vocabulary 151,936 of which the task uses the first 256, tied embeddings, rope theta
+1e6; 494,032,768 parameters), random weights built locally (nothing downloaded), trained in fp32 as the CPU model is
+(150 supervised steps, at AdamW 3e-4, not tried; 64 on-policy steps; only the checkpoints of lags 1/4/16/64 kept),
+then cast to bf16: the trainer is bf16, its precision engines fp16 and fp32; T = 512 / 1024 / 2048 / 4096, 4 / 3 / 2 /
+2 batches per cell; the MoE source stays at the CPU size. Memory: the trainer's forward runs one sequence at a time
+through the base model and lm_head (no (B, P+T, V) logits tensor), the measured gradient is that of the lm_head rows
+of the task's 256 tokens (the whole lm_head at the CPU size), in chunks of 8192 tokens; sampling 64 rows at a time;
+TRL's loss on the CPU. ``gpu_toy``: the same code path at toy size (hidden 32, 1 layer, vocabulary 1024, bf16), what
+the CPU test runs. ``python benchmarks/estimator_map.py --device cuda --size gpu --out DIR`` has NOT been run on a GPU
+(no GPU in the session that wrote it): its run time and memory are not measured.
 
 Run: ``python benchmarks/estimator_map.py --out DIR`` (or ``python benchmarks/mismatch_bench.py --map --out DIR``);
 ``--smoke`` for one T, one source, one level, 2 batches (``--smoke --sources moe``: one MoE cell);
@@ -92,18 +92,19 @@ TARGET_KLS = (3e-4, 3e-3, 3e-2)
 QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151_936, max_len=32_768,
                   rope_theta=1e6)
 #: ``--size``: the trainer model (``model``: None is :func:`build_model`'s; a dict is :func:`build_sized_model`'s), its
-#: dtype, the default lengths and batches per cell, and the memory chunks: rows per trainer forward (``fwd_rows``,
+#: dtype, the default lengths and batches per cell, the supervised warm-up's learning rate (3e-4 for 24 layers: a
+#: guess, not tried) and the memory chunks: rows per trainer forward (``fwd_rows``,
 #: None: the whole batch at once, its hidden states read by a hook), tokens per gradient chunk (``grad_tokens``) and
 #: rows per sampling call (``sample_rows``). ``gpu_toy`` runs ``gpu``'s code path at toy size (the CPU smoke test):
 #: bf16, tied embeddings, a model vocabulary larger than the task's, chunked forward and gradient.
 SIZES = {
     "cpu": dict(model=None, dtype=torch.float32, lengths="8,64,256", batches="16,12,6", fwd_rows=None,
-                grad_tokens=None, sample_rows=512),
+                grad_tokens=None, sample_rows=512, warmup_lr=3e-3),
     "gpu": dict(model=QWEN25_05B, dtype=torch.bfloat16, lengths="512,1024,2048,4096", batches="4,3,2,2",
-                fwd_rows=1, grad_tokens=8192, sample_rows=64),
+                fwd_rows=1, grad_tokens=8192, sample_rows=64, warmup_lr=3e-4),
     "gpu_toy": dict(model=dict(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, vocab=1024, max_len=1100,
                                rope_theta=1e6), dtype=torch.bfloat16, lengths="16", batches="2", fwd_rows=16,
-                    grad_tokens=100, sample_rows=64),
+                    grad_tokens=100, sample_rows=64, warmup_lr=3e-3),
 }
 CHUNKS = SimpleNamespace(fwd_rows=None, grad_tokens=None, sample_rows=512)  # set by main from --size
 
@@ -921,7 +922,7 @@ def build_trainer_model(warmup_steps: int, seed: int = 0, small: bool = False, m
         build = build_moe_model if moe else build_model
         model = build(hidden=32, layers=1, seed=seed) if small else build(seed=seed)
     model.to(device)
-    supervised_warmup(model, warmup_steps, T=32, seed=seed)
+    supervised_warmup(model, warmup_steps, T=32, lr=SIZES[size]["warmup_lr"], seed=seed)
     return model
 
 
