@@ -644,6 +644,13 @@ def ess(w: torch.Tensor) -> float:
     return (w.sum() ** 2 / (w.numel() * w.pow(2).sum())).item()
 
 
+def sequence_ess(log_rho: torch.Tensor) -> float:
+    """The ESS of the raw sequence weights prod_t rho_t from the per-token log rho (n, T), computed from
+    exp(sum_t log rho_t - max): ESS is scale-free, and the weights themselves overflow where T*KL is in the hundreds."""
+    log_w = log_rho.double().sum(1)  # (n,)
+    return ess((log_w - log_w.max()).exp())
+
+
 def effective_weights(coefs: dict, name: str) -> torch.Tensor:
     c0 = coefs["none"]  # (B, T)
     ok = c0.abs() > 1e-12  # (B, T)
@@ -697,7 +704,7 @@ def run_cell(trl: TrlLoss, model, engine: Engine, T: int, n_batches: int, pkg: d
     log_rho = torch.cat(lr_all)  # (n*B, T)
     k1 = (-log_rho).mean().item()
     k3 = (log_rho.exp() - 1 - log_rho).mean().item()
-    ess_seq = ess(log_rho.sum(1).exp())  # the raw sequence weight prod_t rho_t
+    ess_seq = sequence_ess(log_rho)
     rows = []
     unbias = n_batches / max(n_batches - 1, 1)
     for n in names:
@@ -738,7 +745,8 @@ def finish_rows(rows: list[dict], on: dict) -> None:
         r["bias2"], r["bias2_se"] = b2 / v_on, se / v_on
         r["mse"] = r["relvar"] + r["bias2"]
         r["bias_rel"] = math.sqrt(max(b2, 0.0) / g2) if g2 > 0 else float("nan")
-        r["norm_ratio"] = math.sqrt(max(r.pop("mean_sq"), 0.0) / g2) if g2 > 0 else float("nan")
+        mean_sq = r.pop("mean_sq")
+        r["norm_ratio"] = math.sqrt(max(mean_sq, 0.0) / g2) if g2 > 0 else float("nan")
         r["breakeven_batch"] = BATCH * r["relvar"] / r["bias2"] if r["bias2"] > 2 * r["bias2_se"] else math.inf
         r["snr_on"], r["n_on"] = g2 / v_on, on["n_on"]
 
@@ -819,10 +827,11 @@ def write_csv(rows: list[dict], path: str) -> None:
 def read_csv(path: str) -> list[dict]:
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    for r in rows:
+    for i, r in enumerate(rows):
+        r = rows[i] = {k: v for k, v in r.items() if v != ""}  # an empty cell: the row has no such column
         for k, v in r.items():
             if k not in ("source", "level", "method"):
-                r[k] = float(v) if v != "" else math.nan
+                r[k] = float(v)
     return rows
 
 

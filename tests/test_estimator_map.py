@@ -89,6 +89,9 @@ def test_ess_formula_and_the_small_mismatch_theory():
     assert em.ess(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
     assert em.ess(torch.full((7,), 3.0)) == pytest.approx(1.0)
     assert em.ess(torch.tensor([1.0, 3.0])) == pytest.approx(16 / 20)
+    # sequence weights e^800 (overflows even float64) and e^799.3 (= e^800 / 2): ESS (1 + 1/2)^2 / (2 (1 + 1/4))
+    log_rho = torch.tensor([[400.0, 400.0], [400.0, 400.0 - math.log(2.0)]])  # (2, T=2)
+    assert em.sequence_ess(log_rho) == pytest.approx(2.25 / 2.5)
     # per-token log rho ~ N(-kl, 2 kl) (E rho = 1, KL(pi_e || pi) = kl): the sequence weight's ESS -> exp(-2 T kl)
     gen = torch.Generator().manual_seed(0)
     T, kl = 64, 0.004
