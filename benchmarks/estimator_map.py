@@ -899,7 +899,8 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     markers = "os^vD<>ph*xP+1234"
     for i, m in enumerate(methods):
-        rs = sorted((r for r in rows if r["method"] == m and r["source"] != "exact"), key=lambda r: r["t_kl"])
+        controls = (r["source"] == "exact" or r["level"] == "flip0" for r in rows)  # no mismatch: T*KL ~0
+        rs = sorted((r for r, c in zip(rows, controls) if r["method"] == m and not c), key=lambda r: r["t_kl"])
         x = [r["t_kl"] for r in rs]
         axes[0].plot(x, [r["bias2"] for r in rs], markers[i % len(markers)], ms=4, label=m, alpha=0.7)
         axes[1].plot(x, [r["mse"] for r in rs], markers[i % len(markers)], ms=4, label=m, alpha=0.7)
