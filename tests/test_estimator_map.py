@@ -85,6 +85,9 @@ def test_ess_formula_and_the_small_mismatch_theory():
     assert em.ess(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
     assert em.ess(torch.full((7,), 3.0)) == pytest.approx(1.0)
     assert em.ess(torch.tensor([1.0, 3.0])) == pytest.approx(16 / 20)
+    # sequence weights e^800 (overflows even float64) and e^799.3 (= e^800 / 2): ESS (1 + 1/2)^2 / (2 (1 + 1/4))
+    log_rho = torch.tensor([[400.0, 400.0], [400.0, 400.0 - math.log(2.0)]])  # (2, T=2)
+    assert em.sequence_ess(log_rho) == pytest.approx(2.25 / 2.5)
     # per-token log rho ~ N(-kl, 2 kl) (E rho = 1, KL(pi_e || pi) = kl): the sequence weight's ESS -> exp(-2 T kl)
     gen = torch.Generator().manual_seed(0)
     T, kl = 64, 0.004
@@ -128,3 +131,87 @@ def test_coupled_sampling_keeps_each_distribution_and_the_bias_units():
     em.finish_rows([row], {"v_on": 2.0, "g_star_sq": 4.0, "n_on": 10})
     assert (row["relvar"], row["bias2"], row["mse"], row["bias_rel"], row["norm_ratio"]) == (2.0, 0.5, 2.5, 0.5, 1.5)
     assert row["breakeven_batch"] == em.BATCH * 2.0 / 0.5 and row["snr_on"] == 2.0
+
+
+def test_moe_routing_flips_at_the_requested_rate(one_thread):
+    """The MoE engine's routings differ from the trainer's at the requested rate, measured independently: every
+    router's chosen expert set recorded in the engine's KV-cache sampling and in the trainer's full forward over the
+    same tokens, compared (L x rows x positions routings). Rate 0: the engine is the trainer (no routing differs,
+    log-probs equal); rate 0.1: 10% +- 3 s.e. differ, and the engine's log-probs move."""
+    moe = em.build_moe_model(hidden=32, layers=2)
+    em.supervised_warmup(moe, 5, T=8)
+    assert len(em.routers(moe)) == 2
+    n, T = 64, 8
+    routings = 2 * n * (T + em.N_PROMPT_DIGITS + 2)  # layers x rows x (prompt + completion) positions
+    exact = em.moe_flip_engine(moe, 0.0)
+    assert em.measure_routing_flips(exact, moe, T, n, seed=1) == 0.0
+    flip = em.moe_flip_engine(moe, 0.1, seed=2)
+    measured = em.measure_routing_flips(flip, moe, T, n, seed=1)
+    se = math.sqrt(0.1 * 0.9 / routings)
+    assert abs(measured - 0.1) < 3 * se, (measured, se)
+    gen = torch.Generator().manual_seed(4)
+    prompts = em.prompt_ids(em.prompt_digits(n, gen))  # (n, P)
+    comp, elp, _ = exact.sample(prompts, T, gen)  # (n, T)
+    torch.testing.assert_close(elp, em.trainer_forward(moe, prompts, comp).logp, atol=1e-5, rtol=0)
+    comp, elp, _ = flip.sample(prompts, T, gen)  # (n, T)
+    assert (elp - em.trainer_forward(moe, prompts, comp).logp).abs().max() > 1e-4
+
+
+def test_smoke_run_of_the_moe_source(tmp_path, one_thread):
+    rows = em.main(["--smoke", "--sources", "moe", "--out", str(tmp_path)])
+    assert {r["source"] for r in rows} == {"moe"} and {r["level"] for r in rows} == {"flip0.05"}
+    assert all(0 < r["routing_flip"] < 0.15 and r["routing_flip_asked"] == 0.05 for r in rows)
+    assert all(math.isfinite(r["mse"]) for r in rows)
+    again = em.merge_rows(em.read_csv(str(tmp_path / "estimator_map.csv")), [dict(rows[0], level="x")])
+    assert [r["level"] for r in again] == ["x"]  # --append replaces the (T, source) rows it measures
+
+
+def test_gpu_size_is_qwen25_05b_shaped_and_cuda_without_cuda_fails_naming_the_flag(tmp_path, capsys):
+    """--size gpu's model has Qwen2.5-0.5B's parameter count (494,032,768 with tied embeddings; the model card's
+    0.49B total, 0.36B without embeddings), built on the meta device (no memory, no download); --device cuda on a
+    machine without CUDA stops before any work, naming the flag."""
+    with torch.device("meta"):
+        model = em.build_sized_model(em.QWEN25_05B)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 494_032_768 and total - 151_936 * 896 == 357_898_112
+    assert em.SIZES["gpu"]["dtype"] == torch.bfloat16 and em.SIZES["gpu"]["lengths"] == "512,1024,2048,4096"
+    assert [d for _, d in em.precision_engines(torch.bfloat16)] == [torch.float16, torch.float32]
+    assert [d for _, d in em.precision_engines(torch.float32)] == [torch.bfloat16, torch.float16]
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(SystemExit):
+        em.main(["--device", "cuda", "--size", "gpu_toy", "--smoke", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "CUDA is not available" in err and "--device cpu" in err
+    assert not (tmp_path / "estimator_map.csv").exists()
+
+
+def test_gpu_code_path_chunks_equal_the_whole_batch(one_thread):
+    """The GPU sizes' forward (rows at a time through the base model and lm_head, pi_theta kept over the task's 256
+    ids of a 1024-id vocabulary) and chunked gradient equal the CPU size's whole-batch forward and gradient restricted
+    to the same lm_head rows, on a batch whose samples include tail ids (>= 256)."""
+    spec = dict(em.SIZES["gpu_toy"]["model"])
+    model = em.build_sized_model(spec)  # fp32 here: the comparison is of the code paths, not of bf16 rounding
+    gen = torch.Generator().manual_seed(0)
+    prompts = em.prompt_ids(em.prompt_digits(16, gen))  # (16, P)
+    comp, _, _ = em.Engine(model).sample(prompts, 8, gen)  # (16, 8) an untrained model: many tail ids
+    assert (comp >= len(em.VOCAB)).any()
+    whole = em.trainer_forward(model, prompts, comp, rows=0)
+    chunked = em.trainer_forward(model, prompts, comp, rows=3)
+    G = len(em.VOCAB)
+    torch.testing.assert_close(chunked.logp, whole.logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked.hidden, whole.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked.probs, whole.probs[:, :G], atol=1e-6, rtol=1e-5)
+    coefs = torch.randn(3, 16, 8, generator=gen)  # (3, B, T)
+    expected = em.lm_head_grads(whole, coefs, chunk=0)[:, :G]  # (3, G, d)
+    torch.testing.assert_close(em.lm_head_grads(chunked, coefs, chunk=7), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_smoke_run_of_the_gpu_code_path_at_toy_size(tmp_path, one_thread):
+    rows = em.main(["--smoke", "--size", "gpu_toy", "--out", str(tmp_path)])
+    by = {r["method"]: r for r in rows}
+    assert all(math.isfinite(r["mse"]) for r in rows) and by["none"]["kl_k3"] > 0
+    for key in ("bias2", "mse", "relvar", "masked_tok", "masked_seq", "ess_token"):  # TRL's code = the package's
+        assert by["pkg_trl_default"][key] == pytest.approx(by["trl_sequence_mask"][key], rel=1e-5, abs=1e-9), key
+    assert em.CHUNKS.fwd_rows is None and em.CHUNKS.grad_tokens is None  # main restores the CPU size's chunks
