@@ -120,20 +120,3 @@ def test_no_truncation_means_no_kept_mass_metrics(tmp_path):
     assert "rollout_corr/kept_mass_mean" not in log
     assert trainer._rc_truncation is None
 
-
-@pytest.mark.parametrize("sampling, expected", [(dict(top_p=0.9), "top_p=0.9"), (dict(top_k=6), "top_k=6"),
-                                                (dict(), None)], ids=["top_p", "top_k", "full"])
-def test_a_truncating_sampler_gets_the_benchmarks_advice_and_a_full_one_none(tmp_path, caplog, sampling, expected):
-    """The advice at construction (experiment P: training on truncated samples cost reward and no correction
-    recovered it; sampling the full distribution did): spoken where the sampler truncates, naming its setting and
-    the measured remedy; silent where it samples the full distribution."""
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr"):
-        make_trainer(tmp_path, preset="decoupled_token_is", max_steps=1, **sampling)
-    said = [r.getMessage() for r in caplog.records if "The sampler truncates" in r.getMessage()]
-    if expected is None:
-        assert said == []
-        return
-    assert len(said) == 1 and f"({expected})" in said[0]
-    assert "top_p=1, top_k=0" in said[0] and "no correction recovered" in said[0] and "T * KL 0.42" in said[0]

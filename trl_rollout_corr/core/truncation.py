@@ -44,11 +44,6 @@ class SamplingTruncation:
     def truncates(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or bool(self.min_p and self.min_p > 0)
 
-    def describe(self) -> str:
-        """The truncating settings as a user sets them, e.g. ``"top_k=50, top_p=0.9"``."""
-        parts = [f"top_k={self.top_k}" if self.top_k > 0 else "", f"top_p={self.top_p:g}" if self.top_p < 1.0 else "",
-                 f"min_p={self.min_p:g}" if self.min_p and self.min_p > 0 else ""]
-        return ", ".join(p for p in parts if p)
 
 
 def _apply_min_p(z: torch.Tensor, min_p: float) -> torch.Tensor:

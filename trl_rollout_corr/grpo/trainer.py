@@ -36,7 +36,6 @@ from ..training.correction_trainer import CorrectionTrainerMixin, micro_batch_co
 from .config import RolloutCorrGRPOConfig
 from ..core.losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor, vespo_sampler_ratio,
                      weighted_advantages, zeroed_advantages)
-from ..monitor.advice import truncation_advice
 from ..training.resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from ..rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from ..rollout.logprobs import check_rollout_logprobs
@@ -136,8 +135,6 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         self._rc_truncation = self._resolve_sampling_truncation()
         self._rc_apply_truncation = (self._rc_truncation is not None
                                      and self.args.truncated_support_correction is not False)
-        if self._rc_truncation is not None and self.accelerator.is_main_process:
-            logger.warning(truncation_advice(self._rc_truncation.describe()))
         self._rc_warned_missing = False
         self._rc_rewards = None  # TRL's rewards of the batch being scored (rollout_rs_exclude_from_baseline)
         if self.accelerator.is_main_process:
