@@ -196,3 +196,17 @@ def test_the_nearest_estimator_map_cell(tmp_path):
     assert "bias resolved (>= 2 s.e.) for: no method." in "\n".join(format_map_cell(cell))
     assert nearest_map_cell({"T": 100, "T_times_kl": 1.0}, str(tmp_path / "absent.csv")) is None
     assert "not in this installation" in format_map_cell(None)[0]
+
+
+def test_a_checkout_finds_the_committed_estimator_map():
+    """In a checkout the probe finds the map's committed CSV by default (the layer move put probe.py one folder deeper
+    and the default path silently pointed into the package, so every probe printed "not in this installation")."""
+    from pathlib import Path
+
+    from trl_rollout_corr.cli.probe import MAP_CSV, nearest_map_cell
+
+    root = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+    committed = root / "benchmarks" / "results" / "estimator_map" / "estimator_map.csv"
+    assert committed.is_file() and Path(MAP_CSV).resolve() == committed
+    cell = nearest_map_cell({"T": 49, "T_times_kl": 0.4})
+    assert cell is not None and cell["csv"] == MAP_CSV and cell["methods"]

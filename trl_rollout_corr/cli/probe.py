@@ -483,9 +483,10 @@ def _log_rho_by_bucket(data: dict[str, Any]) -> dict[str, list[float]]:
     return out
 
 
-#: the estimator map's committed results (a checkout of the repository; not in an installed wheel)
-MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
-                       "estimator_map", "estimator_map.csv")
+#: the estimator map's committed results (a checkout of the repository: trl_rollout_corr/cli/probe.py -> the
+#: checkout's root; not in an installed wheel)
+MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                       "results", "estimator_map", "estimator_map.csv")
 
 
 def nearest_map_cell(regime: dict[str, float], path: str = MAP_CSV) -> dict[str, Any] | None:
