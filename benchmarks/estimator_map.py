@@ -20,17 +20,17 @@ measures, against g* (the expectation of the uncorrected loss's gradient on on-p
 
 The gradient is that of the output layer (``lm_head.weight``, V x d), in closed form from the coefficients:
 d log pi(y_t) / dW = (e_y - p_t) h_t^T, so g = sum_t c_t (e_{y_t} - p_t) h_t^T (one trainer forward per batch
-serves every method; ``tests/test_estimator_map.py`` checks it against autograd).
+serves every method; ``tests/benchmarks/test_estimator_map.py`` checks it against autograd).
 
 Methods. ``none`` and TRL's four ``vllm_importance_sampling_mode`` s (C = 3, TRL's default clip_min) are computed by
 TRL's own code: TRL's ``GRPOTrainer`` (its vLLM switch on, the engine replaced by a rollout_func that returns this
-batch's engine samples and log-probs, as ``tests/test_trl_modes.py`` does) computes rewards, advantages and its IS
-ratio in ``_generate_and_score_completions``, and its ``_compute_loss`` gives the loss whose derivative in the
+batch's engine samples and log-probs, as ``tests/config/test_trl_modes.py`` does) computes rewards, advantages and its
+IS ratio in ``_generate_and_score_completions``, and its ``_compute_loss`` gives the loss whose derivative in the
 per-token log-probs is c. The package's presets go through the package's core (``compute_rollout_correction_stats``)
 and ``losses.py`` (the inputs its trainer hands TRL's loss), then TRL's same ``_compute_loss``. The policy forward
 is the fp32 trainer's, with pi_old = pi_theta (one optimizer step per generation): the gradient at the sampled
-policy. TRL's private names are reached here, in a benchmark, as the tests reach them (``tests/test_trl_boundary.py``
-scans the package only).
+policy. TRL's private names are reached here, in a benchmark, as the tests reach them
+(``tests/repo/test_trl_boundary.py`` scans the package only).
 
 MoE routing flips (source ``moe``). A tiny Qwen2-MoE (:func:`build_moe_model`: 8 experts, top-2, a shared expert,
 hidden 64, 2 layers, 280k parameters) trained as the dense model (the same 150 supervised steps, the same 64

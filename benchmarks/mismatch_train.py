@@ -212,7 +212,7 @@ HEALTHY_SCENARIOS, COSTLY_SCENARIOS = ("S0", "S1"), ("S2", "S2L")
 # Experiment P, truncated sampling (issue 36's S3): the engine samples the CURRENT policy at top_p S3_TOP_P (no
 # staleness, no precision gap) and returns log pi_rollout = log p - log M, the log-prob renormalized over the kept
 # tokens (vLLM's processed log-probs, which TRL 1.16 requests on its vLLM path; the package's tests check the same
-# semantics against the real vLLM CPU engine: tests/test_vllm.py's top-p cases). This stand-in, not the real vLLM
+# semantics against the real vLLM CPU engine: tests/vllm/test_vllm.py's top-p cases). This stand-in, not the real vLLM
 # engine, samples every arm: the real engine's top-p run is not in this experiment (cost: vLLM's CPU start-up per
 # run). Every arm's config carries top_p = S3_TOP_P, as a user's would: TRL's GRPOTrainer ignores it in its log-probs
 # (its ratio then carries M, exactly as on its vLLM path); this package's trainer applies its truncated-support
@@ -583,7 +583,8 @@ def build_trainer(method: str, model, tokenizer, engine, dataset, args_fields: d
         trainer = GRPOTrainer(model=model, reward_funcs=psum_reward, args=args, train_dataset=dataset,
                               processing_class=tokenizer, rollout_func=engine, callbacks=callbacks)
         # TRL applies its correction only on its vLLM path: switch it on; the engine is the rollout_func, so the only
-        # vLLM call left, the weight sync, is a no-op (as tests/test_trl_modes.py and benchmarks/bench_step.py do)
+        # vLLM call left, the weight sync, is a no-op (as tests/config/test_trl_modes.py and benchmarks/bench_step.py
+        # do)
         trainer.use_vllm = True
         trainer.vllm_importance_sampling_correction = True
         trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)

@@ -1,6 +1,6 @@
 """Counting host synchronizations requested by trl_rollout_corr's code (a measuring tool for bench_step.py and
-tests/test_host_syncs.py; it patches ``torch.Tensor`` methods and ``torch`` functions while open, so it lives outside
-the library).
+tests/grpo/test_host_syncs.py; it patches ``torch.Tensor`` methods and ``torch`` functions while open, so it lives
+outside the library).
 
 On a GPU, every call that hands a device value to Python blocks until the device catches up.
 :func:`count_host_syncs` wraps each such call that Python code can make and counts the calls whose caller lives in

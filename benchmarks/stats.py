@@ -1,8 +1,8 @@
 """Statistics of a paired benchmark: every method runs on the same seeds, so each seed gives one paired difference.
 
 Used by ``benchmarks/mismatch_bench.py``, ``benchmarks/async_staleness.py`` and the new training benchmark. Tested
-against hand-computed values in ``tests/test_stats.py``. All functions take plain sequences of floats (one value per
-seed, the same seed order in every argument) and return plain floats, named tuples or dicts.
+against hand-computed values in ``tests/benchmarks/test_stats.py``. All functions take plain sequences of floats (one
+value per seed, the same seed order in every argument) and return plain floats, named tuples or dicts.
 
 * :func:`paired_t`: mean paired difference, its t-interval and two-sided p.
 * :func:`sign_flip_p`: the exact two-sided sign-flip permutation p-value (all ``2**n`` sign patterns for n <= 20;

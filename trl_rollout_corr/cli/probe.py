@@ -390,7 +390,7 @@ def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) ->
     The methods see the ratio the trainer would form: log pi_train renormalized over a truncating sampler's kept set
     when the trainer renormalizes (``truncated_support_correction``, on by default), else raw. With the trainer's own
     correction in ``data["run_correction"]`` (:func:`collect` puts it there), ``methods[THIS_RUN]`` is what that
-    trainer logs on the same batch (``rollout_corr/*``; tests/test_probe_agreement.py).
+    trainer logs on the same batch (``rollout_corr/*``; tests/cli/test_probe_agreement.py).
     """
     seen = data["rollout_seen"].bool()  # (B,)
     if not seen.any():

@@ -85,7 +85,7 @@ class RolloutCorrectionFields:
     # TRL fields the correction's checks depend on: a change is resolved and checked again (resolve_correction)
     _RC_PLAN_INPUTS: ClassVar[tuple[str, ...]] = ()
     # the correction with no preset and no saved config: each trainer config names its own, the one source of its
-    # default (docs/trainer.md, "The default correction", lists them; tests/test_docs.py keeps the two equal)
+    # default (docs/trainer.md, "The default correction", lists them; tests/repo/test_docs.py keeps the two equal)
     _RC_DEFAULT_PRESET: ClassVar[str]
 
     # ------------------------------------------------------------------ hooks for the subclass

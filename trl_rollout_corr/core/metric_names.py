@@ -7,8 +7,8 @@ is defined (usually at import), not silently at run time by finding nothing in t
 The names are each correction criterion's (``Criterion.metrics``, the list in ``core/criteria.py``), the core's
 other tuples (``core/metrics.py``, ``core/lag.py``, ``core/truncation.py``, ``core/group_baseline.py``,
 ``core/impact.py``) and the one the trainers add themselves;
-``tests/test_docs.py`` checks that they are exactly the names the core emits and docs/metrics.md lists. Pure: no TRL
-import.
+``tests/repo/test_docs.py`` checks that they are exactly the names the core emits and docs/metrics.md lists. Pure: no
+TRL import.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The CPU demo (``trl-rollout-corr demo``): ``run``, on the toy task of :mod:`trl_rollout_corr.testing.toy_task`.
 
 Apart from the library: nothing in ``trl_rollout_corr`` outside this package and the CLI's ``demo`` command imports
-it (tests/test_layers.py).
+it (tests/repo/test_layers.py).
 """
 
 

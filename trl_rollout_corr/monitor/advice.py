@@ -2,8 +2,8 @@
 
 A remedy is listed in ``REMEDIES`` only where a pre-registered, paired, Holm-corrected analysis confirms it above TRL's
 default for that kind's scenario (``SCENARIOS``) of ``benchmarks/mismatch_train.py`` (docs/benchmarks.md, "Training
-in the regime of real runs"); ``tests/test_mismatch_benchmark.py`` checks that ``REMEDIES`` is exactly what its
-``confirmed_methods()`` returns from the committed results (``benchmarks/results/mismatch_train*_results.csv``).
+in the regime of real runs"); ``tests/benchmarks/test_mismatch_benchmark.py`` checks that ``REMEDIES`` is exactly what
+its ``confirmed_methods()`` returns from the committed results (``benchmarks/results/mismatch_train*_results.csv``).
 
 - A stale engine (``rollout_lag`` > 0): ``ppo_is_bypass``, confirmed by experiment C in scenario S2 on 20 fresh paired
   seeds: +0.065 [+0.032, +0.097] held-out reward over TRL's default, Holm p 0.00017 (a family of 2), gap closed 0.88.
@@ -85,7 +85,7 @@ REMEDIES: dict[str, Remedy] = {
 # Truncated sampling (top-k / top-p / min-p): experiment P of benchmarks/mismatch_train.py (scenario S3) found a cost
 # of truncation on seeds 40-49 (on_policy - M0 +0.055, p 0.0022) that no correction recovered, but its held-out seeds
 # 50-54 did not confirm the cost (-0.010 [-0.082, +0.061]): so the monitor and the trainer advise nothing for a
-# truncating sampler (tests/test_mismatch_benchmark.py holds this to the committed CSV).
+# truncating sampler (tests/benchmarks/test_mismatch_benchmark.py holds this to the committed CSV).
 
 
 def kinds_for(rollout_lag: int | None) -> list[str]:

@@ -1,7 +1,8 @@
 """A finished multi-process CPU run exits 0: gloo's worker threads get the GIL before the interpreter finalizes.
 
 The abort this prevents ("terminate called without an active exception", SIGABRT, exit -6, after all the work and
-the results were done), read here from core dumps (torch 2.13.0+cpu, CPython 3.11; ``tests/test_distributed_exit.py``):
+the results were done), read here from core dumps (torch 2.13.0+cpu, CPython 3.11;
+``tests/runtime/test_distributed_exit.py``):
 
 1. gloo runs each collective on a worker thread (``c10d::ProcessGroupGloo::runLoop``, threads named
    ``pt_gloo_runloop``). The caller's ``wait()`` returns when the work is done; the worker drops *its* reference to

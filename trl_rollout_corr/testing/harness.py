@@ -5,7 +5,7 @@ held-out reward and of the logged rows, and the GRPO settings every one of these
 
 A variant is judged by the **policy's own** mean reward on :data:`HELD_OUT_N` fixed held-out prompts (temperature 1,
 :func:`~trl_rollout_corr.testing.toy_task.held_out_reward`), not by the training reward, which measures the sampler.
-Nothing here imports the package's trainers: the callers build them (``tests/test_layers.py``: ``testing/`` sits
+Nothing here imports the package's trainers: the callers build them (``tests/repo/test_layers.py``: ``testing/`` sits
 below them).
 """
 

@@ -16,7 +16,7 @@
   trainer's ``vllm_generation`` object (``sync_weights``, ``generate``) and its client's requests session.
 
 Nothing outside this package reads TRL's private names or patches TRL's modules or objects
-(``tests/test_trl_boundary.py`` checks it). Written against TRL 1.16 (:data:`TESTED_TRL`).
+(``tests/repo/test_trl_boundary.py`` checks it). Written against TRL 1.16 (:data:`TESTED_TRL`).
 """
 
 from .base import TESTED_TRL, TrlInternalsChanged, inherited_method

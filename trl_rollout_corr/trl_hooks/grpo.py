@@ -12,8 +12,8 @@ Written against TRL 1.16. What is assumed, and how it is checked:
 * The model-input keyword arguments of a forward are the parameters of ``_get_per_token_logps_and_entropies``
   after its control arguments: :func:`forward_input_names` reads them from TRL's signature.
 * The loss types whose ``_compute_loss`` divides by ``num_items_in_batch`` are :data:`KEPT_TOKEN_NORMALIZER_LOSSES`
-  (``cispo``, ``dapo``, ``vespo``); ``tests/test_trl_hooks.py`` checks it against the installed TRL's loss (every
-  loss type, two values of ``num_items_in_batch``).
+  (``cispo``, ``dapo``, ``vespo``); ``tests/trl_hooks/test_trl_hooks.py`` checks it against the installed TRL's loss
+  (every loss type, two values of ``num_items_in_batch``).
 * Keys added to the output of ``_generate_and_score_completions`` (tensors with a leading batch dimension) reach
   ``compute_loss`` through TRL's shuffling and splitting: the trainer checks that they arrive.
 * ``_generate_single_turn`` takes ``(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)`` and
@@ -60,7 +60,7 @@ In TRL 1.16, ``cispo``, ``dapo`` and ``vespo`` divide the masked sum of the per-
 training): TRL's count of the generation batch's loss tokens over all processes, which the trainer replaces by the
 kept-token count when the correction rejects tokens. ``grpo``, ``sapo``, ``bnpo``, ``dr_grpo`` and ``luspo`` never
 read it (they normalize per sequence, by the micro-batch's own token count or by ``max_completion_length``).
-``tests/test_trl_hooks.py`` runs the installed TRL's ``_compute_loss`` for every loss type with two values of
+``tests/trl_hooks/test_trl_hooks.py`` runs the installed TRL's ``_compute_loss`` for every loss type with two values of
 ``num_items_in_batch`` and checks that exactly these losses scale by their ratio.
 """
 
@@ -70,7 +70,7 @@ GENERATE_RESULT_FIELDS = ("prompt_ids", "completion_ids", "tool_mask", "completi
 of lists), the tool mask (``None`` without tools or a rollout ``env_mask``), the decoded completions, the rollout
 log-probs (lists, or ``None``), the rollout function's extra fields (a dict), the images and the tool images.
 :func:`unpack_generate_result` checks the length and the types of ``completion_ids`` and ``logprobs`` on every call;
-``tests/test_trl_hooks.py`` checks each field's value on a real ``_generate``.
+``tests/trl_hooks/test_trl_hooks.py`` checks each field's value on a real ``_generate``.
 """
 
 

@@ -1,0 +1,79 @@
+"""The asynchronous-trainer table (docs/async.md) is the benchmark's: ``benchmarks/results/async_staleness_results.csv``
+is the output of ``python benchmarks/async_staleness.py ... --results`` (the command is on that page). Checked: the
+page's table is what the benchmark's own ``markdown`` generates from it; >= 5 seeds per row, TRL's trainer as is
+at both staleness bounds; the paired statistics follow from the per-seed values (an independent recomputation:
+scipy's ttest_rel, sign patterns enumerated, Holm by its definition, TOST's two one-sided t-tests from scipy's t
+distribution) and agree with the review's own recomputation (benchmark-review-2026-11.md, the project's shared
+notes)."""
+
+import itertools
+import math
+import os
+from statistics import fmean, stdev
+
+import pytest
+
+from tests.support.bench_utils import doc_block
+from benchmarks import async_staleness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "async_staleness_results.csv")
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return async_staleness.read_results(RESULTS)
+
+
+def test_docs_table_is_generated_from_the_results(rows):
+    assert doc_block("async-table", "docs/async.md") == async_staleness.markdown(rows)
+
+
+def test_trl_s_trainer_at_both_bounds_and_five_seeds_per_row(rows):
+    assert {r["max_staleness"] for r in rows if r["variant"] == "trl_as_is"} >= {4, 16}
+    for r in rows:
+        assert r["n_seeds"] >= 5 and len(r["per_seed"].split()) == r["n_seeds"], r["variant"]
+
+
+def test_recomputed_statistics_match_the_csv(rows):
+    from scipy.stats import t as student, ttest_rel
+
+    by = {(r["variant"], r["max_staleness"]): [float(x) for x in r["per_seed"].split()] for r in rows}
+    family = []
+    for r in rows:
+        xs = by[(r["variant"], r["max_staleness"])]
+        assert r["reward_mean"] == pytest.approx(fmean(xs), abs=1e-6)
+        assert r["reward_ci95"] == pytest.approx(T975[len(xs) - 1] * stdev(xs) / math.sqrt(len(xs)), rel=1e-4)
+        if (r["variant"], r["max_staleness"]) == ("trl_as_is", 4):
+            assert math.isnan(r["vs_trl_as_is"]) and math.isnan(r["p_holm"])
+            continue
+        # TRL's trainer at the same bound; the sync run and TRL's trainer at 16 against TRL's trainer at 4
+        base = by[("trl_as_is", 4 if r["variant"] == "trl_as_is" else r["max_staleness"] or 4)]
+        d = [a - b for a, b in zip(xs, base)]
+        n, mean, se = len(d), fmean(d), stdev(d) / math.sqrt(len(d))
+        assert r["vs_trl_as_is"] == pytest.approx(mean, abs=1e-9)
+        assert (r["vs_trl_as_is_lo"], r["vs_trl_as_is_hi"]) == pytest.approx(
+            (mean - T975[n - 1] * se, mean + T975[n - 1] * se), abs=1e-3)
+        assert r["p_paired"] == pytest.approx(ttest_rel(xs, base).pvalue, rel=1e-6)
+        patterns = [sum(s * x for s, x in zip(signs, d)) for signs in itertools.product((1, -1), repeat=n)]
+        assert r["p_sign_flip"] == sum(abs(t) >= abs(sum(d)) - 1e-12 for t in patterns) / len(patterns)
+        # TOST within ±0.05: the larger of P(T >= (mean + 0.05) / se) and P(T <= (mean - 0.05) / se)
+        tost = max(student.sf((mean + 0.05) / se, n - 1), student.cdf((mean - 0.05) / se, n - 1))
+        assert r["tost_p"] == pytest.approx(tost, rel=1e-6)
+        family.append(r)
+    # Holm over the table's 5 comparisons, by its definition
+    ps = [r["p_paired"] for r in family]
+    ranked = sorted(ps)
+    expected = [max(min(1.0, (len(ps) - k) * ranked[k]) for k in range(len(ps)) if ranked[k] <= p) for p in ps]
+    assert len(family) == 5 and [r["p_holm"] for r in family] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_reviews_paired_recomputation_agrees(rows):
+    """benchmark-review-2026-11.md, 1.3: decoupled_token_is vs TRL as is at staleness 4, paired [-0.140, -0.057]
+    p = 0.003; TRL's trainer at max_staleness 16 vs 4, paired p = 0.002."""
+    by = {(r["variant"], r["max_staleness"]): r for r in rows}
+    dec, trl16 = by[("decoupled_token_is", 4)], by[("trl_as_is", 16)]
+    assert (dec["vs_trl_as_is_lo"], dec["vs_trl_as_is_hi"]) == pytest.approx((-0.140, -0.057), abs=1e-3)
+    assert dec["p_paired"] == pytest.approx(0.003, abs=5e-4) and trl16["p_paired"] == pytest.approx(0.002, abs=5e-4)
+    assert dec["p_holm"] < 0.05 and trl16["p_holm"] < 0.05  # both survive Holm over the table

@@ -1,0 +1,112 @@
+"""benchmarks/gpu_check.py at toy size on CPU: every phase runs (every preset, top-p/top-k, the TRL baseline, the probe
+against TRL's fused head, the mismatch measure) with finite numbers and no error, in its own process as on the GPU."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _numbers(node, path=""):
+    """Every (path, number) in a JSON tree."""
+    if isinstance(node, bool):
+        return
+    if isinstance(node, (int, float)):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _numbers(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _numbers(value, f"{path}[{i}]")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--toy", "--out", str(out), "--budget_s", "100000"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "gpu_check.md").read_text().startswith("# GPU check (toy)")
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_every_phase_ran_without_error(report):
+    from benchmarks.gpu_check import PHASES
+
+    phases = report["phases"]
+    assert list(phases) == list(PHASES)
+    for name, phase in phases.items():
+        assert phase["status"] == "ok", (name, phase.get("traceback"))
+        assert "traceback" not in json.dumps(phase), name
+
+
+def test_every_number_is_finite(report):
+    numbers = list(_numbers(report["phases"]))
+    assert len(numbers) > 200
+    assert [p for p, x in numbers if not math.isfinite(x)] == []
+
+
+def test_every_preset_and_truncated_sampling_trained_with_finite_values(report):
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
+
+    runs = report["phases"]["presets"]["result"]["runs"]
+    assert list(runs) == [*RolloutCorrectionConfig.preset_names(), "top_p_0.9", "top_k_50"]
+    for name, run in runs.items():
+        assert run["status"] == "ok" and run["finite"], (name, run)
+        assert run["losses"] == run["steps"] >= 1 and run["rollout_corr_values"] > 0, name
+        # the capture's one transfer per generation and the one per log: nothing per micro-batch
+        assert 0 < run["our_syncs_per_step"] <= 2, (name, run["our_sync_sites"])
+        assert run["truncation_probe"] == name.startswith("top_"), name
+    top_p = runs["top_p_0.9"]["kept_mass_mean"]
+    assert top_p and all(0.9 - 1e-6 <= m <= 1.0 for m in top_p)  # top-p keeps at least p of the mass
+
+
+def test_step_time_compares_with_trls_trainer(report):
+    lengths = report["phases"]["step_time"]["result"]["by_length"]
+    assert list(lengths) == ["16", "32"]
+    for block in lengths.values():
+        variants = block["variants"]
+        assert list(variants) == ["trl_pi_old", "trl_no_old", "decoupled_token_is", "ppo_is_bypass"]
+        for row in variants.values():
+            assert row["finite"] and row["step_ms"] > 0 and "time_vs_trl_pi_old" in row
+        assert variants["trl_pi_old"]["time_vs_trl_pi_old"] == 1.0
+        assert variants["decoupled_token_is"]["extra_forward"] is False
+
+
+def test_probe_against_trls_fused_head(report):
+    for rows in report["phases"]["probe_cost"]["result"]["by_hidden"].values():
+        assert set(rows) == {"trl_fused_logprob_forward", "trl_fused_logprob_forward_backward", "probe_top_p_0.9",
+                             "probe_top_k_50"}
+        assert rows["trl_fused_logprob_forward"]["finite"]
+        assert 0.9 - 1e-6 <= rows["probe_top_p_0.9"]["kept_mass_mean"] <= 1.0
+        assert 0.0 < rows["probe_top_k_50"]["kept_mass_mean"] < 1.0  # 50 of 512 tokens
+
+
+def test_mismatch_in_float32_is_the_capture_agreeing_with_the_trainers_forward(report):
+    result = report["phases"]["mismatch"]["result"]
+    assert result["finite_fraction"] == 1.0
+    assert list(result["by_length"]) == ["8", "16", "32"]
+    for length, row in result["by_length"].items():
+        assert row["tokens"] == 4 * int(length)
+        # float32 on CPU: the sampler's captured log-probs are the trainer's up to rounding (no EOS renormalization)
+        assert row["max_abs_log_ratio"] < 1e-4, row
+        assert abs(row["t_times_k1"] - int(length) * row["k1"]) < 1e-12
+
+
+def test_the_preflight_probe_ran_on_the_model(report):
+    """The probe's work on the check's model: float32 on CPU with top-p 0.95, so after renormalizing over the kept
+    set the sampler and the trainer agree to rounding, and the truncation is what the raw mismatch was."""
+    result = report["phases"]["preflight"]["result"]
+    assert result["tokens"] == 4 * 16 and result["seconds"] > 0
+    assert abs(result["k3"]) < 1e-6 < result["k3_before_renormalization"]
+    assert 0 < result["kept_mass_mean"] <= 1
+    assert set(result["methods"]) == {"this_run", "trl_default", "trl_token_truncate", "decoupled_token_is", "icepop"}

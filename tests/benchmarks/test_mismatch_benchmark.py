@@ -1,0 +1,263 @@
+"""The mismatch table and its advice (docs/benchmarks.md) are the benchmark's, and the monitor advises only what it
+measured.
+
+``benchmarks/results/mismatch_results.csv`` is the output of ``python benchmarks/mismatch_bench.py`` (the command
+and run time are on that page). These tests read it and check: the page's table and its "which preset for which
+mismatch" lines are exactly what the benchmark's own functions generate from it; every scenario has TRL's default,
+the floor and the ceiling, with >= 5 seeds per row; the paired statistics (difference to TRL's default, paired t,
+exact sign-flip, Holm over the 33 comparisons, gap closed with Fieller's interval) follow from the per-seed values by
+an independent recomputation (scipy's ttest_rel, sign patterns enumerated, Holm by its definition, Fieller's
+endpoints put back in its equation) and agree with the review's own recomputation
+(benchmark-review-2026-11.md in the project's shared notes); and the monitor names a remedy only where the benchmark
+supports one: exactly what the new benchmark (``benchmarks/mismatch_train.py``) confirmed, recomputed from its
+committed results.
+"""
+
+import itertools
+import math
+import os
+from statistics import fmean, stdev
+
+import pytest
+
+import benchmarks.mismatch_train as mt
+from tests.support.bench_utils import doc_block
+from benchmarks import mismatch_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "mismatch_results.csv")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return mismatch_bench.read_rows(RESULTS)
+
+
+def test_docs_table_and_advice_are_generated_from_the_results(rows):
+    mb = mismatch_bench
+    assert doc_block("mismatch-table", "docs/benchmarks.md") == mb.markdown(rows)
+    assert doc_block("mismatch-advice", "docs/benchmarks.md") == mb.recommendations(rows)
+
+
+def test_every_scenario_has_trls_default_the_floor_and_the_ceiling_with_five_seeds(rows):
+    scenarios = dict.fromkeys(r["scenario"] for r in rows)
+    assert len(scenarios) >= 3
+    for scenario in scenarios:
+        methods = {r["method"]: r for r in rows if r["scenario"] == scenario}
+        assert {"on_policy", "uncorrected", "trl_default"} <= set(methods), scenario
+        for r in methods.values():
+            assert r["n_seeds"] >= 5 and len(r["per_seed"].split()) == r["n_seeds"], (scenario, r["method"])
+
+
+T975 = {4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # Student t quantiles (a printed table)
+
+
+def seeds(r):
+    return [float(x) for x in r["per_seed"].split()]
+
+
+def holm_by_definition(ps):
+    """Holm's adjusted p_i = max over the j with p_j <= p_i of min(1, (m - rank_j) * p_j), ranks from 0."""
+    m, ranked = len(ps), sorted(ps)
+    return [max(min(1.0, (m - k) * ranked[k]) for k in range(m) if ranked[k] <= p) for p in ps]
+
+
+def test_recomputed_statistics_match_the_csv(rows):
+    """The CSV's means and intervals follow from its per-seed values (an independent recomputation)."""
+    from scipy.stats import ttest_rel
+
+    for r in rows:
+        xs = seeds(r)
+        assert fmean(xs) == pytest.approx(r["reward_mean"], abs=1e-6)
+        assert T975[len(xs) - 1] * stdev(xs) / math.sqrt(len(xs)) == pytest.approx(r["reward_ci95"], abs=1e-3)
+        block = {b["method"]: b for b in rows if b["scenario"] == r["scenario"]}
+        if r["method"] in ("on_policy", "trl_default"):
+            assert math.isnan(r["vs_trl_default"]) and math.isnan(r["p_holm"])
+            continue
+        d = [x - y for x, y in zip(xs, seeds(block["trl_default"]))]
+        half = T975[len(d) - 1] * stdev(d) / math.sqrt(len(d))
+        assert r["vs_trl_default"] == pytest.approx(fmean(d), abs=1e-9)
+        assert (r["vs_trl_default_lo"], r["vs_trl_default_hi"]) == pytest.approx((fmean(d) - half, fmean(d) + half),
+                                                                                  abs=1e-3)
+        assert r["p_paired"] == pytest.approx(ttest_rel(xs, seeds(block["trl_default"])).pvalue, rel=1e-6)
+        patterns = [sum(s * x for s, x in zip(signs, d)) for signs in itertools.product((1, -1), repeat=len(d))]
+        assert r["p_sign_flip"] == sum(abs(t) >= abs(sum(d)) - 1e-12 for t in patterns) / len(patterns)
+
+
+def test_holm_is_over_the_33_comparisons_against_trls_default(rows):
+    family = [r for r in rows if r["method"] not in ("on_policy", "trl_default")]
+    assert len(family) == 33
+    for key, adjusted in (("p_paired", "p_holm"), ("p_sign_flip", "p_sign_flip_holm")):
+        expected = holm_by_definition([r[key] for r in family])
+        assert [r[adjusted] for r in family] == pytest.approx(expected, rel=1e-9)
+
+
+def test_gap_closed_only_where_the_gap_is_significant_with_fiellers_interval(rows):
+    from scipy.stats import ttest_rel
+
+    for r in rows:
+        block = {b["method"]: b for b in rows if b["scenario"] == r["scenario"]}
+        if r["method"] in ("on_policy", "uncorrected"):
+            assert math.isnan(r["gap_closed"])
+            continue
+        o, u, m = seeds(block["on_policy"]), seeds(block["uncorrected"]), seeds(r)
+        if ttest_rel(o, u).pvalue >= 0.05:
+            assert math.isnan(r["gap_closed"]), (r["scenario"], r["method"])
+            continue
+        num, den = [a - b for a, b in zip(m, u)], [a - b for a, b in zip(o, u)]
+        x, y, n = fmean(num), fmean(den), len(num)
+        assert r["gap_closed"] == pytest.approx(x / y, abs=1e-9)
+        # Fieller's endpoints R solve (x - R y)^2 = t^2 (v11 - 2 R v12 + R^2 v22), v = sample (co)variances / n
+        v11, v22 = stdev(num) ** 2 / n, stdev(den) ** 2 / n
+        v12 = sum((a - x) * (b - y) for a, b in zip(num, den)) / (n - 1) / n
+        t = 2.7764451  # t_{0.975, 4}
+        for R in (r["gap_closed_lo"], r["gap_closed_hi"]):
+            assert (x - R * y) ** 2 == pytest.approx(t * t * (v11 - 2 * R * v12 + R * R * v22), rel=1e-6)
+        assert r["gap_closed_lo"] < r["gap_closed"] < r["gap_closed_hi"]
+    # int8 and vllm_bf16: the gap is not significant, so no gap closed at all (the old table printed 218% [-1227, 1203])
+    assert all(math.isnan(r["gap_closed"]) for r in rows if r["scenario"] in ("int8", "vllm_bf16"))
+
+
+def test_the_reviews_paired_recomputation_agrees(rows):
+    """Paired 95% intervals the review computed on its own from the same CSV (benchmark-review-2026-11.md, 1.2)."""
+    by = {(r["scenario"], r["method"]): r for r in rows}
+    for key, (lo, hi) in {("stale4", "ppo_is_bypass"): (0.206, 0.468), ("vllm_sync8", "ppo_is_bypass"): (0.038, 0.274),
+                          ("wq3", "trl_token_truncate"): (0.090, 0.385), ("wq3", "decoupled_token_is"): (0.096, 0.358),
+                          ("stale4", "uncorrected"): (0.040, 0.212), ("wq3", "uncorrected"): (0.144, 0.337),
+                          ("vllm_top_p", "uncorrected"): (-0.043, -0.012)}.items():
+        assert (by[key]["vs_trl_default_lo"], by[key]["vs_trl_default_hi"]) == pytest.approx((lo, hi), abs=1.5e-3), key
+
+
+# ---------------------------------------------------------------- the monitor's advice is the benchmark's
+def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_one():
+    """REMEDIES is what benchmarks/mismatch_train.py's pre-registered analyses confirm from its committed results
+    (experiment C in S2, the stale engine; nothing in S1, the persistent gap, nor in S2L): the method, its setting (the
+    benchmark's configuration of it) and its scenario; a kind whose scenario confirmed nothing has no remedy."""
+    from trl_rollout_corr.monitor import advice
+
+    confirmed = mt.confirmed_methods()
+    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": []}
+    assert set(advice.REMEDIES) <= set(advice.SCENARIOS)
+    for kind, scenario in advice.SCENARIOS.items():
+        methods = confirmed[scenario]
+        if not methods:
+            assert kind not in advice.REMEDIES, kind
+            continue
+        remedy = advice.REMEDIES[kind]
+        assert len(methods) == 1, methods  # more than one confirmed: the advice would have to choose (not written)
+        trainer, settings = mt.METHODS[methods[0]]
+        preset = settings.get("rollout_correction_preset")
+        assert trainer == "ours" and remedy.method == preset and remedy.setting == f"rollout_correction_preset={preset}"
+        assert remedy.scenario.startswith(f"mismatch_train {scenario}, experiment C")
+    assert advice.REMEDIES["stale"].method == "ppo_is_bypass" and "persistent" not in advice.REMEDIES
+
+
+def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
+    """The numbers the message quotes are the analysis' own, recomputed from the committed CSV."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.CONFIRM_CSV))
+    _, c = mt.analyse_family(runs, list(mt.CONFIRM_SEEDS), "S2", mt.CONFIRM_FAMILY, "C",
+                             established=mt.C_GAP_SEEDS_0_9)
+    m3 = next(r for r in c["family"] if r["method"] == "M3")
+    assert (m3["n"], round(m3["diff"], 3), round(m3["diff_lo"], 3), round(m3["diff_hi"], 3)) == (20, .065, .032, .097)
+    assert f"{m3['p_sign_flip_holm']:.2g}" == "0.00017" and len(c["family"]) == 2
+    assert round(next(g for g in c["gap_closed"] if g["method"] == "M3")["estimate"], 2) == 0.88
+    # the regime: the family arms' per-token KL and T * KL (run means, averaged per arm), as the message rounds them
+    arms = {m: [r for r in runs if (r["scenario"], r["method"]) == ("S2", m)] for m in ("M1", "M2", "M3")}
+    kl = {m: fmean(r["kl_token"] for r in rs) for m, rs in arms.items()}
+    tkl = {m: round(fmean(r["t_kl"] for r in rs), 1) for m, rs in arms.items()}
+    assert 6e-3 <= min(kl.values()) and max(kl.values()) <= 1.1e-2
+    assert (min(tkl.values()), max(tkl.values())) == (.3, .5)
+    remedy = advice.REMEDIES["stale"]
+    for text in ("+0.065 [+0.032, +0.097]", "20 fresh paired seeds", "Holm p 0.00017", "0.88"):
+        assert text in remedy.evidence, text
+    for text in ("8 optimizer steps stale", "T = 49", "per-token KL 6e-3-1.1e-2", "T * KL 0.3-0.5", "465k-parameter",
+                 "not measured at long completions or on a GPU"):
+        assert text in remedy.regime, text
+    assert mt.S2_LAG == 8 and mt.HIDDEN == 96 and mt.STEPS_PER_GENERATION == 2
+
+
+def test_experiment_p_supports_no_advice_for_a_truncating_sampler():
+    """Experiment P, recomputed from the committed CSV: truncation cost reward on seeds 40-49 (the gap counts) and no
+    method is confirmed above TRL's default; the held-out seeds 50-54 (pre-registration 4) do not confirm the cost.
+    So nothing may advise a truncating sampler, and the docs say so with these numbers."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TRUNCATION_CSV))
+    _, p = mt.analyse_family(runs, list(mt.P_SEEDS), "S3", mt.P_FAMILY, "P")
+    assert p["counts"] and p["confirmed"] == [] and len(p["family"]) == 4
+    gap = p["gap"]
+    assert (gap["n"], round(gap["diff"], 3), round(gap["diff_lo"], 3), round(gap["diff_hi"], 3)) == (
+        10, .055, .026, .084)
+    held = mt.p_cost_held_out(runs, list(mt.P_HELD_OUT))
+    assert held["n"] == 5 and not held["confirmed"]
+    assert (round(held["diff"], 3), round(held["diff_lo"], 3), round(held["diff_hi"], 3)) == (-.010, -.082, .061)
+    assert "S3" not in advice.SCENARIOS.values() and not hasattr(advice, "truncation_advice")
+    m0 = [r for r in runs if (r["scenario"], r["method"], r["seed"] in mt.P_SEEDS) == ("S3", "M0", True)]
+    assert f"{fmean(r['kl_token'] for r in m0):.1e}" == "8.6e-03" and round(fmean(r["t_kl"] for r in m0), 2) == 0.42
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    for text in ("+0.055 [+0.026, +0.084]", "−0.010 [−0.082, +0.061]", "does not confirm"):
+        assert text in doc, text
+
+
+def test_no_remedy_survives_holm_on_the_old_benchmark(rows):
+    """What the monitor and the README drop: the old remedies' Holm p (paired, 33 comparisons) are >= 0.05; the one
+    correction that passes on stale4, bypass_m2, was designed after the first results (post hoc): never recommended."""
+    mb = mismatch_bench
+    by = {(r["scenario"], r["method"]): r for r in rows}
+    assert by[("stale4", "ppo_is_bypass")]["p_holm"] >= 0.05 and by[("wq3", "trl_token_truncate")]["p_holm"] >= 0.05
+    assert by[("stale4", "bypass_m2")]["p_holm"] < 0.05 and "bypass_m2" in mb.POST_HOC
+    assert [mb.recommended(rows, s) for s in dict.fromkeys(r["scenario"] for r in rows)] == [None] * 6
+
+
+def load_trace(name):
+    import json
+
+    with open(os.path.join(ROOT, "tests", "data", name)) as f:
+        trace = json.load(f)
+    trace["rows"] = [{k: v for k, v in zip(trace["columns"], r) if v is not None} for r in trace["rows"]]
+    return trace
+
+
+# the benchmark's runs, exported with `python benchmarks/mismatch_bench.py --export_trace SCENARIO:METHOD:SEED:PATH`
+COLLAPSING = ["mismatch_stale4_decoupled_geo_rs_seed0.json", "mismatch_wq3_ppo_is_bypass_seed0.json"]
+HEALTHY = ["mismatch_stale4_ppo_is_bypass_seed0.json", "mismatch_vllm_sync8_ppo_is_bypass_seed0.json"]
+
+
+@pytest.mark.parametrize("name", COLLAPSING)
+def test_on_the_benchmarks_collapsing_runs_the_monitor_advises_what_was_confirmed(name):
+    """The stale run (decoupled_geo_rs, lag 4) is told the confirmed stale-engine remedy with its regime; the 3-bit
+    run (ppo_is_bypass, lag 0) is told no correction is confirmed for a persistent gap, and no preset."""
+    from trl_rollout_corr import RolloutCorrectionConfig
+    from trl_rollout_corr.monitor.advice import REMEDIES, SCENARIOS, remedies_for
+    from trl_rollout_corr.monitor.replay import replay
+
+    trace = load_trace(name)
+    curve = [reward for _, reward in trace["eval_curve"]]
+    assert min(curve[1:]) < 0.5 * curve[0]  # the policy really collapsed (its own held-out reward)
+    correction = RolloutCorrectionConfig.from_dict(trace["correction"])
+    monitor = replay(trace["rows"], correction=correction, rollout_lag=trace["lag"])
+    collapse = [a for a in monitor.alerts if a["alert"] == "policy_collapse"]
+    assert collapse, monitor.alerts
+    message = collapse[0]["message"]
+    if trace["lag"] > 0:
+        assert remedies_for(trace["lag"]) == [REMEDIES["stale"]]
+        assert REMEDIES["stale"].setting in message and "T = 49" in message
+        assert "No correction is confirmed" not in message
+    else:
+        assert remedies_for(trace["lag"]) == []
+        assert "No correction is confirmed" in message and SCENARIOS["persistent"] in message
+        assert "docs/benchmarks.md" in message and "rollout_correction_preset" not in message
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_on_the_benchmarks_healthy_runs_the_monitor_stays_quiet(name):
+    from trl_rollout_corr import RolloutCorrectionConfig
+    from trl_rollout_corr.monitor.replay import replay
+
+    trace = load_trace(name)
+    curve = [reward for _, reward in trace["eval_curve"]]
+    assert curve[-1] > curve[0] + 0.1  # the policy really improved
+    correction = RolloutCorrectionConfig.from_dict(trace["correction"])
+    assert replay(trace["rows"], correction=correction, rollout_lag=trace["lag"]).alerts == []

@@ -1,0 +1,400 @@
+"""benchmarks/mismatch_train.py: the smoke run writes its files, the pre-registered family is what the code says,
+TRL's path really runs TRL's loss (checked on one batch against TRL's sequence_mask formula computed by hand), and
+the psum task's reward."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import pytest
+import torch
+
+import benchmarks.mismatch_train as mt
+from trl_rollout_corr.testing import psum_task
+
+
+def test_psum_reward_is_the_correct_prefix():
+    prompt = "psum 3 1 4 1 5 ="
+    assert psum_task.psum_target(prompt) == ["3", "4", "8", "9", "4"]
+    rewards = psum_task.psum_reward([prompt] * 4, ["3 4 8 9 4", "3 4 7 9 4", "5 4 8 9 4", "3 4"])
+    assert rewards == [1.0, 2 / 5, 0.0, 2 / 5]  # the first wrong digit ends the credit
+
+
+def test_the_preregistered_family_is_what_the_code_says():
+    assert mt.REFERENCE == "M1"
+    assert mt.FAMILY == (("S1", "M0"), ("S1", "M2"), ("S1", "M3"), ("S1", "M4"),
+                         ("S2", "M0"), ("S2", "M2"), ("S2", "M3"), ("S2", "M4"))
+    assert mt.TOST_MARGIN == 0.02 and mt.COST_SCENARIO == "S0" and mt.HELD_OUT_SEEDS == (10, 11, 12, 13, 14)
+    # TRL's default and token_truncate run by TRL's own trainer; the others by this package's
+    assert mt.METHODS["M1"] == ("trl", dict(vllm_importance_sampling_mode="sequence_mask",
+                                            vllm_importance_sampling_clip_max=3.0))
+    assert mt.METHODS["M2"][0] == "trl" and mt.METHODS["M2"][1]["vllm_importance_sampling_mode"] == "token_truncate"
+    assert {m: k for m, (k, _) in mt.METHODS.items()} == dict(on_policy="ours", M0="ours", M1="trl", M2="trl",
+                                                              M3="ours", M4="ours", M1p="ours")
+    assert mt.METHODS["M1p"][1] == dict(rollout_correction_preset="trl_default")  # TRL's default, this package's code
+    assert mt.STEPS_PER_GENERATION >= 2  # the PPO clip against pi_old is live
+    # pre-registration 2 (experiments C, L, H), fixed before their first run
+    assert mt.CONFIRM_SEEDS == tuple(range(10, 30)) and mt.CONFIRM_FAMILY == (("S2", "M3"), ("S2", "M2"))
+    assert mt.LONG_FAMILY == (("S2L", "M3"), ("S2L", "M2")) and mt.LONG_SEEDS == tuple(range(30, 40))
+    assert not set(mt.LONG_SEEDS) & set(mt.CONFIRM_SEEDS) and not set(mt.CONFIRM_SEEDS) & set(range(10))
+    assert mt.S2L_DIGITS + 1 >= 100  # T >= 100: T*KL >= 1 is reachable at a per-token KL <= 1e-2
+    # pre-registration 3 (experiment P, S3 truncated sampling), fixed before its first run (the pilot included)
+    assert mt.P_FAMILY == (("S3", "M1p"), ("S3", "M3"), ("S3", "M2"), ("S3", "M0"))
+    assert mt.P_SEEDS == tuple(range(40, 50)) and mt.P_HELD_OUT == tuple(range(50, 55))
+    assert not set(mt.P_SEEDS + mt.P_HELD_OUT) & set(mt.LONG_SEEDS + mt.CONFIRM_SEEDS + tuple(range(10)))
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
+
+    # M4 is IcePop as the field defines it: token weight pi_old / pi_rollout zeroed outside [0.5, 5], kept in the count
+    assert RolloutCorrectionConfig.from_preset(mt.METHODS["M4"][1]["rollout_correction_preset"]) == \
+        RolloutCorrectionConfig(rollout_is="token", rollout_is_bound="mask", rollout_is_threshold=5.0,
+                                rollout_is_threshold_lower=0.5)
+
+
+def _tiny(tmp_path, method, noise):
+    from datasets import Dataset
+
+    size = dict(mt.SMOKE)
+    tok = psum_task.build_tokenizer()
+
+    def factory():
+        return psum_task.build_model(size["hidden"], size["layers"], seed=0, num_heads=size["heads"],
+                                     n_digits=size["n_digits"])
+
+    engine = mt.Engine("S1", 0, tok, factory, size["n_digits"], noise=noise)
+    dataset = Dataset.from_dict({"prompt": psum_task.psum_prompts(64, size["n_digits"], seed=0)})
+    fields = mt.grpo_fields(str(tmp_path), 2, size["n_digits"], 1e-3, 0)
+    return mt.build_trainer(method, factory(), tok, engine, dataset, fields, []), engine
+
+
+def _per_token_logps(model, batch):
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -width - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
+
+
+def test_trl_path_runs_trls_sequence_mask_loss(tmp_path):
+    """M1's trainer is TRL's GRPOTrainer; its loss on one micro-batch equals TRL's sequence_mask formula by hand:
+    w = exp(sum_t (log pi_old - log pi_engine)) per sequence, zeroed above 3; loss = sum_t -min(r A, clip(r) A) w m / N
+    (dapo, N = the generation batch's token count / steps_per_generation), r = pi_theta / pi_old."""
+    from trl import GRPOTrainer
+
+    from tests.grpo.test_trl_equivalence import one_micro_batch, perturb_
+
+    trainer, engine = _tiny(tmp_path, "M1", noise=(1.5, 0.3, 8.0, 1e-2))
+    assert type(trainer) is GRPOTrainer  # TRL's class, unmodified
+    rows = [{"prompt": p} for p in psum_task.psum_prompts(mt.GEN_PROMPTS, mt.SMOKE["n_digits"], seed=5)
+            for _ in range(mt.NUM_GENERATIONS)]
+    batch = one_micro_batch(trainer, rows)
+    assert engine.log and engine.log[0]["kl_token"] > 0  # the engine sampled it
+    model = trainer.model
+    with torch.no_grad():
+        old = _per_token_logps(model, batch)  # pi_old: the policy at generation, computed here independently
+    m = batch["completion_mask"].float()
+    sampling = batch["sampling_per_token_logps"]
+    w = torch.exp(((old - sampling) * m).sum(-1))
+    w = torch.where(w > 3.0, torch.zeros_like(w), w)  # TRL's default: masked above C=3, no lower bound
+    assert (w == 0).any() and ((w > 0) & (w < 3)).any(), w  # the mask bites on this batch, and not everywhere
+    torch.testing.assert_close(batch["importance_sampling_ratio"].squeeze(-1), w, rtol=1e-4, atol=1e-6)
+    # an untrained tiny policy earns no reward, so every advantage is 0: give the batch varied advantages (the loss
+    # reads them from the batch like any other field)
+    batch["advantages"] = torch.linspace(-1.5, 1.5, len(batch["advantages"]))[torch.randperm(len(w))]
+    perturb_(model)
+    model.zero_grad()
+    loss = trainer.compute_loss(model, batch)
+    logp = _per_token_logps(model, batch)
+    r = torch.exp(logp - old)
+    a = batch["advantages"][:, None]
+    per_token = -torch.minimum(r * a, torch.clamp(r, 1 - 0.2, 1 + 0.2) * a) * w[:, None]
+    n = batch["num_items_in_batch"] / mt.STEPS_PER_GENERATION
+    expected = (per_token * m).sum() / n
+    assert loss.item() != 0.0
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-4, atol=1e-6)
+
+
+def test_the_engine_returns_its_own_logprobs(tmp_path):
+    """S1's engine samples from the perturbed logits and returns their log-probs (not the policy's): the per-token
+    KL it logs is positive, and with no noise it returns the policy's log-probs (S0)."""
+    trainer, engine = _tiny(tmp_path, "M0", noise=(0.0, 0.0, 0.0, 1e-2))
+    prompts = psum_task.psum_prompts(2, mt.SMOKE["n_digits"], seed=3)
+    out = engine(prompts, trainer)
+    batch_ids = torch.tensor([p + c for p, c in zip(out["prompt_ids"], out["completion_ids"])
+                              if len(c) == len(out["completion_ids"][0])])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch_ids).logits.float()
+    p_len = len(out["prompt_ids"][0])
+    width = len(out["completion_ids"][0])
+    lp = torch.log_softmax(logits[:, p_len - 1: p_len - 1 + width], -1).gather(
+        -1, batch_ids[:, p_len:, None]).squeeze(-1)
+    same = [lps for c, lps in zip(out["completion_ids"], out["logprobs"]) if len(c) == width]
+    torch.testing.assert_close(lp, torch.tensor(same), rtol=1e-4, atol=1e-5)
+    assert engine.log[-1]["kl_token"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_s3_engine_returns_vllms_processed_logprobs_and_the_exact_kl(tmp_path):
+    """S3's engine samples the policy truncated at top_p and returns log p - log M over the kept tokens: checked
+    against transformers' own TopPLogitsWarper in float64 (an independent implementation of the nucleus), and its
+    logged per-token KL(engine || policy) equals the mean of -log M over the completion tokens."""
+    from datasets import Dataset
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    size = dict(mt.SMOKE)
+    tok = psum_task.build_tokenizer()
+
+    def factory():
+        return psum_task.build_model(size["hidden"], size["layers"], seed=0, num_heads=size["heads"],
+                                     n_digits=size["n_digits"])
+
+    engine = mt.Engine("S3", 0, tok, factory, size["n_digits"])
+    dataset = Dataset.from_dict({"prompt": psum_task.psum_prompts(64, size["n_digits"], seed=0)})
+    fields = mt.grpo_fields(str(tmp_path), 2, size["n_digits"], 1e-3, 0, top_p=mt.S3_TOP_P)
+    trainer = mt.build_trainer("M0", factory(), tok, engine, dataset, fields, [])
+    assert trainer.args.top_p == mt.S3_TOP_P
+    prompts = psum_task.psum_prompts(6, size["n_digits"], seed=3)
+    out = engine(prompts, trainer)
+    warper = TopPLogitsWarper(top_p=mt.S3_TOP_P)
+    neg_log_kept, n_tokens = 0.0, 0
+    for p_ids, c_ids, lps in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        ids = torch.tensor([p_ids + c_ids])
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits[0, len(p_ids) - 1: len(p_ids) - 1 + len(c_ids)].double()
+        full = torch.log_softmax(logits, -1)  # (T, V)
+        kept = torch.log_softmax(warper(None, logits.clone()), -1)  # (T, V), -inf outside the nucleus
+        ref = kept.gather(-1, torch.tensor(c_ids)[:, None]).squeeze(-1)  # (T,)
+        torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, rtol=0, atol=1e-4)
+        log_m = torch.logsumexp(full.masked_fill(torch.isinf(kept), float("-inf")), -1)  # log M per position  # (T,)
+        neg_log_kept += float(-log_m.sum())
+        n_tokens += len(c_ids)
+    assert neg_log_kept / n_tokens > 1e-3  # the truncation removes mass: the check below is not 0 == 0
+    assert engine.log[-1]["kl_token"] == pytest.approx(neg_log_kept / n_tokens, rel=1e-3)
+
+
+def test_smoke_run_writes_its_files(tmp_path):
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S1", "--methods", "M1", "--seeds", "0-1"])
+    runs = sorted(os.listdir(os.path.join(out, "runs")))
+    assert runs == ["S1__M1__seed0.json", "S1__M1__seed1.json", "all__on_policy__seed0.json",
+                    "all__on_policy__seed1.json"]
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(math.isfinite(float(r["score"])) for r in rows)
+    assert {r["trainer"] for r in rows if r["method"] == "M1"} == {"trl"}
+    assert all(float(r["kl_token"]) > 0 for r in rows if r["method"] == "M1")  # S1's engine differs from the policy
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert "pre-registered family" in text and "| S1 | M1 |" in text
+    assert os.path.exists(os.path.join(out, "mismatch_train.png"))
+
+
+def _fake_runs(scores: dict) -> list[dict]:
+    """Run records as run_one writes them, with only what the analysis reads."""
+    runs = []
+    for (scenario, method), values in scores.items():
+        for seed, score in enumerate(values):
+            runs.append(dict(scenario=scenario, method=method, seed=seed, score=score, kl_token=0.05, t_kl=2.0,
+                             engine_reward=0.5, collapsed=False))
+    return runs
+
+
+def test_the_analysis_picks_only_a_holm_significant_method_where_the_mismatch_costs():
+    """Ten seeds; in S1 on_policy beats M0 on every seed (the scenario counts) and M3 beats M1 on every seed: the
+    exact sign-flip p of 10 positive differences is 2 / 2**10, Holm over the 8-row family multiplies the smallest by
+    8 (0.015625); S2 costs nothing (on_policy = M0 + alternating +-0.01), so its rows cannot give a candidate."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    wiggle = [0.01 * (-1) ** i for i in range(10)]
+    shift = [0.05 + 0.001 * i for i in range(10)]
+    scores = {("all", "on_policy"): [b + 0.1 for b in base]}
+    for method in ("M0", "M1", "M2", "M4"):
+        scores[("S1", method)] = [b + (0.002 * i if method == "M2" else 0) for i, b in enumerate(base)]
+        scores[("S2", method)] = [b + 0.1 + w for b, w in zip(base, wiggle)]
+    scores[("S1", "M3")] = [b + s for b, s in zip(base, shift)]
+    scores[("S2", "M3")] = [b + 0.1 - w for b, w in zip(base, wiggle)]
+    text, result = mt.analyse(_fake_runs(scores), list(range(10)))
+    assert result["gap"]["S1"]["counts"] and not result["gap"]["S2"]["counts"]
+    rows = {(r["scenario"], r["method"]): r for r in result["family"]}
+    assert len(rows) == 8
+    m3 = rows[("S1", "M3")]
+    assert m3["p_sign_flip"] == pytest.approx(2 / 2 ** 10)
+    assert m3["p_sign_flip_holm"] == pytest.approx(8 * 2 / 2 ** 10)
+    assert m3["diff"] == pytest.approx(sum(shift) / 10)
+    assert m3["gap_closed"] == pytest.approx(sum(shift) / 10 / 0.1)  # (M3 - M0) / (on_policy - M0), M0 = M1 here
+    assert result["candidate"] == {"scenario": "S1", "method": "M3", "diff": pytest.approx(sum(shift) / 10)}
+    assert "**Candidate**: M3 in S1" in text
+    # the same data with S1's gap removed: nothing counts, so there is no candidate
+    scores[("all", "on_policy")] = list(scores[("S1", "M0")])
+    _, result = mt.analyse(_fake_runs(scores), list(range(10)))
+    assert not result["gap"]["S1"]["counts"] and result["candidate"] is None
+
+
+def _family_runs(scores: dict, pool: str = "all") -> list[dict]:
+    runs = _fake_runs(scores)
+    for r in runs:
+        if r["method"] == "on_policy":
+            r["pool"] = pool
+    return runs
+
+
+def test_the_confirmation_holm_over_two_hand_computed():
+    """Experiment C's family {M3 - M1, M2 - M1}: M3 beats M1 on all 10 seeds (exact sign-flip p = 2 / 2**10; Holm
+    over 2 doubles the smallest: 4 / 2**10) and is confirmed; M2's differences alternate +-0.01 around 0 (sign-flip
+    p = 1: Holm keeps it at 1), not confirmed. The gap was established on earlier seeds (rule (a)) and on_policy / M0
+    did not run here, so (a) holds and no gap closed is computed."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    shift = [0.05, 0.01, 0.09, 0.03, 0.07, 0.02, 0.08, 0.04, 0.06, 0.05]
+    scores = {("S2", "M1"): base, ("S2", "M3"): [b + s for b, s in zip(base, shift)],
+              ("S2", "M2"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)]}
+    text, result = mt.analyse_family(_family_runs(scores), list(range(10)), "S2", mt.CONFIRM_FAMILY, "C",
+                                     established=mt.C_GAP_SEEDS_0_9)
+    rows = {r["method"]: r for r in result["family"]}
+    assert rows["M3"]["p_sign_flip"] == pytest.approx(2 / 2 ** 10)
+    assert rows["M3"]["p_sign_flip_holm"] == pytest.approx(2 * 2 / 2 ** 10)
+    assert rows["M2"]["p_sign_flip"] == pytest.approx(1.0) and rows["M2"]["p_sign_flip_holm"] == pytest.approx(1.0)
+    assert rows["M3"]["diff"] == pytest.approx(sum(shift) / 10)
+    # paired t of M3's differences by hand: mean 0.05, sum of squared deviations 0.0060 -> sd sqrt(0.006 / 9)
+    sd = math.sqrt(0.0060 / 9)
+    from scipy import stats as sst
+
+    p_t = 2 * sst.t.sf(0.05 / (sd / math.sqrt(10)), 9)
+    assert 1e-5 < p_t < 1e-3
+    assert rows["M3"]["p"] == pytest.approx(p_t, rel=1e-6) and rows["M3"]["p_holm"] == pytest.approx(2 * p_t, rel=1e-6)
+    assert result["counts"] and result["confirmed"] == ["M3"] and result["gap_closed"] == []
+    assert "M3 CONFIRMED above TRL's default in S2" in text
+    # the gap re-checked on all seeds and not significant: (a) fails and nothing is confirmed
+    scores[("all", "on_policy")] = base
+    scores[("S2", "M0")] = [b + 0.01 * (-1) ** i for i, b in enumerate(base)]
+    _, result = mt.analyse_family(_family_runs(scores), list(range(10)), "S2", mt.CONFIRM_FAMILY, "C",
+                                  established=mt.C_GAP_SEEDS_0_9)
+    assert not result["counts"] and result["confirmed"] == []
+
+
+def test_the_long_scenario_needs_its_own_gap_and_its_own_on_policy():
+    """L: on_policy runs of the 48-digit pool never stand in for S2L's (another length); without S2L's own gap nothing
+    is confirmed; with it (on_policy above M0 on every seed) the same M3 rows are confirmed and the gap closed is
+    (M3 - M0) / (on_policy - M0) = 0.05 / 0.1 on every seed."""
+    base = [0.50, 0.52, 0.48, 0.55, 0.51, 0.49, 0.53, 0.54, 0.50, 0.52]
+    scores = {("S2L", "M0"): base, ("S2L", "M1"): base, ("S2L", "M3"): [b + 0.05 for b in base],
+              ("S2L", "M2"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)],
+              ("all", "on_policy"): [b + 0.1 for b in base]}
+    table = mt.score_table(_family_runs(scores))
+    assert ("S2L", "on_policy") not in table and ("S0", "on_policy") in table
+    _, result = mt.analyse_family(_family_runs(scores), list(range(10)), "S2L", mt.LONG_FAMILY, "L")
+    assert not result["counts"] and result["confirmed"] == []
+    long_pool = _family_runs({("S2L", "on_policy"): [b + 0.1 + 0.001 * (i % 2) for i, b in enumerate(base)]},
+                             pool="S2L")
+    runs = _family_runs({k: v for k, v in scores.items() if k[0] != "all"}) + long_pool
+    _, result = mt.analyse_family(runs, list(range(10)), "S2L", mt.LONG_FAMILY, "L")
+    assert result["counts"] and result["confirmed"] == ["M3"]
+    gc = {g["method"]: g for g in result["gap_closed"]}
+    assert gc["M3"]["estimate"] == pytest.approx(0.05 / (0.1 + 0.0005))  # sum(M3 - M0) / sum(on_policy - M0)
+
+
+def test_hurt_summary_and_the_separation_rule():
+    """A run's metric mean / max over its logged steps (steps without the key skipped; none -> NaN); the separation
+    rule: every costly run's mean strictly beyond every healthy run's."""
+    from trl_rollout_corr.core.metric_names import metric
+
+    logs = [{metric("grad_share_pinned"): 0.1, metric("t_kl_mean"): 2.0}, {metric("grad_share_pinned"): 0.3},
+            {"loss": 1.0}]
+    h = mt.hurt_summary(logs)
+    assert h["grad_share_pinned_mean"] == pytest.approx(0.2) and h["grad_share_pinned_max"] == pytest.approx(0.3)
+    assert h["t_kl_mean_mean"] == 2.0 and math.isnan(h["grad_share_masked_mean"])
+
+    def run(scenario, value):
+        out = dict(scenario=scenario, method="M3", seed=0, score=0.5, kl_token=0.01, t_kl=1.0, collapsed=False)
+        out.update({f"{m}_{agg}": value for m in mt.HURT_METRICS for agg in ("mean", "max")})
+        return out
+
+    _, res = mt.hurt_table([run("S0", 0.0), run("S1", 0.2), run("S2", 0.3), run("S2L", 0.5)])
+    assert res["separation"]["M3/grad_share_pinned"]["separates"]
+    assert res["separation"]["M3/grad_share_pinned"]["healthy"] == (0.0, 0.2, 2)
+    _, res = mt.hurt_table([run("S0", 0.0), run("S1", 0.4), run("S2", 0.3), run("S2L", 0.5)])
+    assert not res["separation"]["M3/grad_share_pinned"]["separates"]  # 0.3 lies inside the healthy [0, 0.4]
+
+
+def test_smoke_long_scenario_writes_hurt_columns(tmp_path):
+    """S2L at smoke size: its own base model and length (long_digits), its own on_policy run, and the package
+    trainer's "does it hurt?" metrics in the CSV."""
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S2L", "--methods", "M3", "--seeds", "0",
+             "--experiment", "L"])
+    assert sorted(os.listdir(os.path.join(out, "runs"))) == ["S2L__M3__seed0.json", "S2L__on_policy__seed0.json"]
+    assert os.path.exists(os.path.join(out, "base", f"base_n{mt.SMOKE['long_digits']}.pt"))
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert {r["n_digits"] for r in rows.values()} == {str(mt.SMOKE["long_digits"])}
+    assert math.isfinite(float(rows["M3"]["grad_share_pinned_mean"]))
+    assert float(rows["M3"]["t_kl_mean_max"]) >= float(rows["M3"]["t_kl_mean_mean"]) >= 0
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert "Experiment L" in text and "does it hurt?" in text
+
+
+def test_package_vs_trl_is_paired_by_seed():
+    """M1p - M1 per scenario on the seeds both ran: equal runs give exactly 0; one seed 0.03 below gives a mean of
+    -0.01 over 3 seeds and a largest |diff| of 0.03 (a seed only one of them ran is left out)."""
+    def runs(bump):
+        out = [dict(scenario="S2", method=m, seed=s, score=0.5 + 0.01 * s + (bump if m == "M1p" and s == 1 else 0),
+                    kl_token=0.01, t_kl=0.5, collapsed=False) for m in ("M1", "M1p") for s in range(3)]
+        return out + [dict(scenario="S2", method="M1p", seed=-1, score=0.9, kl_token=0.01, t_kl=0.5, collapsed=False)]
+
+    _, rows = mt.package_vs_trl(runs(0.0))
+    assert rows[0]["n"] == 3 and rows[0]["diff"] == 0.0 and rows[0]["max_abs"] == 0.0
+    _, rows = mt.package_vs_trl(runs(-0.03))
+    assert rows[0]["diff"] == pytest.approx(-0.01) and rows[0]["max_abs"] == pytest.approx(0.03)
+
+
+def test_the_costly_set_is_where_the_gap_counts():
+    """H's costly scenarios: S2 (on_policy above M0 by 0.1 on all 10 seeds: sign-flip p 2 / 2**10) counts; S2L (its
+    own on_policy pool, differences alternating +-0.01) does not."""
+    base = [0.70, 0.72, 0.68, 0.75, 0.71, 0.69, 0.73, 0.74, 0.70, 0.72]
+    runs = _family_runs({("all", "on_policy"): [b + 0.1 + 0.001 * i for i, b in enumerate(base)], ("S2", "M0"): base,
+                         ("S2L", "M0"): base})
+    runs += _family_runs({("S2L", "on_policy"): [b + 0.01 * (-1) ** i for i, b in enumerate(base)]}, pool="S2L")
+    assert mt.costly_scenarios(runs) == ("S2",)
+
+
+def test_gpu_size_is_qwen25_05b_shape_counted_by_hand():
+    """--size gpu builds Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, tied
+    embeddings) over the GPU vocabulary: the parameter count equals the hand count of that architecture (built on the
+    meta device: no weights allocated)."""
+    size = {**mt.SMOKE, **mt.GPU_SIZE, "device": "meta"}
+    with torch.device("meta"):
+        model = mt.task_model(size, size["n_digits"])
+    h, layers, ff, v, kv = 896, 24, 4864, mt.GPU_VOCAB, 2 * 64  # 2 KV heads of head_dim 896 / 14 = 64
+    attention = (h * h + h) + 2 * (h * kv + kv) + h * h  # q (bias), k and v (bias), o (no bias)
+    per_layer = attention + 3 * h * ff + 2 * h  # + gate, up, down; two RMSNorms
+    assert sum(p.numel() for p in model.parameters()) == layers * per_layer + v * h + h  # tied head, final norm
+    assert model.config.tie_word_embeddings and model.config.max_position_embeddings == 2 * size["n_digits"] + 8
+    assert mt.GPU_SIZE["bf16"] and mt.GPU_SIZE["device"] == "cuda" and mt.GPU_SIZE["n_digits"] + 1 == 512
+    assert len(mt.task_tokenizer(size)) == mt.GPU_VOCAB  # the tokenizer covers every id the model can sample
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
+def test_device_cuda_without_cuda_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        mt.main(["--size", "gpu", "--scenarios", "S3", "--methods", "M0", "--seeds", "40", "--out", "unused"])
+    assert "--device cuda" in capsys.readouterr().err
+
+
+def test_bf16_sampling_is_the_autocast_forward(monkeypatch):
+    """At the GPU size the engine samples under bf16 autocast, as TRL's bf16=True trains: the sampled tokens'
+    log-probs equal an independent bf16-autocast forward of the same sequence (and differ from the fp32 one)."""
+    model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6).eval()
+    ids = torch.tensor([psum_task.build_tokenizer().convert_tokens_to_ids(psum_task.psum_prompts(1, 6)[0].split())])
+    monkeypatch.setattr(mt, "BF16", True)
+    completions, logps, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(0))
+    full = torch.tensor([ids[0].tolist() + completions[0]])
+    width = len(completions[0])
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(input_ids=full).logits
+        high = model(input_ids=full).logits
+    pick = full[0, ids.shape[1]:, None]
+
+    def lp(logits):
+        return torch.log_softmax(logits[0, ids.shape[1] - 1: ids.shape[1] - 1 + width].float(), -1).gather(
+            -1, pick).squeeze(-1)
+
+    torch.testing.assert_close(torch.tensor(logps[0]), lp(low), rtol=0, atol=2e-2)
+    assert (torch.tensor(logps[0]) - lp(high)).abs().max() > 1e-4  # really the bf16 forward, not the fp32 one
