@@ -104,8 +104,10 @@ SCENARIOS = {
     "S2": "staleness: the engine is the policy of S2_LAG optimizer steps ago",
     "S2L": "S2 at a long completion: n_digits S2L_DIGITS, the policy of S2L_LAG optimizer steps ago",
     "S3": "truncated sampling: the engine samples the policy at top_p S3_TOP_P, log-probs renormalized (vLLM's)",
+    "S2X": "S2 in the target regime: n_digits X_DIGITS, the policy of X_LAG optimizer steps ago",
 }
-LONG_SCENARIOS = ("S2L",)  # their own completion length, base model and on_policy runs
+LONG_SCENARIOS = ("S2L", "S2X")  # their own completion length, base model and on_policy runs
+LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits"}  # the size entry holding each one's n_digits
 METHODS = {
     # name: (trainer, settings)  trainer "trl" = TRL's unmodified GRPOTrainer on its vLLM IS path, "ours" = this
     # package's RolloutCorrGRPOTrainer (settings are RolloutCorrGRPOConfig fields)
@@ -247,6 +249,48 @@ P_FAMILY = (("S3", "M1p"), ("S3", "M3"), ("S3", "M2"), ("S3", "M0"))  # each - M
 # cannot go below 0.0625). Runs: on_policy and M0 on P_HELD_OUT.
 P_HELD_OUT_ARMS = ("on_policy", "M0")
 
+# ------------------------------------------------------------------------------------------------ pre-registration 5
+# Written 2026-11-26 ~19:05 UTC, BEFORE any run at X_DIGITS (the pilots included; only the base model, which no
+# outcome can influence, was being built); analyse_family and x_held_out_text read only these.
+#
+# Experiment X, the target regime (issue 36: T*KL >= 1 at a per-token KL <= 1e-2). S2L (T = 129) stopped at its edge:
+# its completions average ~100 tokens, so T*KL >= 1 needed a per-token KL >= 1e-2. Scenario S2X = S2's stale engine
+# at n_digits X_DIGITS (T = 257 with EOS), its own base model pre-trained at that length by the same recipe.
+# Hypothesis (the only one tested): ppo_is_bypass (M3), confirmed above TRL's default in S2 at T = 49 (experiment C:
+# +0.065, Holm p 0.00017), is also above it in the target regime, where TRL's sequence weights (a product over
+# ~200 tokens) degenerate (ESS ~ exp(-2 T*KL)). Family X_FAMILY = {M3 - M1}: M2 and M4 are left out to fit the
+# budget (M2 was not confirmed in C); Holm over one comparison is the raw p.
+# 1. Learning-rate pilot (disclosed, not analysed; seed 99): on_policy at each lr of X_LR_CANDIDATES, X_STEPS steps;
+#    the lr with the higher score is used for every later run (the task is harder at this length: S2L's on-policy
+#    run climbed only 0.31 -> 0.39 in 30 steps at lr 1e-4, so a mismatch has little learning to cost).
+# 2. Lag pilot (seed 99, M0 at the chosen lr): lag 8 first; while the run-mean per-token KL(engine || policy) is
+#    above 1e-2, halve the lag (4, 2); while the run-mean T*KL is below 1 at a KL <= 1e-2, raise it to 12, then 16
+#    (no further). X_LAG = the first lag with T*KL >= 1 and KL <= 1e-2; if none, the last one tried, and the
+#    experiment says it did not enter the regime. The pilots' numbers go into X_PILOT.
+# 3. Cost check on X_SEEDS (fresh, never run): on_policy and M0; rule (a) as for L (on_policy - M0 > 0, paired t and
+#    sign-flip p < ALPHA). Only if it counts: M1 and M3 on X_SEEDS, seed by seed; rule (b) (M3 - M1 > 0, sign-flip
+#    and paired-t p < ALPHA).
+# 4. Held-out: only if M3 is confirmed, M3 and M1 on X_HELD_OUT (never run before); the choice survives iff the
+#    held-out mean difference has the same sign (with 5 seeds the two-sided sign-flip p cannot go below 0.0625).
+# 5. Decisions: if M3 is confirmed and survives, the README's "Which preset" table and the monitor's remedy for a
+#    stale engine cite X's row for T*KL >= 1 at per-token KL <= 1e-2. The package default stays TRL's either way:
+#    in S1 (a gap that costs nothing) M3's point estimate was 0.035 below TRL's default (unadjusted p 0.049, Holm
+#    0.34), and one scenario family of a 465k-parameter model is not enough to change what every user runs.
+#    If (a) fails, no method runs and the result is "a stale engine in the target regime cost nothing measurable".
+# Order and budget: base model, pilots, cost check, family, held-out; whatever the deadline (20:55 UTC) cuts is
+# reported as not run.
+X_DIGITS = 256
+X_STEPS = 30
+X_LR_CANDIDATES = (1e-4, 3e-4)
+X_PILOT: dict = {}  # filled after the pilots: (lr, lag, method): (per-token KL, T*KL, score, mean length, seconds)
+X_LR = 1e-4  # set by the pilot (item 1)
+X_LAG = 8  # set by the pilot (item 2)
+X_SEEDS = tuple(range(60, 70))
+X_HELD_OUT = tuple(range(70, 75))
+X_ARMS_COST = ("on_policy", "M0")
+X_ARMS = ("M1", "M3")
+X_FAMILY = (("S2X", "M3"),)  # M3 - M1, Holm over this one
+
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
 BASE_STEPS, BASE_LR, BASE_SEED = 200, 2e-3, 12345
@@ -274,13 +318,13 @@ S2_LAG = 8
 # LR_PILOT rule must re-tune once on-policy (``--lr``) before a family runs, and its base model's recipe
 # (GPU_BASE_STEPS at GPU_BASE_LR) is untested.
 GPU_VOCAB = 4352
-GPU_SIZE = dict(hidden=896, layers=24, heads=14, n_digits=511, long_digits=2047, base_steps=300, warmup_steps=10,
+GPU_SIZE = dict(hidden=896, layers=24, heads=14, n_digits=511, long_digits=2047, xl_digits=4095, base_steps=300, warmup_steps=10,
                 n_eval=64, eval_every=10, base_lr=3e-4, warmup_lr=1e-5, device="cuda", bf16=True,
                 shape=dict(num_key_value_heads=2, intermediate_size=4864, vocab_size=GPU_VOCAB,
                            tie_word_embeddings=True, rope_theta=1e6))
 GPU_LR = 1e-6
 SMOKE = dict(hidden=32, layers=1, heads=2, n_digits=6, base_steps=3, warmup_steps=1, n_eval=8, eval_every=1,
-             steps=2, long_digits=8)
+             steps=2, long_digits=8, xl_digits=10)
 
 
 def _stats():
@@ -483,12 +527,27 @@ def base_model_path(out: str, n_digits: int | None = None) -> str:
 def cell_size(scenario: str, size: dict) -> dict:
     """The sizes of one scenario's runs: a long scenario's completion length replaces ``n_digits``."""
     if scenario in LONG_SCENARIOS:
-        return {**size, "n_digits": size["long_digits"]}
+        return {**size, "n_digits": size[LONG_DIGITS_KEY[scenario]]}
     return size
 
 
 def cell_base(out: str, scenario: str, size: dict) -> str:
-    return base_model_path(out, size["long_digits"] if scenario in LONG_SCENARIOS else None)
+    return base_model_path(out, size[LONG_DIGITS_KEY[scenario]] if scenario in LONG_SCENARIOS else None)
+
+
+def scenario_lr(scenario: str, lr: float | None, size_name: str = "full") -> float:
+    """The learning rate of ``scenario``'s runs: ``lr`` when given (``--lr``), else the one tuned on-policy for its
+    length (``X_LR`` for S2X, ``LR`` otherwise; ``GPU_LR`` at the GPU size)."""
+    if lr is not None:
+        return lr
+    if size_name == "gpu":
+        return GPU_LR
+    return X_LR if scenario == "S2X" else LR
+
+
+def scenario_lag(scenario: str) -> int:
+    """The stale engine's lag (optimizer steps) in ``scenario``."""
+    return {"S2L": S2L_LAG, "S2X": X_LAG}.get(scenario, S2_LAG)
 
 
 def pretrain_base(size: dict):
@@ -681,7 +740,7 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     logs_list = logs
     engine_scenario = "S0" if method == "on_policy" else scenario
     engine = Engine(engine_scenario, seed, tok, factory, n_digits,
-                    lag=S2L_LAG if scenario in LONG_SCENARIOS else S2_LAG)
+                    lag=scenario_lag(scenario))
     with tempfile.TemporaryDirectory() as tmp:
         fields = grpo_fields(tmp, steps, n_digits, lr, seed, top_p=S3_TOP_P if engine_scenario == "S3" else 1.0,
                              device=device, bf16=BF16)
@@ -724,7 +783,7 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OF
            "TRL_ROLLOUT_CORR_NO_VLLM": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
-def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float) -> None:
+def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float | None) -> None:
     """Run every missing cell, ``jobs`` at a time, each in its own process: forked from this one after the heavy
     imports (torch, transformers, TRL, this package: ~40 s per process on a loaded 2-core machine), so no run
     shares a process with another run's training, and no run pays the imports."""
@@ -758,7 +817,7 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float) 
                     devnull = os.open(os.devnull, os.O_WRONLY)
                     os.dup2(devnull, 1)  # TRL prints its logs
                     run_one(scenario, method, seed, steps, path, cell_base(out, scenario, size),
-                            cell_size(scenario, size), lr=lr)
+                            cell_size(scenario, size), lr=scenario_lr(scenario, lr, size.get("name", "full")))
                     code = 0
                 except BaseException:
                     with open(path + ".err", "w") as f:
@@ -1272,6 +1331,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "L": "the realistic regime: S2L's cost check, then LONG_FAMILY on LONG_SEEDS",
     "H": "the 'does it hurt?' metrics of this package's trainer arms, healthy vs costly scenarios",
     "P": "truncated sampling: S3's cost check, then P_FAMILY on P_SEEDS (held-out: P_HELD_OUT)",
+    "X": "the target regime: S2X's cost check, then X_FAMILY on X_SEEDS (held-out: X_HELD_OUT)",
 }
 
 
@@ -1282,15 +1342,19 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P"):
+    elif experiment in ("C", "L", "P", "X"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
-            "P": ("S3", P_FAMILY, f"Experiment P: truncated sampling (top_p {S3_TOP_P})")}[experiment]
+            "P": ("S3", P_FAMILY, f"Experiment P: truncated sampling (top_p {S3_TOP_P})"),
+            "X": ("S2X", X_FAMILY, f"Experiment X: the stale engine in the target regime (T = {X_DIGITS + 1})"),
+        }[experiment]
         text, result = analyse_family(runs, seeds, scenario, family, title,
                                       established=C_GAP_SEEDS_0_9 if experiment == "C" else None)
         if experiment == "P" and held_out:
             text += "\n\n" + p_held_out_text(runs, result, held_out)
+        if experiment == "X" and held_out:
+            text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
@@ -1336,10 +1400,16 @@ def p_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
             + ("the same sign: CONFIRMED.\n\n" if cost["confirmed"] else "the sign flips: NOT confirmed.\n\n"))
     if cost is not None:
         result["held_out_cost"] = cost
+    return head + held_out_row_text(runs, result, seeds, "S3")
+
+
+def held_out_row_text(runs: list[dict], result: dict, seeds: list[int], scenario: str) -> str:
+    """The confirmed family row with the largest difference (:func:`p_candidate`) - M1 on the held-out ``seeds``: it
+    survives iff the held-out mean difference has the same sign (experiments P and X)."""
     candidate = p_candidate(result)
     if candidate is None:
-        return head + "**Held-out family row**: nothing confirmed, so none ran."
-    common, x, ref = paired(score_table(runs), "S3", candidate["method"], REFERENCE, seeds)
+        return "**Held-out family row**: nothing confirmed, so none ran."
+    common, x, ref = paired(score_table(runs), scenario, candidate["method"], REFERENCE, seeds)
     if len(common) < 2:
         return f"**Held-out seeds** {seeds[0]}-{seeds[-1]}: {candidate['method']} and M1 not run yet."
     row = _stats().compare_paired(x, ref)
@@ -1375,7 +1445,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="outputs/mismatch_train")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=None, help=f"default {LR} ({GPU_LR} at --size gpu: a placeholder)")
+    p.add_argument("--lr", type=float, default=None, help=f"default {LR}, S2X's X_LR {X_LR} ({GPU_LR} at --size gpu: a placeholder)")
     p.add_argument("--held_out", action="store_true",
                    help="run --seeds as the held-out seeds: only the candidate the analysis of --analysis_seeds "
                         "picked, and M1, in its scenario and S0")
@@ -1385,6 +1455,7 @@ def main(argv=None) -> None:
     p.add_argument("--experiment", default="main", choices=sorted(EXPERIMENTS),
                    help="the analysis analysis.md holds: " + "; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items()))
     p.add_argument("--s2l_lag", type=int, default=None, help="S2L's lag (the pilot only; default S2L_LAG)")
+    p.add_argument("--x_lag", type=int, default=None, help="S2X's lag (the pilot only; default X_LAG)")
     p.add_argument("--s3_top_p", type=float, default=None, help="S3's top_p (the pilot only; default S3_TOP_P)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, in-process: the suite's check (seconds)")
     p.add_argument("--size", default="full", choices=("full", "smoke", "gpu"),
@@ -1398,10 +1469,14 @@ def main(argv=None) -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
-                warmup_steps=WARMUP_STEPS, n_eval=N_EVAL, eval_every=EVAL_EVERY, long_digits=S2L_DIGITS)
+                warmup_steps=WARMUP_STEPS, n_eval=N_EVAL, eval_every=EVAL_EVERY, long_digits=S2L_DIGITS,
+                xl_digits=X_DIGITS)
     if a.s2l_lag is not None:
         global S2L_LAG
         S2L_LAG = a.s2l_lag
+    if a.x_lag is not None:
+        global X_LAG
+        X_LAG = a.x_lag
     if a.s3_top_p is not None:
         global S3_TOP_P
         S3_TOP_P = a.s3_top_p
@@ -1414,8 +1489,7 @@ def main(argv=None) -> None:
     size["bf16"] = a.bf16 or size.get("bf16", False)
     if a.n_digits is not None:
         size["n_digits"] = a.n_digits
-    if a.lr is None:
-        a.lr = GPU_LR if a.size == "gpu" else LR
+    size["name"] = a.size
     if size["device"] != "cpu":
         import torch
 
@@ -1425,7 +1499,7 @@ def main(argv=None) -> None:
     if a.worker:
         scenario, method, seed = a.worker.split(":")
         run_one(scenario, method, int(seed), a.steps, run_path(a.out, scenario, method, int(seed)),
-                cell_base(a.out, scenario, size), cell_size(scenario, size), lr=a.lr)
+                cell_base(a.out, scenario, size), cell_size(scenario, size), lr=scenario_lr(scenario, a.lr, a.size))
         return
     scenarios = [s for s in a.scenarios.split(",") if s]
     methods = [m for m in a.methods.split(",") if m]
@@ -1441,7 +1515,8 @@ def main(argv=None) -> None:
         for cell in cells(scenarios, methods, seeds):
             path = run_path(a.out, *cell)
             if not os.path.exists(path):
-                run_one(*cell, steps, path, cell_base(a.out, cell[0], size), cell_size(cell[0], size), lr=a.lr,
+                run_one(*cell, steps, path, cell_base(a.out, cell[0], size), cell_size(cell[0], size),
+                        lr=scenario_lr(cell[0], a.lr, a.size),
                         threads=1)
         print(report(a.out, seeds, experiment=a.experiment))
         print(f"total {time.time() - t0:.0f} s")
@@ -1451,7 +1526,13 @@ def main(argv=None) -> None:
         for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
             in_child(build_base, a.out, cell_size(scenario, size), cell_base(a.out, scenario, size),
                      fork=size["device"] != "cpu")
-        if a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3
+        if a.held_out and a.experiment == "X":  # pre-registration 5, item 4: M3 and M1 only if M3 is confirmed
+            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S2X", X_FAMILY, "X")
+            candidate = p_candidate(result)
+            todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
+            if candidate is None:
+                print("nothing confirmed on the analysis seeds, so no held-out run", flush=True)
+        elif a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3
             _, result = analyse_family(load_runs(a.out), analysis_seeds, "S3", P_FAMILY, "P")
             candidate = p_candidate(result)
             todo = cells(["S3"], ["M0"], seeds)  # pre-registration 4: P_HELD_OUT_ARMS

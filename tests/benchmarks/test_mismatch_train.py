@@ -398,3 +398,44 @@ def test_bf16_sampling_is_the_autocast_forward(monkeypatch):
 
     torch.testing.assert_close(torch.tensor(logps[0]), lp(low), rtol=0, atol=2e-2)
     assert (torch.tensor(logps[0]) - lp(high)).abs().max() > 1e-4  # really the bf16 forward, not the fp32 one
+
+
+def test_smoke_target_regime_scenario_has_its_own_length_lr_and_lag(tmp_path, monkeypatch):
+    """S2X (pre-registration 5) at smoke size: its own base model at ``xl_digits``, its own on_policy run, the lr
+    tuned for its length (X_LR) unless --lr is given, and the stale engine at X_LAG."""
+    monkeypatch.setattr(mt, "X_LR", 2.5e-4)  # distinct from LR whatever the pilot picked
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S2X", "--methods", "M0", "--seeds", "0", "--experiment", "X"])
+    assert sorted(os.listdir(os.path.join(out, "runs"))) == ["S2X__M0__seed0.json", "S2X__on_policy__seed0.json"]
+    assert os.path.exists(os.path.join(out, "base", f"base_n{mt.SMOKE['xl_digits']}.pt"))
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert {r["n_digits"] for r in rows.values()} == {str(mt.SMOKE["xl_digits"])}
+    assert {float(r["lr"]) for r in rows.values()} == {mt.X_LR}
+    assert rows["M0"]["lag"] == str(mt.X_LAG) and rows["on_policy"]["lag"] == "0"
+    assert "Experiment X" in open(os.path.join(out, "analysis.md")).read()
+    assert (mt.scenario_lr("S2X", None), mt.scenario_lr("S2", None), mt.scenario_lr("S2X", 3e-4)) == (
+        mt.X_LR, mt.LR, 3e-4)
+    assert mt.scenario_lr("S2X", None, "gpu") == mt.GPU_LR
+    assert (mt.scenario_lag("S2X"), mt.scenario_lag("S2L"), mt.scenario_lag("S2")) == (mt.X_LAG, mt.S2L_LAG,
+                                                                                          mt.S2_LAG)
+
+
+def test_target_regime_held_out_row_survives_only_with_the_same_sign():
+    """Experiment X's decision: M3 confirmed on 10 seeds (cost counts, M3 - M1 > 0 on every seed) and then judged on
+    held-out seeds by the sign of M3 - M1 there (pre-registration 5, item 4)."""
+    def arm(method, seeds, score):
+        return [dict(scenario="S2X", method=method, seed=s, score=score(s), kl_token=8e-3, t_kl=1.5, collapsed=False,
+                     pool="S2X" if method == "on_policy" else "S2X") for s in seeds]
+
+    seeds = list(range(60, 70))
+    runs = (arm("on_policy", seeds, lambda s: 0.5 + 0.003 * (s % 3)) + arm("M0", seeds, lambda s: 0.4 + 0.002 * (s % 3))
+            + arm("M1", seeds, lambda s: 0.40 + 0.001 * (s % 4)) + arm("M3", seeds, lambda s: 0.45 + 0.002 * (s % 5)))
+    _, result = mt.analyse_family(runs, seeds, "S2X", mt.X_FAMILY, "X")
+    assert result["counts"] and result["confirmed"] == ["M3"]
+    held = [70, 71, 72]
+    worse = runs + arm("M1", held, lambda s: 0.45) + arm("M3", held, lambda s: 0.44 + 0.001 * (s % 2))
+    assert "does NOT survive" in mt.held_out_row_text(worse, dict(result), held, "S2X")
+    better = runs + arm("M1", held, lambda s: 0.40) + arm("M3", held, lambda s: 0.44 + 0.001 * (s % 2))
+    res = dict(result)
+    assert "SURVIVES" in mt.held_out_row_text(better, res, held, "S2X") and res["held_out"]["survives"]
