@@ -318,8 +318,8 @@ S2_LAG = 8
 # LR_PILOT rule must re-tune once on-policy (``--lr``) before a family runs, and its base model's recipe
 # (GPU_BASE_STEPS at GPU_BASE_LR) is untested.
 GPU_VOCAB = 4352
-GPU_SIZE = dict(hidden=896, layers=24, heads=14, n_digits=511, long_digits=2047, xl_digits=4095, base_steps=300, warmup_steps=10,
-                n_eval=64, eval_every=10, base_lr=3e-4, warmup_lr=1e-5, device="cuda", bf16=True,
+GPU_SIZE = dict(hidden=896, layers=24, heads=14, n_digits=511, long_digits=2047, xl_digits=4095, base_steps=300,
+                warmup_steps=10, n_eval=64, eval_every=10, base_lr=3e-4, warmup_lr=1e-5, device="cuda", bf16=True,
                 shape=dict(num_key_value_heads=2, intermediate_size=4864, vocab_size=GPU_VOCAB,
                            tie_word_embeddings=True, rope_theta=1e6))
 GPU_LR = 1e-6
@@ -1445,7 +1445,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="outputs/mismatch_train")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=None, help=f"default {LR}, S2X's X_LR {X_LR} ({GPU_LR} at --size gpu: a placeholder)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"default {LR}, S2X's X_LR {X_LR} ({GPU_LR} at --size gpu: a placeholder)")
     p.add_argument("--held_out", action="store_true",
                    help="run --seeds as the held-out seeds: only the candidate the analysis of --analysis_seeds "
                         "picked, and M1, in its scenario and S0")
