@@ -250,7 +250,7 @@ P_FAMILY = (("S3", "M1p"), ("S3", "M3"), ("S3", "M2"), ("S3", "M0"))  # each - M
 P_HELD_OUT_ARMS = ("on_policy", "M0")
 
 # ------------------------------------------------------------------------------------------------ pre-registration 5
-# Written 2026-11-26 ~19:05 UTC, BEFORE any run at X_DIGITS (the pilots included; only the base model, which no
+# Written 2026-11-26 18:50-18:58 UTC, BEFORE any run at X_DIGITS (the pilots included; only the base model, which no
 # outcome can influence, was being built); analyse_family and x_held_out_text read only these.
 #
 # Experiment X, the target regime (issue 36: T*KL >= 1 at a per-token KL <= 1e-2). S2L (T = 129) stopped at its edge:
