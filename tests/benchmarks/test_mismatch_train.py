@@ -407,7 +407,10 @@ def test_smoke_target_regime_scenario_has_its_own_length_lr_and_lag(tmp_path, mo
     out = str(tmp_path / "smoke")
     mt.main(["--smoke", "--out", out, "--scenarios", "S2X", "--methods", "M0", "--seeds", "0", "--experiment", "X"])
     assert sorted(os.listdir(os.path.join(out, "runs"))) == ["S2X__M0__seed0.json", "S2X__on_policy__seed0.json"]
-    assert os.path.exists(os.path.join(out, "base", f"base_n{mt.SMOKE['xl_digits']}.pt"))
+    # deviation 1: the base at this length trains on from the recipe's (3 steps at smoke size) to xl_base_steps
+    n, steps = mt.SMOKE["xl_digits"], mt.SMOKE["xl_base_steps"]
+    assert sorted(os.listdir(os.path.join(out, "base"))) == [
+        f"base_n{n}.pt", f"base_n{n}_s{steps}.pt", f"warmup_n{n}_s{steps}_seed0.pt"]
     with open(os.path.join(out, "results.csv")) as f:
         rows = {r["method"]: r for r in csv.DictReader(f)}
     assert {r["n_digits"] for r in rows.values()} == {str(mt.SMOKE["xl_digits"])}
@@ -439,3 +442,22 @@ def test_target_regime_held_out_row_survives_only_with_the_same_sign():
     better = runs + arm("M1", held, lambda s: 0.40) + arm("M3", held, lambda s: 0.44 + 0.001 * (s % 2))
     res = dict(result)
     assert "SURVIVES" in mt.held_out_row_text(better, res, held, "S2X") and res["held_out"]["survives"]
+
+
+def test_a_continued_base_trains_only_the_steps_after_its_start():
+    """pretrain_base(init, start): from a checkpoint of ``start`` steps, only steps start..base_steps run (none when
+    they are equal: the weights come back unchanged); one more step changes them."""
+    import torch
+
+    size = dict(mt.SMOKE, n_digits=mt.SMOKE["xl_digits"], base_steps=3, bf16=False)
+    first = mt.pretrain_base(size)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "b.pt")
+        torch.save(first.state_dict(), path)
+        same = mt.pretrain_base(size, init=path, start=3)
+        more = mt.pretrain_base({**size, "base_steps": 4}, init=path, start=3)
+    for (name, a), b in zip(first.state_dict().items(), same.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, c) for a, c in zip(first.state_dict().values(), more.state_dict().values()))
