@@ -313,6 +313,29 @@ X_ARMS_COST = ("on_policy", "M0")
 X_ARMS = ("M1", "M3")
 X_FAMILY = (("S2X", "M3"),)  # M3 - M1, Holm over this one
 
+# ------------------------------------------------------------------------------------------------ pre-registration 6
+# Written 2026-11-26 19:56-20:00 UTC, after experiment X's analysis (seeds 60-69) and BEFORE any run of experiment Y.
+#
+# What X left open: the stale engine at lag 8 drove the uncorrected runs to T*KL 1.43 (per-token KL 5.6e-3, 2 of 10
+# collapsed), but under either correction the policy stayed closer to its 8-step-old copy: TRL's default (M1) ran at
+# per-token KL 1.95e-3, T*KL 0.49, ppo_is_bypass (M3) at 1.79e-3, 0.45, so the corrections themselves were measured
+# below T*KL 1 (the mismatch a stale engine makes depends on how the method moves the policy). M3 - M1 was +0.025
+# [-0.024, +0.073] (p 0.28, not confirmed); gap closed M1 0.85 [0.00, 0.98], M3 0.97 [0.73, 1.38].
+# Experiment Y: the same scenario S2X (same base model, lr X_LR, 30 steps), twice the lag, Y_LAG = 16 (the lag pilot
+# gave M0 T*KL 1.19 at 12; nothing has run at 16 at this length), so that the corrected arms too sit nearer T*KL 1.
+# Fresh seeds Y_SEEDS (never run), arms Y_ARMS_COST first (rule (a)), then, only if it counts, Y_ARMS seed by seed.
+# Family Y_FAMILY = {M3 - M1, M2 - M1}, Holm over the 2, rule (b): M2 (TRL's token_truncate by TRL's GRPOTrainer)
+# joins because token- vs sequence-level weights is the question the published evidence splits on at large T*KL.
+# Held-out: the confirmed row with the largest difference and M1 on Y_HELD_OUT (same-sign rule), only if one is
+# confirmed. Decisions as pre-registration 5, item 5 (the default stays TRL's either way). The deadline (20:55 UTC)
+# cuts whatever has not run; a partly run family is reported on the seeds where every arm ran.
+Y_LAG = 16
+Y_SEEDS = tuple(range(75, 85))
+Y_HELD_OUT = tuple(range(85, 90))
+Y_ARMS_COST = ("on_policy", "M0")
+Y_ARMS = ("M1", "M3", "M2")
+Y_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
+
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
 BASE_STEPS, BASE_LR, BASE_SEED = 200, 2e-3, 12345
@@ -892,6 +915,7 @@ def load_runs(out: str) -> list[dict]:
 RESULTS = os.path.join(HERE, "results")  # the committed results
 MAIN_CSV, CONFIRM_CSV = "mismatch_train_results.csv", "mismatch_train_confirm_results.csv"
 TRUNCATION_CSV = "mismatch_train_truncation_results.csv"  # experiment P (S3)
+TARGET_CSV = "mismatch_train_target_results.csv"  # experiment X (S2X)
 
 
 def runs_from_csv(path: str) -> list[dict]:
@@ -914,8 +938,9 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     there: S2 by experiment C (``CONFIRM_FAMILY`` on ``CONFIRM_SEEDS``), S2L by experiment L (``LONG_FAMILY`` on
     ``LONG_SEEDS``: none ran, its cost check failed), S3 by experiment P (``P_FAMILY`` on ``P_SEEDS``), S1 by none
     (the first family, seeds 0-9, picked no candidate, and a candidate is confirmed only on held-out seeds; no later
-    experiment ran a family in S1). What the monitor's advice (``trl_rollout_corr/monitor/advice.py``) may
-    recommend, and nothing else."""
+    experiment ran a family in S1), S2X by experiment X (``X_FAMILY`` on ``X_SEEDS``; a confirmed row counts only
+    if it also survives its held-out seeds ``X_HELD_OUT``). What the monitor's advice
+    (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
     _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
     if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
         raise NotImplementedError(f"the first family picked {main['candidate']}: analyse its held-out seeds")
@@ -923,7 +948,14 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     _, c = analyse_family(runs, list(CONFIRM_SEEDS), "S2", CONFIRM_FAMILY, "C", established=C_GAP_SEEDS_0_9)
     _, long = analyse_family(runs, list(LONG_SEEDS), "S2L", LONG_FAMILY, "L")
     _, trunc = analyse_family(runs_from_csv(os.path.join(results, TRUNCATION_CSV)), list(P_SEEDS), "S3", P_FAMILY, "P")
-    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"]}
+    target_runs = runs_from_csv(os.path.join(results, TARGET_CSV))
+    _, target = analyse_family(target_runs, list(X_SEEDS), "S2X", X_FAMILY, "X")
+    if target["confirmed"]:  # pre-registration 5, item 4: it counts only if it survives the held-out seeds
+        held_out_row_text(target_runs, target, list(X_HELD_OUT), "S2X")
+        if not target.get("held_out", {}).get("survives", False):
+            target["confirmed"] = []
+    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"],
+            "S2X": target["confirmed"]}
 
 
 def score_table(runs: list[dict]) -> dict:
@@ -1371,6 +1403,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "H": "the 'does it hurt?' metrics of this package's trainer arms, healthy vs costly scenarios",
     "P": "truncated sampling: S3's cost check, then P_FAMILY on P_SEEDS (held-out: P_HELD_OUT)",
     "X": "the target regime: S2X's cost check, then X_FAMILY on X_SEEDS (held-out: X_HELD_OUT)",
+    "Y": "S2X at lag Y_LAG: the cost check, then Y_FAMILY on Y_SEEDS (held-out: Y_HELD_OUT)",
 }
 
 
@@ -1381,18 +1414,20 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P", "X"):
+    elif experiment in ("C", "L", "P", "X", "Y"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
             "P": ("S3", P_FAMILY, f"Experiment P: truncated sampling (top_p {S3_TOP_P})"),
             "X": ("S2X", X_FAMILY, f"Experiment X: the stale engine in the target regime (T = {X_DIGITS + 1})"),
+            "Y": ("S2X", Y_FAMILY, f"Experiment Y: the stale engine at lag {Y_LAG} in the target regime "
+                                   f"(T = {X_DIGITS + 1})"),
         }[experiment]
         text, result = analyse_family(runs, seeds, scenario, family, title,
                                       established=C_GAP_SEEDS_0_9 if experiment == "C" else None)
         if experiment == "P" and held_out:
             text += "\n\n" + p_held_out_text(runs, result, held_out)
-        if experiment == "X" and held_out:
+        if experiment in ("X", "Y") and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
@@ -1514,9 +1549,11 @@ def main(argv=None) -> None:
     if a.s2l_lag is not None:
         global S2L_LAG
         S2L_LAG = a.s2l_lag
+    global X_LAG
     if a.x_lag is not None:
-        global X_LAG
         X_LAG = a.x_lag
+    elif a.experiment == "Y":  # pre-registration 6: S2X at twice the lag
+        X_LAG = Y_LAG
     if a.s3_top_p is not None:
         global S3_TOP_P
         S3_TOP_P = a.s3_top_p
@@ -1566,8 +1603,9 @@ def main(argv=None) -> None:
         for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
             in_child(build_base, a.out, cell_size(scenario, size), cell_base(a.out, scenario, size),
                      fork=size["device"] != "cpu")
-        if a.held_out and a.experiment == "X":  # pre-registration 5, item 4: M3 and M1 only if M3 is confirmed
-            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S2X", X_FAMILY, "X")
+        if a.held_out and a.experiment in ("X", "Y"):  # pre-registrations 5 and 6: only a confirmed row and M1
+            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S2X",
+                                       X_FAMILY if a.experiment == "X" else Y_FAMILY, a.experiment)
             candidate = p_candidate(result)
             todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
             if candidate is None:

@@ -461,3 +461,14 @@ def test_a_continued_base_trains_only_the_steps_after_its_start():
     for (name, a), b in zip(first.state_dict().items(), same.state_dict().values()):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, c) for a, c in zip(first.state_dict().values(), more.state_dict().values()))
+
+
+def test_experiment_y_runs_s2x_at_its_own_lag(tmp_path, monkeypatch):
+    """Pre-registration 6: --experiment Y runs S2X's stale engine at Y_LAG (twice X's), recorded in each run."""
+    monkeypatch.setattr(mt, "X_LAG", mt.X_LAG)  # main() sets the module's lag: restored after the test
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S2X", "--methods", "M0", "--seeds", "0", "--experiment", "Y"])
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert rows["M0"]["lag"] == str(mt.Y_LAG) and mt.Y_LAG == 2 * 8
+    assert "Experiment Y" in open(os.path.join(out, "analysis.md")).read()
