@@ -136,7 +136,7 @@ def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_on
     from trl_rollout_corr.monitor import advice
 
     confirmed = mt.confirmed_methods()
-    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": []}
+    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": [], "S2X": []}
     assert set(advice.REMEDIES) <= set(advice.SCENARIOS)
     for kind, scenario in advice.SCENARIOS.items():
         methods = confirmed[scenario]
@@ -176,6 +176,27 @@ def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
                  "not measured at long completions or on a GPU"):
         assert text in remedy.regime, text
     assert mt.S2_LAG == 8 and mt.HIDDEN == 96 and mt.STEPS_PER_GENERATION == 2
+
+
+def test_experiment_x_in_the_target_regime_confirms_nothing_over_trls_default():
+    """Experiment X, recomputed from the committed CSV: at T = 257 the stale engine (lag 8) costs reward (the gap
+    counts: the uncorrected arm at T*KL 1.43, per-token KL 5.6e-3), and ppo_is_bypass is not confirmed above TRL's
+    default (so no held-out run, and the monitor's remedy stays experiment C's); the docs quote these numbers."""
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_CSV))
+    _, x = mt.analyse_family(runs, list(mt.X_SEEDS), "S2X", mt.X_FAMILY, "X")
+    gap, (m3,) = x["gap"], x["family"]
+    assert x["counts"] and x["confirmed"] == [] and gap["n"] == 10 and m3["n"] == 10
+    assert (round(gap["diff"], 3), round(gap["diff_lo"], 3), round(gap["diff_hi"], 3)) == (.209, .039, .379)
+    assert (round(m3["diff"], 3), round(m3["diff_lo"], 3), round(m3["diff_hi"], 3)) == (.025, -.024, .073)
+    assert f"{m3['p_sign_flip_holm']:.2f}" == "0.28"
+    closed = {g["method"]: round(g["estimate"], 2) for g in x["gap_closed"]}
+    assert closed == {"M1": .85, "M3": .97}
+    arm = {m: [r for r in runs if (r["scenario"], r["method"]) == ("S2X", m)] for m in ("M0", "M1", "M3")}
+    assert {m: (f"{fmean(r['kl_token'] for r in rs):.2e}", round(fmean(r["t_kl"] for r in rs), 2))
+            for m, rs in arm.items()} == {"M0": ("5.60e-03", 1.43), "M1": ("1.95e-03", 0.49), "M3": ("1.79e-03", 0.45)}
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    for text in ("+0.209 [+0.039, +0.379]", "+0.025 [−0.024, +0.073]", "T·KL 1.43", "0.85 [0.00, 0.98]"):
+        assert text in doc, text
 
 
 def test_experiment_p_supports_no_advice_for_a_truncating_sampler():
