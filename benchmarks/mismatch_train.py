@@ -916,6 +916,7 @@ RESULTS = os.path.join(HERE, "results")  # the committed results
 MAIN_CSV, CONFIRM_CSV = "mismatch_train_results.csv", "mismatch_train_confirm_results.csv"
 TRUNCATION_CSV = "mismatch_train_truncation_results.csv"  # experiment P (S3)
 TARGET_CSV = "mismatch_train_target_results.csv"  # experiment X (S2X)
+TARGET_LAG16_CSV = "mismatch_train_target_lag16_results.csv"  # experiment Y (S2X at lag 16)
 
 
 def runs_from_csv(path: str) -> list[dict]:

@@ -173,7 +173,8 @@ def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
     for text in ("+0.065 [+0.032, +0.097]", "20 fresh paired seeds", "Holm p 0.00017", "0.88"):
         assert text in remedy.evidence, text
     for text in ("8 optimizer steps stale", "T = 49", "per-token KL 6e-3-1.1e-2", "T * KL 0.3-0.5", "465k-parameter",
-                 "not measured at long completions or on a GPU"):
+                 "not confirmed at long completions", "+0.025, p 0.28", "+0.132, Holm p 0.80",
+                 "collapsed on 2 of 10 seeds", "not measured on a GPU"):
         assert text in remedy.regime, text
     assert mt.S2_LAG == 8 and mt.HIDDEN == 96 and mt.STEPS_PER_GENERATION == 2
 
@@ -196,6 +197,27 @@ def test_experiment_x_in_the_target_regime_confirms_nothing_over_trls_default():
             for m, rs in arm.items()} == {"M0": ("5.60e-03", 1.43), "M1": ("1.95e-03", 0.49), "M3": ("1.79e-03", 0.45)}
     doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
     for text in ("+0.209 [+0.039, +0.379]", "+0.025 [−0.024, +0.073]", "T·KL 1.43", "0.85 [0.00, 0.98]"):
+        assert text in doc, text
+
+
+def test_experiment_y_at_twice_the_lag_confirms_nothing_and_trls_default_collapses_twice():
+    """Experiment Y (S2X at lag 16), recomputed from the committed CSV: the cost counts, the family {M3, M2} - M1 is
+    confirmed nowhere (Holm over 2), TRL's default collapsed on 2 of 10 seeds and bypass / token_truncate on none;
+    the docs and the monitor's message quote these numbers."""
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_LAG16_CSV))
+    _, y = mt.analyse_family(runs, list(mt.Y_SEEDS), "S2X", mt.Y_FAMILY, "Y")
+    assert y["counts"] and y["confirmed"] == [] and len(y["family"]) == 2
+    gap = y["gap"]
+    assert (round(gap["diff"], 3), round(gap["diff_lo"], 3), round(gap["diff_hi"], 3)) == (.262, .127, .397)
+    rows = {r["method"]: r for r in y["family"]}
+    assert (round(rows["M3"]["diff"], 3), round(rows["M2"]["diff"], 3)) == (.132, .088)
+    assert {f"{r['p_sign_flip_holm']:.2f}" for r in rows.values()} == {"0.80"}
+    collapsed = {c["method"]: c["collapsed"] for c in y["collapse"]}
+    assert collapsed == {"M0": 2, "M2": 0, "M3": 0} and {c["ref_collapsed"] for c in y["collapse"]} == {2}
+    m0 = [r for r in runs if (r["scenario"], r["method"]) == ("S2X", "M0")]
+    assert (f"{fmean(r['kl_token'] for r in m0):.2e}", round(fmean(r["t_kl"] for r in m0), 2)) == ("8.68e-03", 2.15)
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    for text in ("+0.262 [+0.127, +0.397]", "+0.132 [−0.087, +0.351]", "+0.088 [−0.113, +0.288]", "0.36 [−0.55, 1.22]"):
         assert text in doc, text
 
 

@@ -65,7 +65,7 @@ def test_collapsing_recorded_run_stops_by_step_40_and_recommends_no_unconfirmed_
 
 
 STALE_REGIME = ("T = 49 tokens", "per-token KL 6e-3-1.1e-2", "T * KL 0.3-0.5", "465k-parameter model",
-                "not measured at long completions or on a GPU", "mismatch_train S2, experiment C")
+                "not confirmed at long completions", "not measured on a GPU", "mismatch_train S2, experiment C")
 
 
 def test_a_stale_engine_is_told_the_confirmed_remedy_with_its_regime():
