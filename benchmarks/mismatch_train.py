@@ -939,9 +939,10 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     there: S2 by experiment C (``CONFIRM_FAMILY`` on ``CONFIRM_SEEDS``), S2L by experiment L (``LONG_FAMILY`` on
     ``LONG_SEEDS``: none ran, its cost check failed), S3 by experiment P (``P_FAMILY`` on ``P_SEEDS``), S1 by none
     (the first family, seeds 0-9, picked no candidate, and a candidate is confirmed only on held-out seeds; no later
-    experiment ran a family in S1), S2X by experiment X (``X_FAMILY`` on ``X_SEEDS``; a confirmed row counts only
-    if it also survives its held-out seeds ``X_HELD_OUT``). What the monitor's advice
-    (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
+    experiment ran a family in S1), S2X by experiments X and Y (``X_FAMILY`` on ``X_SEEDS``, ``Y_FAMILY`` on
+    ``Y_SEEDS``; a confirmed row counts only if it also survives its held-out seeds ``X_HELD_OUT`` /
+    ``Y_HELD_OUT``). What the monitor's advice (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing
+    else."""
     _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
     if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
         raise NotImplementedError(f"the first family picked {main['candidate']}: analyse its held-out seeds")
@@ -949,14 +950,16 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     _, c = analyse_family(runs, list(CONFIRM_SEEDS), "S2", CONFIRM_FAMILY, "C", established=C_GAP_SEEDS_0_9)
     _, long = analyse_family(runs, list(LONG_SEEDS), "S2L", LONG_FAMILY, "L")
     _, trunc = analyse_family(runs_from_csv(os.path.join(results, TRUNCATION_CSV)), list(P_SEEDS), "S3", P_FAMILY, "P")
-    target_runs = runs_from_csv(os.path.join(results, TARGET_CSV))
-    _, target = analyse_family(target_runs, list(X_SEEDS), "S2X", X_FAMILY, "X")
-    if target["confirmed"]:  # pre-registration 5, item 4: it counts only if it survives the held-out seeds
-        held_out_row_text(target_runs, target, list(X_HELD_OUT), "S2X")
-        if not target.get("held_out", {}).get("survives", False):
-            target["confirmed"] = []
-    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"],
-            "S2X": target["confirmed"]}
+    target = []  # S2X: experiments X (lag 8) and Y (lag 16), each row only if it survives its held-out seeds
+    for csv_name, seeds, family, held_out in ((TARGET_CSV, X_SEEDS, X_FAMILY, X_HELD_OUT),
+                                              (TARGET_LAG16_CSV, Y_SEEDS, Y_FAMILY, Y_HELD_OUT)):
+        target_runs = runs_from_csv(os.path.join(results, csv_name))
+        _, result = analyse_family(target_runs, list(seeds), "S2X", family, "X/Y")
+        if result["confirmed"]:  # pre-registrations 5 and 6, item 4: the held-out seeds decide
+            held_out_row_text(target_runs, result, list(held_out), "S2X")
+            if result.get("held_out", {}).get("survives", False):
+                target += [m for m in result["confirmed"] if m not in target]
+    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"], "S2X": target}
 
 
 def score_table(runs: list[dict]) -> dict:
@@ -1480,7 +1483,7 @@ def p_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
 
 def held_out_row_text(runs: list[dict], result: dict, seeds: list[int], scenario: str) -> str:
     """The confirmed family row with the largest difference (:func:`p_candidate`) - M1 on the held-out ``seeds``: it
-    survives iff the held-out mean difference has the same sign (experiments P and X)."""
+    survives iff the held-out mean difference has the same sign (experiments P, X and Y)."""
     candidate = p_candidate(result)
     if candidate is None:
         return "**Held-out family row**: nothing confirmed, so none ran."

@@ -472,3 +472,26 @@ def test_experiment_y_runs_s2x_at_its_own_lag(tmp_path, monkeypatch):
         rows = {r["method"]: r for r in csv.DictReader(f)}
     assert rows["M0"]["lag"] == str(mt.Y_LAG) and mt.Y_LAG == 2 * 8
     assert "Experiment Y" in open(os.path.join(out, "analysis.md")).read()
+
+
+def test_confirmed_methods_counts_a_target_regime_row_only_after_its_held_out_seeds(tmp_path):
+    """confirmed_methods()'s S2X entry (experiments X and Y): a row confirmed on X_SEEDS counts only if M3 - M1 keeps
+    its sign on X_HELD_OUT (pre-registration 5, item 4); the committed results confirm nothing there."""
+    import shutil
+
+    assert mt.confirmed_methods()["S2X"] == []
+    for name in os.listdir(mt.RESULTS):
+        if name.endswith("_results.csv"):
+            shutil.copy(os.path.join(mt.RESULTS, name), tmp_path / name)
+
+    def arm(method, seeds, score):
+        return [dict(scenario="S2X", method=method, seed=s, score=score(s), kl_token=5e-3, t_kl=1.4,
+                     engine_reward=0.5, collapsed=False) for s in seeds]
+
+    seeds, held = list(mt.X_SEEDS), list(mt.X_HELD_OUT)
+    base = (arm("on_policy", seeds, lambda s: 0.9 + 0.001 * (s % 3)) + arm("M0", seeds, lambda s: 0.7 + 0.002 * (s % 3))
+            + arm("M1", seeds, lambda s: 0.80 + 0.001 * (s % 4)) + arm("M3", seeds, lambda s: 0.85 + 0.002 * (s % 5)))
+    for held_m3, expected in ((0.79, []), (0.86, ["M3"])):
+        runs = base + arm("M1", held, lambda s: 0.80) + arm("M3", held, lambda s, v=held_m3: v + 0.001 * (s % 2))
+        mt.write_csv(runs, str(tmp_path / mt.TARGET_CSV))
+        assert mt.confirmed_methods(str(tmp_path))["S2X"] == expected
