@@ -336,6 +336,36 @@ Y_ARMS_COST = ("on_policy", "M0")
 Y_ARMS = ("M1", "M3", "M2")
 Y_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
 
+# ------------------------------------------------------------------------------------------------ pre-registration 7
+# Written 2026-11-26 21:45-21:55 UTC, after experiment Y's analysis and BEFORE any run on Z_SEEDS or Z_HELD_OUT.
+#
+# What Y left open: at lag 16 (uncorrected T*KL 2.15, per-token KL 8.7e-3, T = 257) TRL's default (M1) collapsed on
+# 2 of 10 seeds (79, 83: its own logged mean sequence weight fell to 0.004-0.2), ppo_is_bypass (M3) and TRL's
+# token_truncate (M2) on none; on the 8 seeds where M1 did not collapse, M1 scored 0.888, M3 0.877, M2 0.850. So Y's
+# +0.132 lead of M3 is a rare-collapse effect, which 10 seeds cannot resolve (Holm p 0.80): a method that never
+# collapses but pays a little on every run, against one that is a little better until it collapses.
+# Experiment Z: Y's scenario and settings unchanged (S2X, lag Y_LAG, lr X_LR, 30 steps, the same 400-step base
+# model), fresh seeds Z_SEEDS (30, never run), arms Z_ARMS seed by seed (M1, M3, M2). The mismatch's cost at this lag
+# was established on Y_SEEDS (Y_GAP_SEEDS_75_84), so no on_policy or M0 runs: rule (a) as for C (established).
+# Family Z_FAMILY = {M3 - M1, M2 - M1}, Holm over the 2, rule (b): confirmed iff the difference is positive and both
+# Holm-adjusted p's (paired t; sign-flip, Monte Carlo at n = 30) are below ALPHA.
+# Secondary, descriptive only (no decision rests on them): collapses per arm (Fisher's exact test vs M1); the means
+# over the seeds where neither arm of a pair collapsed (the price of a correction when nothing goes wrong); M3 - M2.
+# Held-out: only if a row is confirmed, the confirmed row with the largest difference and M1 on Z_HELD_OUT (5 seeds,
+# never run), the same-sign rule.
+# Decisions: a confirmed row that survives its held-out seeds enters confirmed_methods()["S2X"], and the README's
+# "Which preset" table and the monitor's stale-engine remedy cite Z's row for a stale engine at T*KL >= 1 (per-token
+# KL <= 1e-2, T = 257); if M2 survives and M3 does not, the advice is TRL's own token_truncate (no method of this
+# package). The package default stays TRL's either way (pre-registration 5, item 5).
+# Budget: ~38 s of wall per run at two runs at a time (Y's family: 30 runs in 1138 s), 90 runs ~57 min; whatever the
+# deadline (23:20 UTC) cuts is reported on the seeds where every arm ran.
+Y_GAP_SEEDS_75_84 = dict(diff=0.2623, p=0.00173, p_sign_flip=0.00195)  # Y's cost check (on_policy - M0), committed
+Z_SEEDS = tuple(range(90, 120))
+Z_HELD_OUT = tuple(range(120, 125))
+Z_ARMS = ("M1", "M3", "M2")
+Z_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
+TARGET_FAMILY = {"X": X_FAMILY, "Y": Y_FAMILY, "Z": Z_FAMILY}  # S2X's experiments: the family each one tests
+
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
 BASE_STEPS, BASE_LR, BASE_SEED = 200, 2e-3, 12345
@@ -1408,6 +1438,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "P": "truncated sampling: S3's cost check, then P_FAMILY on P_SEEDS (held-out: P_HELD_OUT)",
     "X": "the target regime: S2X's cost check, then X_FAMILY on X_SEEDS (held-out: X_HELD_OUT)",
     "Y": "S2X at lag Y_LAG: the cost check, then Y_FAMILY on Y_SEEDS (held-out: Y_HELD_OUT)",
+    "Z": "Y's rare collapses: Z_FAMILY on Z_SEEDS, the cost established by Y (held-out: Z_HELD_OUT)",
 }
 
 
@@ -1418,7 +1449,7 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P", "X", "Y"):
+    elif experiment in ("C", "L", "P", "X", "Y", "Z"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
@@ -1426,12 +1457,16 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
             "X": ("S2X", X_FAMILY, f"Experiment X: the stale engine in the target regime (T = {X_DIGITS + 1})"),
             "Y": ("S2X", Y_FAMILY, f"Experiment Y: the stale engine at lag {Y_LAG} in the target regime "
                                    f"(T = {X_DIGITS + 1})"),
+            "Z": ("S2X", Z_FAMILY, f"Experiment Z: Y's rare collapses on {len(Z_SEEDS)} fresh seeds (lag {Y_LAG}, "
+                                   f"T = {X_DIGITS + 1})"),
         }[experiment]
-        text, result = analyse_family(runs, seeds, scenario, family, title,
-                                      established=C_GAP_SEEDS_0_9 if experiment == "C" else None)
+        established = {"C": C_GAP_SEEDS_0_9, "Z": Y_GAP_SEEDS_75_84}.get(experiment)
+        text, result = analyse_family(runs, seeds, scenario, family, title, established=established)
         if experiment == "P" and held_out:
             text += "\n\n" + p_held_out_text(runs, result, held_out)
-        if experiment in ("X", "Y") and held_out:
+        if experiment == "Z":
+            text += "\n\n" + collapse_free_text(runs, seeds, "S2X", Z_ARMS)
+        if experiment in TARGET_FAMILY and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
@@ -1479,6 +1514,28 @@ def p_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
     if cost is not None:
         result["held_out_cost"] = cost
     return head + held_out_row_text(runs, result, seeds, "S3")
+
+
+def collapse_free_text(runs: list[dict], seeds: list[int], scenario: str, arms: tuple) -> str:
+    """Pre-registration 7's descriptive lines: each pair of ``arms`` on the seeds where neither collapsed (the price
+    of a method when nothing goes wrong), and each arm against the next one on every seed (M3 - M2 for Z)."""
+    table = score_table(runs)
+    lines = ["**Descriptive (no decision)**: each pair on the seeds where neither arm collapsed, and on all seeds.\n",
+             "| pair | seeds without a collapse | a − b there | all seeds | a − b (95% CI) |", "|---|---|---|---|---|"]
+    for i, a in enumerate(arms):
+        for b in arms[i + 1:]:
+            both = [s for s in seeds if s in table.get((scenario, a), {}) and s in table.get((scenario, b), {})]
+            calm = [s for s in both if not table[(scenario, a)][s]["collapsed"]
+                    and not table[(scenario, b)][s]["collapsed"]]
+            d_calm = statistics.fmean(table[(scenario, a)][s]["score"] - table[(scenario, b)][s]["score"]
+                                      for s in calm) if calm else math.nan
+            if len(both) < 2:
+                continue
+            row = _stats().compare_paired([table[(scenario, a)][s]["score"] for s in both],
+                                          [table[(scenario, b)][s]["score"] for s in both])
+            lines.append(f"| {a} − {b} | {len(calm)} | {d_calm:+.4f} | {len(both)} | {row['diff']:+.4f} "
+                         f"[{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}] |")
+    return "\n".join(lines)
 
 
 def held_out_row_text(runs: list[dict], result: dict, seeds: list[int], scenario: str) -> str:
@@ -1556,7 +1613,7 @@ def main(argv=None) -> None:
     global X_LAG
     if a.x_lag is not None:
         X_LAG = a.x_lag
-    elif a.experiment == "Y":  # pre-registration 6: S2X at twice the lag
+    elif a.experiment in ("Y", "Z"):  # pre-registrations 6 and 7: S2X at twice the lag
         X_LAG = Y_LAG
     if a.s3_top_p is not None:
         global S3_TOP_P
@@ -1593,7 +1650,7 @@ def main(argv=None) -> None:
         steps = SMOKE["steps"]
         for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
             build_base(a.out, cell_size(scenario, size), cell_base(a.out, scenario, size))
-        for cell in cells(scenarios, methods, seeds):
+        for cell in cells(scenarios, methods, seeds, on_policy=not a.without_on_policy):
             path = run_path(a.out, *cell)
             if not os.path.exists(path):
                 run_one(*cell, steps, path, cell_base(a.out, cell[0], size), cell_size(cell[0], size),
@@ -1607,9 +1664,9 @@ def main(argv=None) -> None:
         for scenario in {s if s in LONG_SCENARIOS else "S0" for s in scenarios}:
             in_child(build_base, a.out, cell_size(scenario, size), cell_base(a.out, scenario, size),
                      fork=size["device"] != "cpu")
-        if a.held_out and a.experiment in ("X", "Y"):  # pre-registrations 5 and 6: only a confirmed row and M1
-            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S2X",
-                                       X_FAMILY if a.experiment == "X" else Y_FAMILY, a.experiment)
+        if a.held_out and a.experiment in TARGET_FAMILY:  # pre-registrations 5-7: only a confirmed row and M1
+            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S2X", TARGET_FAMILY[a.experiment],
+                                       a.experiment, established=Y_GAP_SEEDS_75_84 if a.experiment == "Z" else None)
             candidate = p_candidate(result)
             todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
             if candidate is None:

@@ -5,6 +5,7 @@ the psum task's reward."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 
@@ -472,6 +473,34 @@ def test_experiment_y_runs_s2x_at_its_own_lag(tmp_path, monkeypatch):
         rows = {r["method"]: r for r in csv.DictReader(f)}
     assert rows["M0"]["lag"] == str(mt.Y_LAG) and mt.Y_LAG == 2 * 8
     assert "Experiment Y" in open(os.path.join(out, "analysis.md")).read()
+
+
+def test_experiment_z_runs_y_setting_with_the_cost_established_by_y(tmp_path, monkeypatch):
+    """Pre-registration 7: --experiment Z runs S2X at Y's lag with no on_policy/M0 runs of its own (rule (a) is Y's
+    established cost), tests Z_FAMILY and prints the collapse-free pairs."""
+    monkeypatch.setattr(mt, "X_LAG", mt.X_LAG)  # main() sets the module's lag: restored after the test
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S2X", "--methods", "M1,M3", "--seeds", "0-1", "--experiment",
+             "Z", "--without_on_policy"])
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["method"] for r in rows} == {"M1", "M3"} and {r["lag"] for r in rows} == {str(mt.Y_LAG)}
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert "Experiment Z" in text and "gap was established on earlier seeds" in text
+    assert "| M1 − M3 |" in text  # the descriptive pairs (pre-registration 7)
+    result = json.load(open(os.path.join(out, "analysis.json")))
+    assert result["counts"] is True and [r["method"] for r in result["family"]] == ["M3"]
+
+
+def test_collapse_free_pairs_leave_out_a_seed_where_either_arm_collapsed():
+    """Pre-registration 7's descriptive line, by hand: M1 collapses on seed 2, so a - b over seeds 0 and 1 only."""
+    runs = [dict(scenario="S2X", method=m, seed=s, score=sc, collapsed=c, kl_token=0.0, t_kl=0.0, engine_reward=0.0)
+            for m, s, sc, c in (("M1", 0, 0.9, False), ("M1", 1, 0.8, False), ("M1", 2, 0.1, True),
+                                ("M3", 0, 0.85, False), ("M3", 1, 0.8, False), ("M3", 2, 0.8, False))]
+    text = mt.collapse_free_text(runs, [0, 1, 2], "S2X", ("M1", "M3"))
+    row = [line for line in text.splitlines() if line.startswith("| M1 − M3")][0].split("|")
+    assert row[2].strip() == "2" and float(row[3]) == pytest.approx(0.025)  # (0.05 + 0) / 2
+    assert row[4].strip() == "3" and float(row[5].split()[0]) == pytest.approx((0.05 + 0 - 0.7) / 3, abs=5e-5)
 
 
 def test_confirmed_methods_counts_a_target_regime_row_only_after_its_held_out_seeds(tmp_path):
