@@ -337,7 +337,8 @@ Y_ARMS = ("M1", "M3", "M2")
 Y_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
 
 # ------------------------------------------------------------------------------------------------ pre-registration 7
-# Written 2026-11-26 21:45-21:55 UTC, after experiment Y's analysis and BEFORE any run on Z_SEEDS or Z_HELD_OUT.
+# Written 2026-11-26 21:32-21:35 UTC (committed in a43257c), after experiment Y's analysis and BEFORE any run on
+# Z_SEEDS or Z_HELD_OUT.
 #
 # What Y left open: at lag 16 (uncorrected T*KL 2.15, per-token KL 8.7e-3, T = 257) TRL's default (M1) collapsed on
 # 2 of 10 seeds (79, 83: its own logged mean sequence weight fell to 0.004-0.2), ppo_is_bypass (M3) and TRL's
