@@ -367,6 +367,35 @@ Z_ARMS = ("M1", "M3", "M2")
 Z_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
 TARGET_FAMILY = {"X": X_FAMILY, "Y": Y_FAMILY, "Z": Z_FAMILY}  # S2X's experiments: the family each one tests
 
+# ------------------------------------------------------------------------------------------------ pre-registration 8
+# Written 2026-11-26 21:55-22:10 UTC, while experiment Z ran and BEFORE any of its results was read (only its log's
+# lines "[n] S2X__<method>__seed<s>.json <seconds>" had been seen). Issue 37: an alarm the monitor can use, measured.
+#
+# Observation on the training set, X's and Y's 20 M1 runs (TRL's GRPOTrainer, sequence_mask C = 3, T = 257): TRL's
+# own logged ALARM_KEY (the mean over the generation batch's sequences of w = prod_t rho_t * 1[prod_t rho_t <= C],
+# rho_t = pi_old / pi_rollout) was below 0.3 on two consecutive logged generations in both collapsed runs (Y seeds
+# 79 and 83: at step 9; their held-out reward was below half its start at the step-10 evaluation) and in none of the
+# 18 others (Y seed 77 dipped to 0.10 at step 5 for one generation, recovered, and did not collapse; the lowest
+# value of the others was 0.33).
+# Rule ALARM, fixed here: in a run whose TRL correction is sequence-level, the alarm fires at the first logged row
+# whose ALARM_KEY value and the previous logged value of it are both below ALARM_THRESHOLD (ALARM_CONSECUTIVE rows).
+# Held-out test: Z's M1 runs on Z_SEEDS (run after this was written). Outcome: collapsed (last evaluation below
+# COLLAPSE_FRACTION x step-0, as everywhere). Reported: sensitivity (alarmed / collapsed) and false-alarm rate
+# (alarmed / not collapsed), each with its Clopper-Pearson 95% interval; per collapsed run, the alarm's step and the
+# first evaluation below COLLAPSE_FRACTION x its step-0 reward (the lead the alarm gives or not).
+# Decision: the monitor gets the alarm (an alert reading TRL's key under a sequence-level TRL mode) iff on Z at
+# least ALARM_MIN_COLLAPSES M1 runs collapse, at least ALARM_MIN_SENSITIVITY of them alarm and at most
+# ALARM_MAX_FALSE_ALARM of the others alarm (point estimates; the intervals are reported beside them). Otherwise the
+# alarm is reported as measured and not added. Its message names a remedy only if experiment Z confirms one
+# (pre-registration 7) and it survives its held-out seeds; otherwise it says what the alarm has accompanied and that
+# no remedy is confirmed.
+ALARM_KEY = "sampling/importance_sampling_ratio/mean"  # TRL 1.16's logged key
+ALARM_THRESHOLD = 0.3
+ALARM_CONSECUTIVE = 2
+ALARM_MIN_COLLAPSES = 2
+ALARM_MIN_SENSITIVITY = 0.75
+ALARM_MAX_FALSE_ALARM = 0.10
+
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
 BASE_STEPS, BASE_LR, BASE_SEED = 200, 2e-3, 12345
@@ -958,7 +987,8 @@ def runs_from_csv(path: str) -> list[dict]:
         for row in csv.DictReader(f):
             run = dict(scenario=row["scenario"], method=row["method"], seed=int(row["seed"]),
                        collapsed=row["collapsed"] == "True",
-                       **{k: float(row[k]) for k in ("score", "kl_token", "t_kl", "engine_reward")})
+                       **{k: float(row[k]) for k in ("score", "kl_token", "t_kl", "engine_reward")},
+                       **{k: int(row[k]) if row.get(k) else None for k in ("alarm_step", "first_low_eval")})
             if run["method"] == "on_policy":
                 run["pool"] = run["scenario"] if run["scenario"] in LONG_SCENARIOS else "all"
             runs.append(run)
@@ -1011,15 +1041,40 @@ def score_table(runs: list[dict]) -> dict:
     return table
 
 
+def alarm_step(logs: list[dict], key: str = ALARM_KEY, threshold: float = ALARM_THRESHOLD,
+               consecutive: int = ALARM_CONSECUTIVE) -> int | None:
+    """Pre-registration 8's rule: the step of the first logged row whose ``key`` and the ``consecutive - 1`` values
+    of it logged before are all below ``threshold``; None if it never fires (rows without the key are skipped)."""
+    below = 0
+    for row in logs:
+        value = row.get(key)
+        if value is None or not math.isfinite(value):
+            continue
+        below = below + 1 if value < threshold else 0
+        if below >= consecutive:
+            return int(row["step"])
+    return None
+
+
+def first_low_eval(curve: list) -> int | None:
+    """The first evaluation step (after step 0) whose held-out reward is below COLLAPSE_FRACTION x the step-0 one."""
+    start = curve[0][1]
+    return next((int(step) for step, reward in curve[1:] if reward < COLLAPSE_FRACTION * start), None)
+
+
 def write_csv(runs: list[dict], path: str) -> None:
     cols = ["scenario", "method", "seed", "trainer", "steps", "lr", "n_digits", "lag", "score", "initial", "final",
             "collapsed", "kl_token", "t_kl", "engine_reward", "seconds"]
     cols += [f"{m}_{agg}" for m in HURT_METRICS for agg in ("mean", "max")]
+    cols += ["alarm_step", "first_low_eval"]  # pre-registration 8 (TRL's trainer arms; "" where none)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         for r in sorted(runs, key=lambda r: (r["scenario"], r["method"], r["seed"])):
             row = {c: r.get(c, "") for c in cols}
+            if "logs" in r and "curve" in r:  # from the run's own JSON (a row read back from a CSV keeps its values)
+                row["alarm_step"] = "" if (step := alarm_step(r["logs"])) is None else step
+                row["first_low_eval"] = "" if (step := first_low_eval(r["curve"])) is None else step
             if row["n_digits"] == "":  # written before the long scenarios: the 48-digit task
                 row["n_digits"] = 48
             w.writerow(row)
@@ -1467,6 +1522,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
             text += "\n\n" + p_held_out_text(runs, result, held_out)
         if experiment == "Z":
             text += "\n\n" + collapse_free_text(runs, seeds, "S2X", Z_ARMS)
+            alarm_text, result["alarm"] = alarm_analysis(runs, seeds)
+            text += "\n\n" + alarm_text
         if experiment in TARGET_FAMILY and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
         hurt, result["hurt"] = hurt_table(runs)
@@ -1515,6 +1572,48 @@ def p_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
     if cost is not None:
         result["held_out_cost"] = cost
     return head + held_out_row_text(runs, result, seeds, "S3")
+
+
+def alarm_analysis(runs: list[dict], seeds: list[int], scenario: str = "S2X", method: str = REFERENCE,
+                   title: str = "Z") -> tuple[str, dict]:
+    """Pre-registration 8: the alarm (:func:`alarm_step`) against the collapse outcome on ``method``'s runs in
+    ``scenario`` on ``seeds``: sensitivity and false-alarm rate with Clopper-Pearson 95% intervals, per collapsed run
+    the alarm's step and its first evaluation below COLLAPSE_FRACTION x start, and the pre-registered decision."""
+    st = _stats()
+    rs = [r for s, r in sorted(score_table(runs).get((scenario, method), {}).items()) if s in seeds]
+    for r in rs:  # from a JSON (logs, curve) or a CSV row (the columns write_csv adds)
+        if "logs" in r:
+            r["alarm_step"], r["first_low_eval"] = alarm_step(r["logs"]), first_low_eval(r["curve"])
+    collapsed = [r for r in rs if r["collapsed"]]
+    healthy = [r for r in rs if not r["collapsed"]]
+    hits = [r for r in collapsed if r.get("alarm_step") is not None]
+    false = [r for r in healthy if r.get("alarm_step") is not None]
+    sens = len(hits) / len(collapsed) if collapsed else math.nan
+    far = len(false) / len(healthy) if healthy else math.nan
+    sens_ci = st.clopper_pearson(len(hits), len(collapsed)) if collapsed else (math.nan, math.nan)
+    far_ci = st.clopper_pearson(len(false), len(healthy)) if healthy else (math.nan, math.nan)
+    adopt = (len(collapsed) >= ALARM_MIN_COLLAPSES and sens >= ALARM_MIN_SENSITIVITY
+             and (not healthy or far <= ALARM_MAX_FALSE_ALARM))
+    result = dict(n=len(rs), collapsed=len(collapsed), alarmed_collapsed=len(hits), healthy=len(healthy),
+                  alarmed_healthy=len(false), sensitivity=sens, sensitivity_ci=sens_ci, false_alarm_rate=far,
+                  false_alarm_ci=far_ci, adopt=adopt,
+                  runs=[dict(seed=r["seed"], collapsed=r["collapsed"], alarm_step=r.get("alarm_step"),
+                             first_low_eval=r.get("first_low_eval")) for r in rs])
+    lines = [f"### The sequence-weight alarm on {title}'s {method} runs (pre-registration 8)\n",
+             f"Rule: `{ALARM_KEY}` below {ALARM_THRESHOLD} on {ALARM_CONSECUTIVE} consecutive logged generations. "
+             f"{method} runs in {scenario}, seeds {seeds[0]}-{seeds[-1]} ({len(rs)} runs).\n",
+             "| outcome | runs | alarmed | rate | 95% (Clopper-Pearson) |", "|---|---|---|---|---|",
+             f"| collapsed | {len(collapsed)} | {len(hits)} | {sens:.2f} | [{sens_ci[0]:.2f}, {sens_ci[1]:.2f}] |",
+             f"| not collapsed | {len(healthy)} | {len(false)} | {far:.2f} | [{far_ci[0]:.2f}, {far_ci[1]:.2f}] |",
+             "\n| seed | collapsed | alarm at step | first evaluation below half its start |", "|---|---|---|---|"]
+    for r in rs:
+        if r["collapsed"] or r.get("alarm_step") is not None:
+            lines.append(f"| {r['seed']} | {'yes' if r['collapsed'] else 'no'} | {r.get('alarm_step') or '—'} | "
+                         f"{r.get('first_low_eval') or '—'} |")
+    lines.append(f"\n**Decision (pre-registered rule)**: the alarm is {'ADOPTED' if adopt else 'NOT adopted'} (needs "
+                 f">= {ALARM_MIN_COLLAPSES} collapses, sensitivity >= {ALARM_MIN_SENSITIVITY}, false alarms <= "
+                 f"{ALARM_MAX_FALSE_ALARM}).")
+    return "\n".join(lines), result
 
 
 def collapse_free_text(runs: list[dict], seeds: list[int], scenario: str, arms: tuple) -> str:

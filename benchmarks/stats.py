@@ -14,6 +14,7 @@ value per seed, the same seed order in every argument) and return plain floats, 
   ``(m - u) / (o - u)``, unbounded (``-inf, inf``, said in ``note``) when the denominator is not significant.
 * :func:`bca_ratio`: a paired BCa bootstrap interval for the same ratio (seeds resampled jointly across rows).
 * :func:`fisher_exact`: Fisher's exact test on a 2x2 table of counts (e.g. collapsed / not collapsed runs).
+* :func:`clopper_pearson`: the exact interval of a proportion k / n (e.g. an alarm's sensitivity).
 * :func:`compare_paired`: one comparison as a row dict (the benchmarks' tables); :func:`add_holm` adjusts a family
   of such rows.
 """
@@ -269,6 +270,18 @@ def fisher_exact(table, alternative: str = "two-sided") -> Fisher:
         raise ValueError(f"fisher_exact needs a 2x2 table of non-negative counts, got {t.tolist()}")
     res = _st.fisher_exact(t.astype(int), alternative=alternative)
     return Fisher(float(res[0]), float(res[1]))
+
+
+def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) ``conf`` interval of a binomial proportion k / n: the beta quantiles
+    ``Beta(a/2; k, n - k + 1)`` and ``Beta(1 - a/2; k + 1, n - k)`` (0 and 1 at the ends), valid at any n
+    (e.g. 0 of 10: [0, 1 - 0.025^(1/10)] = [0, 0.308])."""
+    if not (isinstance(k, int) and isinstance(n, int)) or n < 1 or not 0 <= k <= n:
+        raise ValueError(f"clopper_pearson needs integers 0 <= k <= n, n >= 1, got k={k!r}, n={n!r}")
+    a = 1.0 - conf
+    lo = 0.0 if k == 0 else float(_st.beta.ppf(a / 2, k, n - k + 1))
+    hi = 1.0 if k == n else float(_st.beta.ppf(1 - a / 2, k + 1, n - k))
+    return lo, hi
 
 
 def compare_paired(x, ref, *, floor=None, ceiling=None, margin: float | None = None, conf: float = 0.95) -> dict:

@@ -524,3 +524,37 @@ def test_confirmed_methods_counts_a_target_regime_row_only_after_its_held_out_se
         runs = base + arm("M1", held, lambda s: 0.80) + arm("M3", held, lambda s, v=held_m3: v + 0.001 * (s % 2))
         mt.write_csv(runs, str(tmp_path / mt.TARGET_CSV))
         assert mt.confirmed_methods(str(tmp_path))["S2X"] == expected
+
+
+def test_the_sequence_weight_alarm_fires_on_two_consecutive_low_generations_only():
+    """Pre-registration 8's rule by hand: rows without TRL's key are skipped; one low value (Y seed 77's shape) does
+    not fire; two low values in a row fire at the second one's step."""
+    key = mt.ALARM_KEY
+    one_dip = [{"step": 1, key: 1.0}, {"step": 2}, {"step": 3, key: 0.1}, {"step": 5, key: 0.6}, {"step": 7, key: 0.4}]
+    assert mt.alarm_step(one_dip) is None
+    two = [{"step": 1, key: 1.0}, {"step": 3, key: 0.29}, {"step": 4}, {"step": 5, key: 0.05}, {"step": 7, key: 0.01}]
+    assert mt.alarm_step(two) == 5
+    assert mt.alarm_step([{"step": 1, key: 0.3}, {"step": 3, key: 0.3}]) is None  # strictly below the threshold
+    assert mt.first_low_eval([(0, 0.8), (10, 0.41), (20, 0.39)]) == 20  # below 0.5 x 0.8 = 0.4
+    assert mt.first_low_eval([(0, 0.8), (10, 0.8)]) is None
+
+
+def test_the_alarm_analysis_counts_hits_and_false_alarms_and_applies_the_rule():
+    """Pre-registration 8's table and decision on made-up runs: 2 of 2 collapses alarmed, 1 of 8 others alarmed:
+    false-alarm rate 0.125 > 0.10, so not adopted; without that false alarm it is adopted."""
+    key = mt.ALARM_KEY
+    low = [{"step": 1, key: 1.0}, {"step": 3, key: 0.1}, {"step": 5, key: 0.1}]
+    high = [{"step": 1, key: 1.0}, {"step": 3, key: 0.9}, {"step": 5, key: 0.8}]
+
+    def run(seed, collapsed, logs):
+        return dict(scenario="S2X", method="M1", seed=seed, score=0.5, collapsed=collapsed, kl_token=0.0, t_kl=0.0,
+                    engine_reward=0.0, logs=logs, curve=[(0, 0.8), (10, 0.3 if collapsed else 0.8)])
+
+    runs = [run(0, True, low), run(1, True, low)] + [run(s, False, low if s == 2 else high) for s in range(2, 10)]
+    _, result = mt.alarm_analysis(runs, list(range(10)))
+    assert (result["collapsed"], result["alarmed_collapsed"], result["alarmed_healthy"]) == (2, 2, 1)
+    assert result["false_alarm_rate"] == pytest.approx(1 / 8) and result["adopt"] is False
+    assert result["sensitivity_ci"][0] == pytest.approx(0.025 ** 0.5)
+    runs[2] = run(2, False, high)
+    text, result = mt.alarm_analysis(runs, list(range(10)))
+    assert result["adopt"] is True and "ADOPTED" in text and "| 0 | yes | 5 | 10 |" in text

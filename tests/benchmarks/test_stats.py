@@ -184,3 +184,14 @@ def test_add_holm_over_a_family_of_rows():
     # the NaN row is outside the family: the other four are the Holm case above
     assert [r["p_holm"] for r in rows[2:]] == pytest.approx([0.06, 0.06, 0.02])
     assert rows[0]["p_holm"] == pytest.approx(0.03) and math.isnan(rows[1]["p_holm"])
+
+
+def test_clopper_pearson_matches_the_closed_forms_at_the_ends():
+    """k = 0: [0, 1 - (a/2)^(1/n)]; k = n: [(a/2)^(1/n), 1]; 1 of 2 by the beta quantiles' closed form (uniform)."""
+    assert stats.clopper_pearson(0, 10) == (0.0, pytest.approx(1 - 0.025 ** 0.1))  # 0.3085
+    assert stats.clopper_pearson(10, 10) == (pytest.approx(0.025 ** 0.1), 1.0)  # 0.6915
+    assert stats.clopper_pearson(2, 2)[0] == pytest.approx(0.025 ** 0.5)  # 0.158
+    lo, hi = stats.clopper_pearson(1, 2)  # Beta(0.025; 1, 2) = 1 - sqrt(0.975); Beta(0.975; 2, 1) = sqrt(0.975)
+    assert lo == pytest.approx(1 - 0.975 ** 0.5) and hi == pytest.approx(0.975 ** 0.5)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        stats.clopper_pearson(3, 2)
