@@ -368,8 +368,9 @@ Z_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
 TARGET_FAMILY = {"X": X_FAMILY, "Y": Y_FAMILY, "Z": Z_FAMILY}  # S2X's experiments: the family each one tests
 
 # ------------------------------------------------------------------------------------------------ pre-registration 8
-# Written 2026-11-26 21:55-22:10 UTC, while experiment Z ran and BEFORE any of its results was read (only its log's
-# lines "[n] S2X__<method>__seed<s>.json <seconds>" had been seen). Issue 37: an alarm the monitor can use, measured.
+# Written 2026-11-26 21:42-21:52 UTC (committed in 8f009bf), while experiment Z ran and BEFORE any of its results
+# was read (only its log's lines "[n] S2X__<method>__seed<s>.json <seconds>" had been seen). Issue 37: an alarm
+# the monitor can use, measured.
 #
 # Observation on the training set, X's and Y's 20 M1 runs (TRL's GRPOTrainer, sequence_mask C = 3, T = 257): TRL's
 # own logged ALARM_KEY (the mean over the generation batch's sequences of w = prod_t rho_t * 1[prod_t rho_t <= C],
