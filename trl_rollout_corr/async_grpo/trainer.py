@@ -6,7 +6,8 @@ pi_old := pi_rollout (bypass by construction), with no importance weighting, rej
 
 1. carries every sample's policy version to the loss (:mod:`trl_rollout_corr.trl_hooks.async_grpo_data`);
    lag = trainer's version - sample's version;
-2. in ``compute_loss``, runs the policy forward as TRL does, maps TRL's flat loss terms to (B, T) rows (one per sample,
+2. in ``compute_loss``, runs the policy forward as TRL does (its row cut out of the padded batch by the sizes the
+   collator read on the CPU: no host sync), maps TRL's flat loss terms to (B, T) rows (one per sample,
    :mod:`trl_rollout_corr.core.flat`), computes the correction with
    :func:`~trl_rollout_corr.core.compute_rollout_correction_stats`
    and runs TRL's own ``compute_loss`` on a corrected copy of the micro-batch (answering its forward with the one
