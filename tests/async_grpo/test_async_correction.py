@@ -325,6 +325,68 @@ def test_padded_terms_laid_out_with_the_collator_s_sizes_by_hand():
     assert per_row(torch.tensor([5, 5, 7, 6, 5, 7, -9, -9]), layout).tolist() == [5, 6, 7, -1]
 
 
+def _sample(ids: list[int], prompt: int, group: int) -> dict:
+    """A rollout sample as TRL's RolloutQueueDataset yields it (with the version the trainer's dataset tags)."""
+    n = len(ids)
+    return {"input_ids": torch.tensor(ids), "completion_mask": torch.tensor([0] * prompt + [1] * (n - prompt)),
+            "old_log_probs": -torch.arange(1.0, n + 1.0) / 10, "advantage": float(group) - 0.5, "group_id": group,
+            "metrics": {}, "rc_model_version": 3}
+
+
+def test_the_packed_row_is_sliced_with_the_collator_s_sizes_exactly_where_trl_masks_it():
+    """Three ranks' rows of different lengths (a shared prompt, the longest row, a short one): after
+    accelerate's slicing, every rank's forward keywords (slices of the sizes carried as shapes) equal TRL's own
+    boolean-mask reads of the same batch (TRL 1.16's compute_loss, written out here); a row padded at its start is
+    refused on the CPU batch."""
+    from accelerate.utils import slice_tensors
+    from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    from trl_rollout_corr.trl_hooks import TrlInternalsChanged
+    from trl_rollout_corr.trl_hooks.async_grpo import packed_forward
+    from trl_rollout_corr.trl_hooks.async_grpo_data import _collator_class, _packed_sizes
+
+    rows = [TreeRow() for _ in range(3)]
+    for sample in (_sample([5, 6, 7, 8, 9], 3, 0), _sample([5, 6, 7, 10], 3, 0)):  # one prompt, two completions
+        rows[0].add(sample)
+    rows[1].add(_sample([11, 12, 13, 14, 15, 16, 17, 18], 2, 1))  # the longest row
+    rows[2].add(_sample([20, 21, 22], 1, 1))
+    collator = _collator_class(DataCollatorForRollout)(pad_token_id=0, num_processes=3)
+    batch = collator.torch_call([rows])
+    assert [tuple(c.shape) for c in batch["rc_packed_sizes"]] == [
+        # (P, 0, N, kv, cu_q, cu_k, max_q, max_k). Row 0: TRL's trie forks one token early (a node is keyed on its
+        # token and the next), so segments 5 6 | 7 8 9 | 7 10: N = 7, paths of 2, 5 and 4 positions (kv 11)
+        (3, 0, 7, 11, 4, 4, 3, 5), (3, 0, 8, 8, 2, 2, 8, 8), (3, 0, 3, 3, 2, 2, 3, 3)]
+    assert all(c.numel() == 0 for c in batch["rc_packed_sizes"])
+
+    class Model:
+        def __call__(self, **kwargs):
+            self.kwargs = kwargs
+            return "outputs"
+
+    for rank in range(3):
+        inputs = slice_tensors(batch, slice(rank, rank + 1))  # what accelerate's dispatcher hands rank r
+        model = Model()
+        outputs, kwargs, _ = packed_forward(model, inputs, aux_loss_enabled=False, rank=rank)
+        assert outputs == "outputs" and kwargs["fused_lm_head"] is True
+        assert model.kwargs.keys() == kwargs.keys() and all(model.kwargs[k] is v for k, v in kwargs.items())
+        mask = inputs["attention_mask"].bool()  # TRL's reads, with their host syncs
+        for key in ("input_ids", "position_ids", "shift_labels"):
+            assert torch.equal(kwargs[key], inputs[key][mask].unsqueeze(0)), (rank, key)
+        for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k"):
+            assert torch.equal(kwargs[key], inputs[key][inputs[key] >= 0]), (rank, key)
+        assert [kwargs["tree_max_seqlen_q"], kwargs["tree_max_seqlen_k"]] == inputs["tree_max_seqlens"][0].tolist()
+        assert kwargs["input_ids"].tolist() == [rows[rank].pack()["input_ids"].tolist()]
+
+    left = dict(batch, attention_mask=batch["attention_mask"].flip(1))  # TRL padding at the start of a row
+    with pytest.raises(TrlInternalsChanged, match="no longer pads attention_mask at the end of a row"):
+        _packed_sizes(left)
+    tree = batch["tree_kv_index"].clone()
+    tree[2] = tree[2].roll(1)  # rank 2's padding first
+    with pytest.raises(TrlInternalsChanged, match="no longer pads tree_kv_index at the end of a row"):
+        _packed_sizes(dict(batch, tree_kv_index=tree))
+
+
 def test_server_probe_raises_only_after_the_timeout():
     import time
 
@@ -388,13 +450,23 @@ def test_each_assumption_about_trl_fails_loudly_when_broken(model_dir, samples, 
         assert module.DataCollatorForRollout is not original
     assert module.DataCollatorForRollout is original
 
-    answered = AnsweredForward("outputs", torch.tensor([[1, 2, 3]]))
+    ran = dict(input_ids=torch.tensor([[1, 2, 3]]), tree_kv_index=torch.tensor([0, 1, 2]), tree_max_seqlen_q=3,
+               fused_lm_head=True)
+    answered = AnsweredForward("outputs", ran)
     with pytest.raises(TrlInternalsChanged, match="one forward on the packed row"):
         answered(input_ids=torch.tensor([[1, 2]]))  # another row: compared by shape (values: a host sync)
-    assert AnsweredForward("outputs", torch.tensor([[1]]))(input_ids=torch.tensor([[1]])) == "outputs"
+    for key, other in (("input_ids", torch.tensor([[1, 2]])), ("tree_kv_index", torch.tensor([0, 1])),
+                       ("tree_kv_index", torch.tensor([0, 1, 2], dtype=torch.int32)), ("tree_max_seqlen_q", 2)):
+        with pytest.raises(TrlInternalsChanged, match=f"as the trainer ran it: {key} differ"):
+            AnsweredForward("outputs", ran)(**{**ran, key: other})  # TRL's masks found other sizes than the collator
+    with pytest.raises(TrlInternalsChanged, match="as the trainer ran it: output_router_logits differ"):
+        AnsweredForward("outputs", ran)(**ran, output_router_logits=True)
+    same = {**ran, "input_ids": torch.tensor([[7, 8, 9]])}  # other values, same layout: answered (no host sync)
+    assert AnsweredForward("outputs", ran)(**same) == "outputs"
 
     trainer, _ = build_trainer(model_dir, samples, str(tmp_path), max_steps=1)
-    with pytest.raises(TrlInternalsChanged, match="no rc_sample_version, rc_term_col, rc_row_mask at compute_loss"):
+    with pytest.raises(TrlInternalsChanged,
+                       match="no rc_sample_version, rc_term_col, rc_row_mask, rc_packed_sizes at compute_loss"):
         trainer.compute_loss(trainer.model, {k: torch.zeros(1, 1) for k in (
             "input_ids", "attention_mask", "position_ids", "shift_labels", "token_index", "old_log_probs",
             "advantages", "segment_id", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len",

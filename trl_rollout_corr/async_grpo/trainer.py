@@ -6,7 +6,8 @@ pi_old := pi_rollout (bypass by construction), with no importance weighting, rej
 
 1. carries every sample's policy version to the loss (:mod:`trl_rollout_corr.trl_hooks.async_grpo_data`);
    lag = trainer's version - sample's version;
-2. in ``compute_loss``, runs the policy forward as TRL does, maps TRL's flat loss terms to (B, T) rows (one per sample,
+2. in ``compute_loss``, runs the policy forward as TRL does (its row cut out of the padded batch by the sizes the
+   collator read on the CPU: no host sync), maps TRL's flat loss terms to (B, T) rows (one per sample,
    :mod:`trl_rollout_corr.core.flat`), computes the correction with
    :func:`~trl_rollout_corr.core.compute_rollout_correction_stats`
    and runs TRL's own ``compute_loss`` on a corrected copy of the micro-batch (answering its forward with the one
@@ -195,7 +196,8 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
     # ------------------------------------------------------------------ 2. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         trl_async.check_loss_inputs(inputs, added=ADDED_KEYS)
-        outputs, input_ids, forward_s = trl_async.packed_forward(model, inputs, self.aux_loss_enabled)
+        outputs, forward_kwargs, forward_s = trl_async.packed_forward(model, inputs, self.aux_loss_enabled,
+                                                                      self.accelerator.process_index)
         selected = inputs["token_index"] >= 0  # (1, M_pad)
         token_index = inputs["token_index"].clamp(min=0)  # (1, M_pad) padding reads position 0 (masked below)
         log_probs = outputs.log_probs.flatten()[token_index[0]].detach()  # (M_pad,) log pi_theta at the targets
@@ -206,7 +208,7 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
         patched["old_log_probs"] = torch.where(selected, anchor, inputs["old_log_probs"])  # (1, M_pad)
         n_tokens = inputs["global_n_tokens"]  # (1,) TRL's loss divisor, the kept count instead: a device tensor
         patched["global_n_tokens"] = torch.broadcast_to(kept_total.to(n_tokens.dtype), n_tokens.shape).clone()
-        answered = trl_async.AnsweredForward(outputs, input_ids)
+        answered = trl_async.AnsweredForward(outputs, forward_kwargs)
         loss = super().compute_loss(answered, patched, return_outputs, num_items_in_batch)
         trl_async.add_forward_time(self, forward_s)  # TRL timed the answered call
         return loss

@@ -9,8 +9,15 @@ into one row of flat loss terms). While it runs, :func:`carrying_sample_versions
   :class:`~trl_rollout_corr.async_grpo.server_probe.ServerProbe`: a vLLM server that has not answered for its timeout
   stops training with an error naming it);
 * the collator adds ``rc_sample_version`` (num_processes, M): the version of the sample of every loss term, -1 on
-  padding, aligned with TRL's ``token_index`` / ``segment_id``; and the terms' (B, T) layout, computed on the CPU
-  (``rc_term_col``, ``rc_row_mask``: :func:`_term_layout`), so that the trainer lays them out with no host sync.
+  padding, aligned with TRL's ``token_index`` / ``segment_id``; the terms' (B, T) layout, computed on the CPU
+  (``rc_term_col``, ``rc_row_mask``: :func:`_term_layout`), so that the trainer lays them out with no host sync; and
+  every rank's packed-row sizes (``rc_packed_sizes``: :func:`_packed_sizes`), so that the trainer cuts its row out of
+  the padded batch with slices instead of TRL's boolean masks (a host sync each on a GPU). They travel as the shapes
+  of empty tensors: a shape reaches every rank with the batch (accelerate's dispatcher broadcasts the batch's
+  structure) and reading it on the device is free, where reading a value would block.
+
+TRL's collator pads each row at its end (``attention_mask`` 1 then 0, the tree tensors >= 0 then -1): the slices
+equal TRL's masks only then, so :func:`_packed_sizes` checks it on the CPU batch, every micro-batch.
 
 Only these names and their call signatures are assumed; each is checked, and a change raises
 :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged`.
@@ -29,7 +36,12 @@ from .base import TrlInternalsChanged
 
 _TRL_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 # the micro-batch keys the collator adds
-ADDED_KEYS = ("rc_sample_version", "rc_term_col", "rc_row_mask")
+ADDED_KEYS = ("rc_sample_version", "rc_term_col", "rc_row_mask", "rc_packed_sizes")
+# the packed row's sizes rc_packed_sizes carries, in order: its tokens (TRL's attention_mask), the lengths of its tree
+# tensors (TRL's ``>= 0``) and its tree_max_seqlens (TRL's tree_max_seqlen_q / _k)
+PACKED_SIZES = ("input_ids", "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree_max_seqlen_q",
+                "tree_max_seqlen_k")
+_TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
 
 
 class _LastSampleQueue:
@@ -101,6 +113,7 @@ def _collator_class(base: type) -> type:
                 versions.append(torch.where(valid, row_versions[index], torch.full_like(index, -1)))
             batch["rc_sample_version"] = torch.stack(versions)  # (num_processes, M)
             batch.update(_term_layout(token_index, segment_id))
+            batch["rc_packed_sizes"] = _packed_sizes(batch)
             return batch
 
     return VersionedCollator
@@ -123,6 +136,37 @@ def _term_layout(token_index: torch.Tensor, segment_id: torch.Tensor) -> dict[st
     for r, (rows, col, _, _) in enumerate(sizes):
         mask[r, rows, col] = True
     return {"rc_term_col": torch.stack(cols) if cols else segment_id.clone(), "rc_row_mask": mask}
+
+
+def _prefix_length(valid: torch.Tensor, what: str) -> int:
+    """The length n of a CPU mask that is True on exactly its first n entries; TrlInternalsChanged otherwise."""
+    n = int(valid.sum())
+    if not bool(valid[:n].all()):
+        raise TrlInternalsChanged(f"DataCollatorForRollout no longer pads {what} at the end of a row: the "
+                                  "rollout-correction trainer slices the row where TRL indexes it with a mask")
+    return n
+
+
+def _packed_sizes(batch: dict[str, Any]) -> list[torch.Tensor]:
+    """Every rank's packed-row sizes (:data:`PACKED_SIZES`) as the shapes of empty tensors: entry r is
+    (num_processes, 0, *sizes of row r), so after accelerate hands rank r its slice of dim 0, every rank still reads
+    row r's sizes from ``rc_packed_sizes[r].shape[2:]`` (host integers, no device read). Read here on the CPU batch,
+    with the check that TRL's padding is at each row's end (its masks are then prefixes)."""
+    try:
+        mask, max_seqlens = batch["attention_mask"], batch["tree_max_seqlens"]  # (P, N_pad), (P, 2)
+        tree = [batch[key] for key in _TREE_KEYS]  # (P, L_pad) each
+    except KeyError as missing:
+        raise TrlInternalsChanged(f"DataCollatorForRollout no longer returns {missing}") from None
+    if max_seqlens.dim() != 2 or max_seqlens.size(1) != 2:
+        raise TrlInternalsChanged(f"DataCollatorForRollout's tree_max_seqlens has shape {tuple(max_seqlens.shape)}, "
+                                  "not (num_processes, 2)")
+    carriers = []
+    for r in range(mask.size(0)):
+        sizes = [_prefix_length(mask[r].bool(), "attention_mask")]
+        sizes += [_prefix_length(values[r] >= 0, key) for key, values in zip(_TREE_KEYS, tree)]
+        sizes += [int(v) for v in max_seqlens[r].tolist()]
+        carriers.append(torch.empty(mask.size(0), 0, *sizes, dtype=torch.bool))  # (P, 0, *sizes): no elements
+    return carriers
 
 
 @contextlib.contextmanager
