@@ -17,7 +17,8 @@ Step time is reported twice: wall clock, and the process's CPU time per step (``
 ``--threads 1`` is the step's own compute and barely moves when other jobs share the cores (wall time does).
 
 With ``--engine vllm`` the completions come from the real vLLM engine instead (the CPU build, colocated in the
-trainer's process as TRL runs it: ``use_vllm=True, vllm_mode="colocate"``, TRL's default engine dtype, the weights
+trainer's process as TRL runs it: ``use_vllm=True, vllm_mode="colocate"``, TRL's default engine dtype, compiled
+as TRL builds it for both trainers (``vllm_enforce_eager=False``: this package's CPU default is eager), the weights
 pushed to the engine every step), so a step is also generation and the weight sync, as in a user's run; the model is
 the toy task's Qwen2 (16-token vocabulary, ``--hidden``/``--layers``; vLLM's CPU attention needs a head size >= 32)
 on the toy task's prompts, and ``--completion`` is the maximum completion length (a random model stops at EOS
@@ -182,8 +183,11 @@ def run_variant(opts) -> dict:
     else:
         from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
+        # on the real engine: compiled as TRL builds its own (this package's CPU default is eager, for a fast start)
+        compiled = {"vllm_enforce_eager": False} if on_vllm else {}
         trainer = RolloutCorrGRPOTrainer(model=model, reward_funcs=reward,
-                                         args=RolloutCorrGRPOConfig(**common, **OURS[variant]), train_dataset=dataset,
+                                         args=RolloutCorrGRPOConfig(**common, **OURS[variant], **compiled),
+                                         train_dataset=dataset,
                                          processing_class=tokenizer, rollout_func=rollout)
 
     times: list[float] = []

@@ -978,6 +978,7 @@ MAIN_CSV, CONFIRM_CSV = "mismatch_train_results.csv", "mismatch_train_confirm_re
 TRUNCATION_CSV = "mismatch_train_truncation_results.csv"  # experiment P (S3)
 TARGET_CSV = "mismatch_train_target_results.csv"  # experiment X (S2X)
 TARGET_LAG16_CSV = "mismatch_train_target_lag16_results.csv"  # experiment Y (S2X at lag 16)
+TARGET_Z_CSV = "mismatch_train_target_z_results.csv"  # experiment Z (Y's setting on 30 fresh seeds)
 
 
 def runs_from_csv(path: str) -> list[dict]:
@@ -1001,10 +1002,10 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     there: S2 by experiment C (``CONFIRM_FAMILY`` on ``CONFIRM_SEEDS``), S2L by experiment L (``LONG_FAMILY`` on
     ``LONG_SEEDS``: none ran, its cost check failed), S3 by experiment P (``P_FAMILY`` on ``P_SEEDS``), S1 by none
     (the first family, seeds 0-9, picked no candidate, and a candidate is confirmed only on held-out seeds; no later
-    experiment ran a family in S1), S2X by experiments X and Y (``X_FAMILY`` on ``X_SEEDS``, ``Y_FAMILY`` on
-    ``Y_SEEDS``; a confirmed row counts only if it also survives its held-out seeds ``X_HELD_OUT`` /
-    ``Y_HELD_OUT``). What the monitor's advice (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing
-    else."""
+    experiment ran a family in S1), S2X by experiments X, Y and Z (``X_FAMILY`` on ``X_SEEDS``, ``Y_FAMILY`` on
+    ``Y_SEEDS``, ``Z_FAMILY`` on ``Z_SEEDS`` with Y's established cost; a confirmed row counts only if it also
+    survives its held-out seeds ``X_HELD_OUT`` / ``Y_HELD_OUT`` / ``Z_HELD_OUT``). What the monitor's advice
+    (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
     _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
     if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
         raise NotImplementedError(f"the first family picked {main['candidate']}: analyse its held-out seeds")
@@ -1012,11 +1013,13 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     _, c = analyse_family(runs, list(CONFIRM_SEEDS), "S2", CONFIRM_FAMILY, "C", established=C_GAP_SEEDS_0_9)
     _, long = analyse_family(runs, list(LONG_SEEDS), "S2L", LONG_FAMILY, "L")
     _, trunc = analyse_family(runs_from_csv(os.path.join(results, TRUNCATION_CSV)), list(P_SEEDS), "S3", P_FAMILY, "P")
-    target = []  # S2X: experiments X (lag 8) and Y (lag 16), each row only if it survives its held-out seeds
-    for csv_name, seeds, family, held_out in ((TARGET_CSV, X_SEEDS, X_FAMILY, X_HELD_OUT),
-                                              (TARGET_LAG16_CSV, Y_SEEDS, Y_FAMILY, Y_HELD_OUT)):
+    target = []  # S2X: experiments X (lag 8), Y and Z (lag 16), each row only if it survives its held-out seeds
+    for csv_name, seeds, family, held_out, established in (
+            (TARGET_CSV, X_SEEDS, X_FAMILY, X_HELD_OUT, None),
+            (TARGET_LAG16_CSV, Y_SEEDS, Y_FAMILY, Y_HELD_OUT, None),
+            (TARGET_Z_CSV, Z_SEEDS, Z_FAMILY, Z_HELD_OUT, Y_GAP_SEEDS_75_84)):
         target_runs = runs_from_csv(os.path.join(results, csv_name))
-        _, result = analyse_family(target_runs, list(seeds), "S2X", family, "X/Y")
+        _, result = analyse_family(target_runs, list(seeds), "S2X", family, "X/Y/Z", established=established)
         if result["confirmed"]:  # pre-registrations 5 and 6, item 4: the held-out seeds decide
             held_out_row_text(target_runs, result, list(held_out), "S2X")
             if result.get("held_out", {}).get("survives", False):

@@ -174,7 +174,8 @@ def test_the_stale_remedys_numbers_and_regime_are_experiment_cs():
         assert text in remedy.evidence, text
     for text in ("8 optimizer steps stale", "T = 49", "per-token KL 6e-3-1.1e-2", "T * KL 0.3-0.5", "465k-parameter",
                  "not confirmed at long completions", "+0.025, p 0.28", "+0.132, Holm p 0.80",
-                 "collapsed on 2 of 10 seeds", "not measured on a GPU"):
+                 "-0.004 [-0.024, +0.016]", "collapsed on 2 of 10 seeds", "none of the 30 more",
+                 "not measured on a GPU"):
         assert text in remedy.regime, text
     assert mt.S2_LAG == 8 and mt.HIDDEN == 96 and mt.STEPS_PER_GENERATION == 2
 
@@ -219,6 +220,33 @@ def test_experiment_y_at_twice_the_lag_confirms_nothing_and_trls_default_collaps
     doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
     for text in ("+0.262 [+0.127, +0.397]", "+0.132 [−0.087, +0.351]", "+0.088 [−0.113, +0.288]", "0.36 [−0.55, 1.22]"):
         assert text in doc, text
+
+
+def test_experiment_z_on_thirty_seeds_confirms_nothing_and_token_truncate_trains_worse():
+    """Experiment Z (pre-registration 7: Y's setting on seeds 90-119, the cost Y established), recomputed from the
+    committed CSV: nothing above TRL's default, TRL's token_truncate significantly below it after Holm, no collapse
+    of any arm; pre-registration 8's alarm quiet on all 30 runs of TRL's default, so not adopted (no collapse to
+    test it on); the docs and the README quote these numbers."""
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_Z_CSV))
+    _, z = mt.analyse_family(runs, list(mt.Z_SEEDS), "S2X", mt.Z_FAMILY, "Z", established=mt.Y_GAP_SEEDS_75_84)
+    assert z["counts"] and z["confirmed"] == [] and "gap" not in z  # no on_policy / M0 runs: Y's cost
+    rows = {r["method"]: r for r in z["family"]}
+    assert {m: r["n"] for m, r in rows.items()} == {"M3": 30, "M2": 30}
+    assert (round(rows["M3"]["diff"], 3), round(rows["M3"]["diff_lo"], 3), round(rows["M3"]["diff_hi"], 3)) == (
+        -.004, -.024, .016)
+    assert (round(rows["M2"]["diff"], 3), round(rows["M2"]["diff_lo"], 3), round(rows["M2"]["diff_hi"], 3)) == (
+        -.060, -.090, -.029)
+    assert rows["M2"]["p_sign_flip_holm"] < 0.001 and rows["M2"]["p_holm"] < 0.001  # significantly worse
+    assert {c["method"]: (c["collapsed"], c["ref_collapsed"]) for c in z["collapse"]} == {"M2": (0, 0), "M3": (0, 0)}
+    _, alarm = mt.alarm_analysis(runs, list(mt.Z_SEEDS))
+    assert (alarm["collapsed"], alarm["healthy"], alarm["alarmed_healthy"], alarm["adopt"]) == (0, 30, 0, False)
+    assert f"{alarm['false_alarm_ci'][1]:.2f}" == "0.12"
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    readme = open(os.path.join(os.path.dirname(mt.HERE), "README.md")).read()
+    for text in ("−0.004 [−0.024, +0.016]", "−0.060 [−0.090, −0.029]", "[0, 0.12]", "collapsed on none of the 30"):
+        assert text in doc, text
+    for text in ("−0.004 [−0.024, +0.016]", "−0.060 [−0.090, −0.029] (Holm p 0.00015)"):
+        assert text in readme, text
 
 
 def test_experiment_p_supports_no_advice_for_a_truncating_sampler():

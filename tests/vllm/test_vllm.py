@@ -77,6 +77,25 @@ def test_config_refuses_bad_vllm_fields(tmp_path):
         RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_sync_interval=0)
     with pytest.raises(ValueError, match="vllm_sync_interval > 1 with vllm_enable_sleep_mode"):
         RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_sync_interval=2, vllm_enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="vllm_enforce_eager='yes': use true, false"):
+        RolloutCorrGRPOConfig(output_dir=str(tmp_path), vllm_enforce_eager="yes")
+    with pytest.raises(ValueError, match="colocated engine only .*--enforce-eager"):
+        RolloutCorrGRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_enforce_eager=True)
+
+
+@requires_vllm
+@pytest.mark.parametrize("choice, built", [(None, True), (True, True), (False, False)])
+def test_the_colocated_engine_is_eager_on_a_cpu_unless_told_otherwise(tmp_path, choice, built):
+    """vllm_enforce_eager reaches the LLM TRL builds (read from the constructor's bound keywords; no engine starts):
+    unset, eager on this CPU (fast start); False, TRL's compiled engine (bench_step --engine vllm compares so)."""
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+    from trl_rollout_corr.trl_hooks.vllm import import_trl_vllm
+    from trl_rollout_corr.vllm.engine import vllm_engine_setup
+
+    args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate",
+                                 vllm_enforce_eager=choice, use_cpu=True)
+    with vllm_engine_setup(args):
+        assert import_trl_vllm().LLM.keywords["enforce_eager"] is built
 
 
 def test_cpu_guard_detects_cuda_linked_libraries(tmp_path):

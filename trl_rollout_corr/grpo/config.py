@@ -60,6 +60,11 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     vllm_dtype: str | None = field(default=None, metadata={
         "help": "dtype of the colocated vLLM engine (float32 | bfloat16 | float16 | auto). Default: TRL's behaviour "
                 "(vLLM's 'auto', which runs a float32 checkpoint in bfloat16)."})
+    vllm_enforce_eager: bool | None = field(default=None, metadata={
+        "help": "Colocated vLLM engine: True runs it eagerly (no torch.compile, no CUDA graphs), False as TRL "
+                "builds it (compiled). Default: eager on a CPU (the engine starts ~30 s sooner; measured slower per "
+                "step at the toy size, docs/benchmarks.md), TRL's on a GPU. Server mode: pass --enforce-eager to "
+                "the server instead."})
     vllm_sync_interval: int = field(default=1, metadata={
         "help": "Sync the vLLM engine's weights every k optimizer steps (k > 1: a stale engine, k-1 steps behind at "
                 "most, as an asynchronous engine; fewer syncs)."})
@@ -122,6 +127,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
         if self.vllm_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"vllm_dtype={self.vllm_dtype!r} is not supported; use float32, bfloat16, float16, auto "
                              "or leave it unset (TRL's behaviour).")
+        if self.vllm_enforce_eager is not None and not isinstance(self.vllm_enforce_eager, bool):
+            raise ValueError(f"vllm_enforce_eager={self.vllm_enforce_eager!r}: use true, false, or leave it unset "
+                             "(eager on a CPU, TRL's compiled engine on a GPU).")
+        if self.vllm_enforce_eager is not None and self.use_vllm and self.vllm_mode != "colocate":
+            raise ValueError(f"vllm_enforce_eager={self.vllm_enforce_eager} applies to the colocated engine only "
+                             f"(vllm_mode={self.vllm_mode!r}): start the server with or without --enforce-eager "
+                             "instead, and leave vllm_enforce_eager unset.")
         if not isinstance(self.vllm_sync_interval, int) or self.vllm_sync_interval < 1:
             raise ValueError(f"vllm_sync_interval={self.vllm_sync_interval!r} must be an integer >= 1 (1 = sync the "
                              "vLLM engine every optimizer step).")

@@ -52,6 +52,9 @@ def vllm_engine_setup(args: Any):
     dtype = getattr(args, "vllm_dtype", None)
     if dtype is not None:
         engine_kwargs["dtype"] = dtype
+    enforce_eager = getattr(args, "vllm_enforce_eager", None)
+    if colocate and enforce_eager is not None:  # the user's choice wins (None: eager on a CPU, TRL's on a GPU)
+        engine_kwargs["enforce_eager"] = enforce_eager
     skip_communicator = False
     env_applied: dict[str, str] = {}
     if on_cpu:
@@ -59,7 +62,9 @@ def vllm_engine_setup(args: Any):
         guard_subprocesses()
         env_applied = set_cpu_env_defaults(in_process=colocate)
         if colocate:
-            engine_kwargs["enforce_eager"] = True  # torch.compile: ~30 s more per engine start on CPU, no gain here
+            # torch.compile costs ~30 s more per engine start on CPU; its decoding is faster (~10% of a step at the
+            # toy size, bench_step --engine vllm): eager by default for short runs, vllm_enforce_eager=False to compile
+            engine_kwargs.setdefault("enforce_eager", True)
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 engine_kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(args.vllm_gpu_memory_utilization)
         else:
