@@ -391,9 +391,10 @@ TARGET_FAMILY = {"X": X_FAMILY, "Y": Y_FAMILY, "Z": Z_FAMILY}  # S2X's experimen
 # (pre-registration 7) and it survives its held-out seeds; otherwise it says what the alarm has accompanied and that
 # no remedy is confirmed.
 # ------------------------------------------------------------------------------------------------ pre-registration 9
-# Written 2026-11-26 23:48-23:50 UTC, after experiment Z's analysis and BEFORE any run on Z_HELD_OUT. Z's one
-# significant row was negative: TRL's token_truncate (M2) - TRL's default (M1) -0.060 [-0.090, -0.029], Holm p
-# 0.00015. Pre-registration 7 holds out only rows above TRL's default, so this one was not held out. Check: M1 and M2
+# Written 2026-11-26 23:46-23:47 UTC (committed a72f5eb, 23:47:32), after experiment Z's analysis and BEFORE any run
+# on Z_HELD_OUT. Z's one significant row was negative: TRL's token_truncate (M2) - TRL's default (M1) -0.060
+# [-0.090, -0.029], Holm p 0.00015. Pre-registration 7 holds out only rows above TRL's default, so this one was not
+# held out. Check: M1 and M2
 # on Z_HELD_OUT (seeds 120-124, never run), the same-sign rule as for a confirmed row: the finding survives iff the
 # held-out mean of M2 - M1 is negative. Either way no advice changes (a worse method names no remedy); the docs say
 # whether it survived.
