@@ -332,3 +332,20 @@ def test_on_the_benchmarks_healthy_runs_the_monitor_stays_quiet(name):
     assert curve[-1] > curve[0] + 0.1  # the policy really improved
     correction = RolloutCorrectionConfig.from_dict(trace["correction"])
     assert replay(trace["rows"], correction=correction, rollout_lag=trace["lag"]).alerts == []
+
+
+def test_zs_negative_row_keeps_its_sign_on_the_held_out_seeds():
+    """Pre-registration 9: TRL's token_truncate - TRL's default on seeds 120-124 (never run before), recomputed from
+    the committed CSV: negative (the same sign as Z's -0.060), with TRL's default collapsing on seed 122; the docs say
+    so with these numbers."""
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, "mismatch_train_target_z_heldout_results.csv"))
+    assert {r["seed"] for r in runs} == set(mt.Z_HELD_OUT) and {r["method"] for r in runs} == set(
+        mt.Z_NEGATIVE_HELD_OUT_ARMS)
+    table = mt.score_table(runs)
+    _, m2, m1 = mt.paired(table, "S2X", "M2", "M1", list(mt.Z_HELD_OUT))
+    row = mt._stats().compare_paired(m2, m1)
+    assert row["n"] == 5 and row["diff"] < 0  # survives the same-sign rule
+    assert (round(row["diff"], 3), round(row["diff_lo"], 3), round(row["diff_hi"], 3)) == (-.031, -.294, .232)
+    assert [s for s, r in table[("S2X", "M1")].items() if r["collapsed"]] == [122]
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    assert "M2 − M1 −0.031 [−0.294, +0.232] (n 5)" in doc and "collapsed on seed 122" in doc
