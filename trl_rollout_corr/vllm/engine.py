@@ -62,7 +62,7 @@ def vllm_engine_setup(args: Any):
         guard_subprocesses()
         env_applied = set_cpu_env_defaults(in_process=colocate)
         if colocate:
-            # torch.compile costs ~30 s more per engine start on CPU; its decoding is faster (~10% of a step at the
+            # torch.compile costs ~30 s more per engine start on CPU; its decoding is faster (7-13% of a step at the
             # toy size, bench_step --engine vllm): eager by default for short runs, vllm_enforce_eager=False to compile
             engine_kwargs.setdefault("enforce_eager", True)
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
