@@ -105,9 +105,12 @@ SCENARIOS = {
     "S2L": "S2 at a long completion: n_digits S2L_DIGITS, the policy of S2L_LAG optimizer steps ago",
     "S3": "truncated sampling: the engine samples the policy at top_p S3_TOP_P, log-probs renormalized (vLLM's)",
     "S2X": "S2 in the target regime: n_digits X_DIGITS, the policy of X_LAG optimizer steps ago",
+    "S1X": "S1's heavy-tailed precision-like gap in the target regime: n_digits X_DIGITS, noise Q_NOISE",
 }
-LONG_SCENARIOS = ("S2L", "S2X")  # their own completion length, base model and on_policy runs
-LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits"}  # the size entry holding each one's n_digits
+LONG_SCENARIOS = ("S2L", "S2X", "S1X")  # their own completion length, base model and on_policy runs
+XL_SCENARIOS = ("S2X", "S1X")  # the target regime's length, base model (X_BASE_STEPS) and lr (X_LR)
+STALE_SCENARIOS = ("S2", "S2L", "S2X")  # the engine is an older copy of the policy
+LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits", "S1X": "xl_digits"}  # each one's n_digits entry
 METHODS = {
     # name: (trainer, settings)  trainer "trl" = TRL's unmodified GRPOTrainer on its vLLM IS path, "ours" = this
     # package's RolloutCorrGRPOTrainer (settings are RolloutCorrGRPOConfig fields)
@@ -406,6 +409,45 @@ ALARM_MIN_COLLAPSES = 2
 ALARM_MIN_SENSITIVITY = 0.75
 ALARM_MAX_FALSE_ALARM = 0.10
 
+# ------------------------------------------------------------------------------------------------ pre-registration 10
+# Written 2026-11-27 00:29-00:32 UTC, BEFORE any training run of scenario S1X (only the no-training noise calibration
+# Q_PILOT below had run). Issue 36's S1 (a precision or heavy-tailed gap at T*KL ~1-4) in the target regime: every
+# earlier S1 run was at T = 49 (per-token KL ~8e-2, far above a bf16/FP8 engine's); the stale engine (S2X) is the
+# only scenario run at T = 257. A precision-like gap differs from staleness in what matters here: its per-token KL is
+# set by the engine (the same for every method), not by how far a method moves the policy, so TRL's sequence_mask
+# sees a sequence log-weight whose spread grows with T*KL (ESS ~ exp(-2 T*KL) under small mismatch) in EVERY arm.
+# Experiment Q: scenario S1X = S1's perturbation (dense N(0, sigma^2) logit noise + at a fraction spike_p of positions
+# +spike on one token of p < below) at n_digits X_DIGITS (T = 257), S2X's base model (X_BASE_STEPS), lr X_LR, 30
+# steps, every GRPO setting as S2X. Noise Q_NOISE picked by Q_PILOT's calibration: the level whose per-token KL is
+# closest to 8e-3 (T*KL ~2: per-token KL <= 1e-2 and T*KL >= 1, the issue's realistic regime).
+# Seeds Q_SEEDS (10, never run in any scenario), all arms seed by seed in the order Q_ARMS (a partial run leaves whole
+# paired seeds). Rule (a), as before: the gap counts iff on_policy - M0 > 0 with paired t and sign-flip p < ALPHA.
+# Family Q_FAMILY = {M3 - M1, M2 - M1, M0 - M1}, Holm over the 3 (sign-flip, and paired t beside it). Rule (b), as
+# before: M3 or M2 is confirmed above TRL's default iff (a) holds and its difference is positive with both Holm p's
+# below ALPHA. Rule (c), new: TRL's default COSTS in this regime iff M0 - M1 is positive with both Holm p's below ALPHA
+# (regardless of (a): it asks whether TRL's correction itself loses reward against not correcting). Held-out: every
+# row that (b) confirms or (c) finds, and M1, on Q_HELD_OUT (5 seeds, never run), the same-sign rule. Decisions: a row
+# of (b) that survives enters confirmed_methods()["S1X"] and the README's table cites it for a precision-like gap at
+# T*KL ~2 (per-token KL ~8e-3, T = 257); a surviving (c) is written as a measured cost of TRL's default in that regime
+# (README table, troubleshooting), with the rows above M1 named only if (b) confirms them. The package default stays
+# TRL's either way (pre-registration 5, item 5). Descriptive only: collapses (Fisher vs M1), TRL's logged mean sequence
+# weight. Deadline: runs not finished by 02:20 UTC are cut; a partial family is reported on the seeds where every arm
+# ran.
+# Q_PILOT: (sigma, spike_p, spike, below) -> (per-token KL, T*KL, mean length, engine reward): 128 held-out-style
+# prompts (psum_prompts seed 4242) sampled once from the pilot seed 99's warm-up of S2X's base model, fixed generator
+# seed 7, no training (mismatch_train.py --noise_pilot; 2026-11-27 00:27-00:29 UTC, 2-core CPU, ~4 s a level).
+# The spike-driven KL is noisy at 32 prompts (spike_p 0.01 gave 1.0e-3 and 0.02 3.4e-3 there); these are the
+# 128-prompt numbers. Dense noise alone reaches T*KL ~1 only at sigma 1.0 (KL 4.4e-3) and overshoots at 1.5 (2.3e-2).
+Q_PILOT = {(0.1, 0.02, 10.0, 1e-2): (2.44e-3, 0.62, 252, 0.773), (0.1, 0.04, 10.0, 1e-2): (3.55e-3, 0.89, 251, 0.753),
+           (0.1, 0.06, 10.0, 1e-2): (6.19e-3, 1.54, 249, 0.706), (0.1, 0.08, 10.0, 1e-2): (7.91e-3, 1.96, 248, 0.691),
+           (1.0, 0.0, 0.0, 1e-2): (4.41e-3, 1.08, 245, 0.655), (1.5, 0.0, 0.0, 1e-2): (2.34e-2, 5.25, 224, 0.389)}
+Q_KL_TARGET = 8e-3
+Q_NOISE = min(Q_PILOT, key=lambda k: abs(Q_PILOT[k][0] - Q_KL_TARGET))  # (0.1, 0.08, 10.0, 1e-2)
+Q_SEEDS = tuple(range(125, 135))
+Q_HELD_OUT = tuple(range(135, 140))
+Q_ARMS = ("on_policy", "M0", "M1", "M3", "M2")
+Q_FAMILY = (("S1X", "M3"), ("S1X", "M2"), ("S1X", "M0"))  # each - M1, Holm over these 3
+
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
 BASE_STEPS, BASE_LR, BASE_SEED = 200, 2e-3, 12345
@@ -568,9 +610,9 @@ class Engine:
                  noise: tuple = (S1_SIGMA, S1_SPIKE_P, S1_SPIKE, S1_SPIKE_BELOW)):
         self.scenario, self.tok, self.n_digits, self.lag = scenario, tokenizer, n_digits, lag
         self.seed, self.generator = 1_000_003 * seed + 17, None  # the generator lives on the policy's device
-        self.perturb = (heavy_tailed(*noise) if scenario == "S1" else
+        self.perturb = (heavy_tailed(*noise) if scenario == "S1" else heavy_tailed(*Q_NOISE) if scenario == "S1X" else
                         top_p_truncation(S3_TOP_P) if scenario == "S3" else None)
-        self.stale = policy_factory() if scenario in ("S2", *LONG_SCENARIOS) else None
+        self.stale = policy_factory() if scenario in STALE_SCENARIOS else None
         self.snapshots: dict[int, dict] = {}
         self.log: list[dict] = []
 
@@ -645,7 +687,7 @@ def cell_size(scenario: str, size: dict) -> dict:
     """The sizes of one scenario's runs: a long scenario's completion length replaces ``n_digits``."""
     if scenario in LONG_SCENARIOS:
         out = {**size, "n_digits": size[LONG_DIGITS_KEY[scenario]]}
-        if scenario == "S2X" and size.get("xl_base_steps", size["base_steps"]) > size["base_steps"]:
+        if scenario in XL_SCENARIOS and size.get("xl_base_steps", size["base_steps"]) > size["base_steps"]:
             out.update(base_steps=size["xl_base_steps"], base_from=size["base_steps"])  # deviation 1
         return out
     return size
@@ -661,12 +703,12 @@ def cell_base(out: str, scenario: str, size: dict) -> str:
 
 def scenario_lr(scenario: str, lr: float | None, size_name: str = "full") -> float:
     """The learning rate of ``scenario``'s runs: ``lr`` when given (``--lr``), else the one tuned on-policy for its
-    length (``X_LR`` for S2X, ``LR`` otherwise; ``GPU_LR`` at the GPU size)."""
+    length (``X_LR`` for S2X and S1X, ``LR`` otherwise; ``GPU_LR`` at the GPU size)."""
     if lr is not None:
         return lr
     if size_name == "gpu":
         return GPU_LR
-    return X_LR if scenario == "S2X" else LR
+    return X_LR if scenario in XL_SCENARIOS else LR
 
 
 def scenario_lag(scenario: str) -> int:
@@ -815,6 +857,58 @@ def hurt_summary(logs: list[dict]) -> dict:
     return out
 
 
+def warm_model(model, tok, base: str, size: dict, seed: int):
+    """``model`` with seed ``seed``'s warm-up of ``base`` loaded: ``warmup_steps`` supervised steps from ``base``
+    (torch seed ``seed``), computed once per seed and base and saved beside it (shared by the seed's runs)."""
+    import torch
+
+    from trl_rollout_corr.testing.psum_task import supervised_warmup
+
+    device = size.get("device", "cpu")
+    stem = os.path.basename(base)[len("base_"):-len(".pt")] + "_" if os.path.basename(base) != "base.pt" else ""
+    warm = os.path.join(os.path.dirname(base), f"warmup_{stem}seed{seed}.pt")
+    if os.path.exists(warm):
+        model.load_state_dict(torch.load(warm, map_location=device))
+        return model
+    model.load_state_dict(torch.load(base, map_location=device))
+    torch.manual_seed(seed)
+    with autocast(model):
+        supervised_warmup(model, tok, steps=size["warmup_steps"], lr=size.get("warmup_lr", WARMUP_LR),
+                          n_digits=size["n_digits"], seed=seed + 1)
+    torch.save(model.state_dict(), f"{warm}.{os.getpid()}.tmp")
+    os.replace(f"{warm}.{os.getpid()}.tmp", warm)
+    return model
+
+
+def noise_pilot(out: str, size: dict, levels=tuple(Q_PILOT), seed: int = 99, n_prompts: int = 128) -> dict:
+    """Q_PILOT's calibration (pre-registration 10), no training: per noise level (sigma, spike_p, spike, below) of
+    :func:`heavy_tailed`, one batch of ``n_prompts`` prompts (psum_prompts seed 4242) sampled from seed ``seed``'s
+    warm-up of S1X's base model with generator seed 7 -> (per-token KL(engine || policy), T*KL, mean length, the
+    engine's sample reward)."""
+    import torch
+
+    from trl_rollout_corr.testing.psum_task import psum_prompts, psum_reward
+
+    size = cell_size("S1X", size)
+    tok = task_tokenizer(size)
+    model = warm_model(task_model(size, size["n_digits"]), tok, cell_base(out, "S1X", size), size, seed).eval()
+    prompts = psum_prompts(n_prompts, size["n_digits"], seed=4242)
+    ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts], device=model.device)
+    found = {}
+    for level in levels:
+        completions, _, _, kl = sample(model, ids, size["n_digits"] + 1,
+                                       torch.Generator(device=model.device).manual_seed(7), heavy_tailed(*level))
+        mask = torch.zeros_like(kl)  # (B, T)
+        for row, c in enumerate(completions):
+            mask[row, : len(c)] = 1
+        reward = statistics.fmean(psum_reward(prompts, [" ".join(tok.convert_ids_to_tokens(c)) for c in completions]))
+        found[level] = (float((kl * mask).sum() / mask.sum()), float((kl * mask).sum(-1).mean()),
+                        float(mask.sum(-1).mean()), reward)
+        print(level, "per-token KL {:.2e}  T*KL {:.2f}  length {:.0f}  engine reward {:.3f}".format(*found[level]),
+              flush=True)
+    return found
+
+
 def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, base: str, size: dict,
             lr: float = LR, threads: int = 1) -> dict:
     """Train one (scenario, method, seed) and write its JSON."""
@@ -825,7 +919,7 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from trl_rollout_corr.testing.psum_task import psum_prompts, supervised_warmup
+    from trl_rollout_corr.testing.psum_task import psum_prompts
 
     global BF16
     BF16 = size.get("bf16", False)
@@ -840,19 +934,7 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
     def factory():
         return task_model(size, n_digits)
 
-    model = factory()
-    stem = os.path.basename(base)[len("base_"):-len(".pt")] + "_" if os.path.basename(base) != "base.pt" else ""
-    warm = os.path.join(os.path.dirname(base), f"warmup_{stem}seed{seed}.pt")  # the seed's warm-up, shared by its runs
-    if os.path.exists(warm):
-        model.load_state_dict(torch.load(warm, map_location=device))
-    else:
-        model.load_state_dict(torch.load(base, map_location=device))
-        torch.manual_seed(seed)
-        with autocast(model):
-            supervised_warmup(model, tok, steps=size["warmup_steps"], lr=size.get("warmup_lr", WARMUP_LR),
-                              n_digits=n_digits, seed=seed + 1)
-        torch.save(model.state_dict(), f"{warm}.{os.getpid()}.tmp")
-        os.replace(f"{warm}.{os.getpid()}.tmp", warm)
+    model = warm_model(factory(), tok, base, size, seed)
     held_out = psum_prompts(size["n_eval"], n_digits, seed=777_777)  # fixed across seeds and methods
     curve = [(0, policy_reward(model, tok, held_out, n_digits))]
     logs: list[dict] = []
@@ -1508,6 +1590,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "X": "the target regime: S2X's cost check, then X_FAMILY on X_SEEDS (held-out: X_HELD_OUT)",
     "Y": "S2X at lag Y_LAG: the cost check, then Y_FAMILY on Y_SEEDS (held-out: Y_HELD_OUT)",
     "Z": "Y's rare collapses: Z_FAMILY on Z_SEEDS, the cost established by Y (held-out: Z_HELD_OUT)",
+    "Q": "a precision-like gap in the target regime: S1X's cost check, Q_FAMILY on Q_SEEDS (held-out: Q_HELD_OUT)",
 }
 
 
@@ -1518,7 +1601,7 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P", "X", "Y", "Z"):
+    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
@@ -1528,6 +1611,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
                                    f"(T = {X_DIGITS + 1})"),
             "Z": ("S2X", Z_FAMILY, f"Experiment Z: Y's rare collapses on {len(Z_SEEDS)} fresh seeds (lag {Y_LAG}, "
                                    f"T = {X_DIGITS + 1})"),
+            "Q": ("S1X", Q_FAMILY, f"Experiment Q: a heavy-tailed precision-like gap in the target regime (T = "
+                                   f"{X_DIGITS + 1}, noise {Q_NOISE})"),
         }[experiment]
         established = {"C": C_GAP_SEEDS_0_9, "Z": Y_GAP_SEEDS_75_84}.get(experiment)
         text, result = analyse_family(runs, seeds, scenario, family, title, established=established)
@@ -1539,6 +1624,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
             text += "\n\n" + alarm_text
         if experiment in TARGET_FAMILY and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
+        if experiment == "Q":
+            text += "\n\n" + q_rule_c_text(result) + "\n\n" + q_held_out_text(runs, result, held_out or [])
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
@@ -1554,6 +1641,49 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
     except ImportError:
         pass
     return text
+
+
+def q_rule_c_text(result: dict) -> str:
+    """Pre-registration 10, rule (c): TRL's default COSTS in S1X iff M0 - M1 > 0 with both Holm p's (over Q_FAMILY)
+    below ALPHA, whether or not the mismatch's own cost counts (rule (a)). Sets ``result["trl_default_costs"]``."""
+    row = next((r for r in result["family"] if r["method"] == "M0"), None)
+    costs = bool(row is not None and row["diff"] > 0 and row["p_sign_flip_holm"] < ALPHA and row["p_holm"] < ALPHA)
+    result["trl_default_costs"] = costs
+    if row is None:
+        return "**Rule (c)** (does TRL's default cost against no correction?): M0 and M1 not both run yet."
+    return (f"**Rule (c)** (does TRL's default cost against no correction?): M0 − M1 {row['diff']:+.4f} "
+            f"[{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}], Holm p {row['p_sign_flip_holm']:.3g} (sign-flip), "
+            f"{row['p_holm']:.3g} (t): " + ("TRL's default COSTS reward here." if costs else
+                                            "no significant cost of TRL's default."))
+
+
+def q_held_out_methods(result: dict) -> list[str]:
+    """Pre-registration 10's held-out rows: every method rule (b) confirms (M3, M2) and M0 if rule (c) holds."""
+    if "trl_default_costs" not in result:
+        q_rule_c_text(result)
+    found = [m for m in result["confirmed"] if m != "M0"]
+    return found + (["M0"] if result["trl_default_costs"] else [])
+
+
+def q_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
+    """Each held-out row of :func:`q_held_out_methods` - M1 on ``seeds`` (Q_HELD_OUT): it survives iff the held-out
+    mean difference is positive (the same sign as on Q_SEEDS). Sets ``result["held_out"]``: method -> row."""
+    methods = q_held_out_methods(result)
+    if not methods:
+        return "**Held-out seeds**: rules (b) and (c) found nothing, so none ran."
+    table, lines, result["held_out"] = score_table(runs), [], {}
+    for method in methods:
+        common, x, ref = paired(table, "S1X", method, REFERENCE, seeds)
+        if len(common) < 2:
+            lines.append(f"**Held-out seeds**: {method} and M1 not run yet.")
+            continue
+        row = _stats().compare_paired(x, ref)
+        result["held_out"][method] = {**row, "survives": row["diff"] > 0}
+        lines.append(f"**Held-out seeds** {seeds[0]}-{seeds[-1]} (run after the choice): {method} − M1 "
+                     f"{row['diff']:+.4f} [{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}] (n {row['n']}, paired t p "
+                     f"{row['p']:.3g}): " + ("the same sign: SURVIVES." if row["diff"] > 0 else
+                                             "the sign flips: does NOT survive."))
+    return "\n\n".join(lines)
 
 
 def p_candidate(result: dict) -> dict | None:
@@ -1715,6 +1845,8 @@ def main(argv=None) -> None:
                    help="the task's length (T = n_digits + 1): 48 at full, 511 at gpu (1023 / 2047 / 4095 for T up to "
                         "4096)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast at any size (default at --size gpu only)")
+    p.add_argument("--noise_pilot", action="store_true",
+                   help="pre-registration 10's calibration of S1X's noise (Q_PILOT), no training")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
@@ -1747,6 +1879,10 @@ def main(argv=None) -> None:
         if size["device"].startswith("cuda") and not torch.cuda.is_available():
             p.error(f"--device {size['device']}: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                     "run on a machine with a CUDA GPU and a CUDA build of torch, or pass --device cpu")
+    if a.noise_pilot:
+        build_base(a.out, cell_size("S1X", size), cell_base(a.out, "S1X", size))
+        noise_pilot(a.out, size)
+        return
     if a.worker:
         scenario, method, seed = a.worker.split(":")
         run_one(scenario, method, int(seed), a.steps, run_path(a.out, scenario, method, int(seed)),
@@ -1784,6 +1920,12 @@ def main(argv=None) -> None:
             todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
             if candidate is None:
                 print("nothing confirmed on the analysis seeds, so no held-out run", flush=True)
+        elif a.held_out and a.experiment == "Q":  # pre-registration 10: rows of rules (b) and (c), and M1
+            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S1X", Q_FAMILY, "Q")
+            methods = q_held_out_methods(result)
+            todo = cells(["S1X"], methods + [REFERENCE], seeds, False) if methods else []
+            if not methods:
+                print("rules (b) and (c) found nothing on the analysis seeds, so no held-out run", flush=True)
         elif a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3
             _, result = analyse_family(load_runs(a.out), analysis_seeds, "S3", P_FAMILY, "P")
             candidate = p_candidate(result)
