@@ -558,3 +558,56 @@ def test_the_alarm_analysis_counts_hits_and_false_alarms_and_applies_the_rule():
     runs[2] = run(2, False, high)
     text, result = mt.alarm_analysis(runs, list(range(10)))
     assert result["adopt"] is True and "ADOPTED" in text and "| 0 | yes | 5 | 10 |" in text
+
+
+def test_experiment_q_is_s1_noise_at_the_target_length_without_a_stale_copy(tmp_path, monkeypatch):
+    """Pre-registration 10: S1X = S1's heavy-tailed noise at Q_NOISE (the pilot level whose per-token KL is closest
+    to 8e-3), at S2X's length, base model and lr, with no stale copy (lag 0) and its own on_policy run; the smoke run
+    writes Q's analysis with rule (c)."""
+    assert mt.Q_NOISE == (0.1, 0.08, 10.0, 1e-2) and mt.Q_PILOT[mt.Q_NOISE][0] == pytest.approx(7.91e-3)
+    assert mt.Q_FAMILY == (("S1X", "M3"), ("S1X", "M2"), ("S1X", "M0"))
+    assert mt.Q_SEEDS == tuple(range(125, 135)) and mt.Q_HELD_OUT == tuple(range(135, 140))
+    assert (mt.scenario_lr("S1X", None), mt.scenario_lr("S1", None)) == (mt.X_LR, mt.LR)
+    assert mt.cell_base("o", "S1X", mt.SMOKE) == mt.cell_base("o", "S2X", mt.SMOKE)  # the same base model as S2X
+    engine = mt.Engine("S1X", 0, None, lambda: pytest.fail("S1X keeps no stale copy"), 4)
+    assert engine.stale is None and engine.perturb is not None
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S1X", "--methods", "M0,M1", "--seeds", "0-1", "--experiment",
+             "Q"])
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["n_digits"] for r in rows} == {str(mt.SMOKE["xl_digits"])} and {r["lag"] for r in rows} == {"0"}
+    kl = {r["method"]: float(r["kl_token"]) for r in rows if r["seed"] == "0"}
+    assert kl["on_policy"] == 0 and kl["M0"] > 0
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert "Experiment Q" in text and "**Rule (c)**" in text
+
+
+def test_q_rule_c_and_its_held_out_rows_by_hand():
+    """Rule (c): M0 above M1 on every seed (Holm over 3 still < 0.05 with 10 seeds: sign-flip p 2/1024 x 3) means
+    TRL's default costs, whatever rule (a) says (here the mismatch itself costs nothing: on_policy == M0); the
+    held-out row survives only with the same sign."""
+    def arm(method, seeds, score):
+        return [dict(scenario="S1X", method=method, seed=s, score=score(s), kl_token=8e-3, t_kl=2.0, collapsed=False,
+                     pool="S1X") for s in seeds]
+
+    seeds = list(mt.Q_SEEDS)
+    runs = (arm("on_policy", seeds, lambda s: 0.80 + 0.002 * (s % 3))
+            + arm("M0", seeds, lambda s: 0.80 + 0.002 * (s % 3))
+            + arm("M1", seeds, lambda s: 0.70 + 0.003 * (s % 4)) + arm("M3", seeds, lambda s: 0.70 + 0.003 * (s % 4))
+            + arm("M2", seeds, lambda s: 0.70 + 0.001 * (s % 2)))
+    _, result = mt.analyse_family(runs, seeds, "S1X", mt.Q_FAMILY, "Q")
+    assert not result["counts"] and result["confirmed"] == []  # rule (b) needs (a)
+    text = mt.q_rule_c_text(result)
+    m0 = next(r for r in result["family"] if r["method"] == "M0")
+    assert m0["p_sign_flip_holm"] == pytest.approx(3 * 2 / 1024) and "COSTS" in text and result["trl_default_costs"]
+    assert mt.q_held_out_methods(result) == ["M0"]
+    held = list(mt.Q_HELD_OUT)
+    flipped = runs + arm("M1", held, lambda s: 0.80) + arm("M0", held, lambda s: 0.79 + 0.001 * (s % 2))
+    assert "does NOT survive" in mt.q_held_out_text(flipped, result, held)
+    assert result["held_out"]["M0"]["survives"] is False
+    same = runs + arm("M1", held, lambda s: 0.70) + arm("M0", held, lambda s: 0.79 + 0.001 * (s % 2))
+    assert "SURVIVES" in mt.q_held_out_text(same, result, held) and result["held_out"]["M0"]["survives"]
+    quiet = runs[: 2 * len(seeds)] + arm("M1", seeds, lambda s: 0.80 + 0.002 * (s % 3)) + runs[3 * len(seeds):]
+    _, tie = mt.analyse_family(quiet, seeds, "S1X", mt.Q_FAMILY, "Q")
+    assert "no significant cost" in mt.q_rule_c_text(tie) and mt.q_held_out_methods(tie) == []
