@@ -1625,7 +1625,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         if experiment in TARGET_FAMILY and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
         if experiment == "Q":
-            text += "\n\n" + q_rule_c_text(result) + "\n\n" + q_held_out_text(runs, result, held_out or [])
+            text += ("\n\n" + q_rule_c_text(result) + "\n\n" + q_tost_text(runs, seeds, result) + "\n\n"
+                     + q_held_out_text(runs, result, held_out or []))
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
@@ -1655,6 +1656,25 @@ def q_rule_c_text(result: dict) -> str:
             f"[{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}], Holm p {row['p_sign_flip_holm']:.3g} (sign-flip), "
             f"{row['p_holm']:.3g} (t): " + ("TRL's default COSTS reward here." if costs else
                                             "no significant cost of TRL's default."))
+
+
+def q_tost_text(runs: list[dict], seeds: list[int], result: dict) -> str:
+    """Experiment Q's "ties", descriptive (no decision rests on them; written after Q's first seeds had run, at the
+    margin TOST_MARGIN fixed in pre-registration 1): TOST within +-TOST_MARGIN (90% paired interval) for the
+    mismatch's cost on_policy - M0 and for each family row (method - M1). Sets ``result["tost"]``."""
+    table, result["tost"] = score_table(runs), []
+    lines = [f"**Equivalence** (TOST ±{TOST_MARGIN}, 90% paired interval; descriptive, at pre-registration 1's "
+             "margin):\n", "| comparison | n | difference | 90% interval | TOST p | equivalent |",
+             "|---|---|---|---|---|---|"]
+    for method, ref in (("on_policy", "M0"), *((m, REFERENCE) for _, m in Q_FAMILY)):
+        common, x, y = paired(table, "S1X", method, ref, seeds)
+        if len(common) < 2:
+            continue
+        row = _stats().compare_paired(x, y, margin=TOST_MARGIN)
+        result["tost"].append({**row, "method": method, "ref": ref})
+        lines.append(f"| {method} − {ref} | {row['n']} | {row['diff']:+.4f} | [{row['tost_lo']:+.4f}, "
+                     f"{row['tost_hi']:+.4f}] | {row['tost_p']:.3g} | {'yes' if row['tost_p'] < ALPHA else 'no'} |")
+    return "\n".join(lines)
 
 
 def q_held_out_methods(result: dict) -> list[str]:

@@ -602,6 +602,9 @@ def test_q_rule_c_and_its_held_out_rows_by_hand():
     m0 = next(r for r in result["family"] if r["method"] == "M0")
     assert m0["p_sign_flip_holm"] == pytest.approx(3 * 2 / 1024) and "COSTS" in text and result["trl_default_costs"]
     assert mt.q_held_out_methods(result) == ["M0"]
+    tost = mt.q_tost_text(runs, seeds, result)  # cost 0, M3 - M1 0, M2 - M1 -0.004: ties; M0 - M1 ~ +0.1: not one
+    assert "| on_policy − M0 | 10 | +0.0000 |" in tost and tost.count("| yes |") == 3
+    assert tost.splitlines()[-1].startswith("| M0 − M1 | 10 | +0.0977") and tost.endswith("| no |")
     held = list(mt.Q_HELD_OUT)
     flipped = runs + arm("M1", held, lambda s: 0.80) + arm("M0", held, lambda s: 0.79 + 0.001 * (s % 2))
     assert "does NOT survive" in mt.q_held_out_text(flipped, result, held)
