@@ -1070,6 +1070,7 @@ TRUNCATION_CSV = "mismatch_train_truncation_results.csv"  # experiment P (S3)
 TARGET_CSV = "mismatch_train_target_results.csv"  # experiment X (S2X)
 TARGET_LAG16_CSV = "mismatch_train_target_lag16_results.csv"  # experiment Y (S2X at lag 16)
 TARGET_Z_CSV = "mismatch_train_target_z_results.csv"  # experiment Z (Y's setting on 30 fresh seeds)
+TARGET_Q_CSV = "mismatch_train_target_q_results.csv"  # experiment Q (S1X: a precision-like gap at T = 257)
 
 
 def runs_from_csv(path: str) -> list[dict]:
@@ -1095,8 +1096,9 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     (the first family, seeds 0-9, picked no candidate, and a candidate is confirmed only on held-out seeds; no later
     experiment ran a family in S1), S2X by experiments X, Y and Z (``X_FAMILY`` on ``X_SEEDS``, ``Y_FAMILY`` on
     ``Y_SEEDS``, ``Z_FAMILY`` on ``Z_SEEDS`` with Y's established cost; a confirmed row counts only if it also
-    survives its held-out seeds ``X_HELD_OUT`` / ``Y_HELD_OUT`` / ``Z_HELD_OUT``). What the monitor's advice
-    (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
+    survives its held-out seeds ``X_HELD_OUT`` / ``Y_HELD_OUT`` / ``Z_HELD_OUT``), S1X by experiment Q (``Q_FAMILY``
+    on ``Q_SEEDS``, rule (b), surviving ``Q_HELD_OUT``; M0, "no correction", is never a remedy). What the monitor's
+    advice (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
     _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
     if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
         raise NotImplementedError(f"the first family picked {main['candidate']}: analyse its held-out seeds")
@@ -1115,7 +1117,14 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
             held_out_row_text(target_runs, result, list(held_out), "S2X")
             if result.get("held_out", {}).get("survives", False):
                 target += [m for m in result["confirmed"] if m not in target]
-    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"], "S2X": target}
+    q_runs = runs_from_csv(os.path.join(results, TARGET_Q_CSV))  # S1X: pre-registration 10, rule (b) and held-out
+    _, q = analyse_family(q_runs, list(Q_SEEDS), "S1X", Q_FAMILY, "Q")
+    q_text = q_held_out_text(q_runs, q, list(Q_HELD_OUT))
+    if q["confirmed"] and "not run yet" in q_text:
+        raise NotImplementedError(f"experiment Q confirmed {q['confirmed']}: run its held-out seeds Q_HELD_OUT")
+    precision = [m for m in q["confirmed"] if m != "M0" and q.get("held_out", {}).get(m, {}).get("survives")]
+    return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"], "S2X": target,
+            "S1X": precision}
 
 
 def score_table(runs: list[dict]) -> dict:

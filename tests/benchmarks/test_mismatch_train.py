@@ -614,3 +614,31 @@ def test_q_rule_c_and_its_held_out_rows_by_hand():
     quiet = runs[: 2 * len(seeds)] + arm("M1", seeds, lambda s: 0.80 + 0.002 * (s % 3)) + runs[3 * len(seeds):]
     _, tie = mt.analyse_family(quiet, seeds, "S1X", mt.Q_FAMILY, "Q")
     assert "no significant cost" in mt.q_rule_c_text(tie) and mt.q_held_out_methods(tie) == []
+
+
+def test_confirmed_methods_counts_a_precision_row_only_after_its_held_out_seeds(tmp_path):
+    """confirmed_methods()'s S1X entry (experiment Q): a row rule (b) confirms on Q_SEEDS counts only if it keeps its
+    sign on Q_HELD_OUT; M0 (no correction) never counts, even when rule (c) finds it above TRL's default; with the
+    held-out seeds not run it refuses rather than guess."""
+    import shutil
+
+    for name in os.listdir(mt.RESULTS):
+        if name.endswith("_results.csv"):
+            shutil.copy(os.path.join(mt.RESULTS, name), tmp_path / name)
+
+    def arm(method, seeds, score):
+        return [dict(scenario="S1X", method=method, seed=s, score=score(s), kl_token=8e-3, t_kl=2.0,
+                     engine_reward=0.5, collapsed=False) for s in seeds]
+
+    seeds, held = list(mt.Q_SEEDS), list(mt.Q_HELD_OUT)
+    base = (arm("on_policy", seeds, lambda s: 0.9 + 0.001 * (s % 3))
+            + arm("M0", seeds, lambda s: 0.84 + 0.002 * (s % 3)) + arm("M1", seeds, lambda s: 0.80 + 0.001 * (s % 4))
+            + arm("M3", seeds, lambda s: 0.85 + 0.002 * (s % 5)) + arm("M2", seeds, lambda s: 0.80 + 0.001 * (s % 4)))
+    mt.write_csv(base, str(tmp_path / mt.TARGET_Q_CSV))
+    with pytest.raises(NotImplementedError, match="Q_HELD_OUT"):
+        mt.confirmed_methods(str(tmp_path))
+    for held_score, expected in ((0.79, []), (0.86, ["M3"])):
+        runs = (base + arm("M1", held, lambda s: 0.80) + arm("M3", held, lambda s, v=held_score: v + 0.001 * (s % 2))
+                + arm("M0", held, lambda s: 0.85 + 0.001 * (s % 2)))
+        mt.write_csv(runs, str(tmp_path / mt.TARGET_Q_CSV))
+        assert mt.confirmed_methods(str(tmp_path))["S1X"] == expected

@@ -16,7 +16,9 @@ its ``confirmed_methods()`` returns from the committed results (``benchmarks/res
   (S2L) the stale engine's cost was not significant. Not measured on a GPU.
 - A persistent precision gap (``rollout_lag`` = 0: quantized / low precision): none. In S1 (a heavy-tailed,
   precision-like gap, T = 49, per-token KL 7.7e-2-9.9e-2, T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus
-  no correction +0.003 [-0.026, +0.032], 10 seeds), so no correction could be compared; the old benchmark
+  no correction +0.003 [-0.026, +0.032], 10 seeds), so no correction could be compared; the same gap at T = 257
+  (S1X, experiment Q: per-token KL 8.3e-3-8.5e-3, T * KL 2.1) cost nothing measurable either (+0.012 [-0.011,
+  +0.035], 10 seeds) and no correction differed from TRL's default (Holm p 0.73); the old benchmark
   (``benchmarks/mismatch_bench.py``: T <= 9, per-token KL 0.14-0.30, 5 seeds) singles none out either.
 
 For a kind without a remedy the advice names the metrics to watch and the benchmark page, no preset. The monitor
@@ -43,7 +45,9 @@ FOUND = {
     "stale": "no method was confirmed above TRL's default in its S2 scenario",
     "persistent": ("in its S1 scenario (a heavy-tailed, precision-like gap: T = 49 tokens, per-token KL 7.7e-2-9.9e-2, "
                    "T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus no correction +0.003 [-0.026, +0.032] "
-                   "reward, 10 seeds), so no correction could be compared, and the old mismatch benchmark's wq3 rows "
+                   "reward, 10 seeds), so no correction could be compared; at T = 257 (S1X: per-token KL "
+                   "8.3e-3-8.5e-3, T * KL 2.1) it cost nothing measurable either (+0.012 [-0.011, +0.035], 10 seeds) "
+                   "and no correction differed from TRL's default (Holm p 0.73); the old mismatch benchmark's wq3 rows "
                    "single none out after a paired, Holm-corrected analysis"),
 }
 
