@@ -106,11 +106,12 @@ SCENARIOS = {
     "S3": "truncated sampling: the engine samples the policy at top_p S3_TOP_P, log-probs renormalized (vLLM's)",
     "S2X": "S2 in the target regime: n_digits X_DIGITS, the policy of X_LAG optimizer steps ago",
     "S1X": "S1's heavy-tailed precision-like gap in the target regime: n_digits X_DIGITS, noise Q_NOISE",
+    "S1D": "a dense precision-like gap in the target regime: n_digits X_DIGITS, N(0, sigma^2) logit noise D_NOISE",
 }
-LONG_SCENARIOS = ("S2L", "S2X", "S1X")  # their own completion length, base model and on_policy runs
-XL_SCENARIOS = ("S2X", "S1X")  # the target regime's length, base model (X_BASE_STEPS) and lr (X_LR)
+LONG_SCENARIOS = ("S2L", "S2X", "S1X", "S1D")  # their own completion length, base model and on_policy runs
+XL_SCENARIOS = ("S2X", "S1X", "S1D")  # the target regime's length, base model (X_BASE_STEPS) and lr (X_LR)
 STALE_SCENARIOS = ("S2", "S2L", "S2X")  # the engine is an older copy of the policy
-LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits", "S1X": "xl_digits"}  # each one's n_digits entry
+LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits", "S1X": "xl_digits", "S1D": "xl_digits"}  # n_digits
 METHODS = {
     # name: (trainer, settings)  trainer "trl" = TRL's unmodified GRPOTrainer on its vLLM IS path, "ours" = this
     # package's RolloutCorrGRPOTrainer (settings are RolloutCorrGRPOConfig fields)
@@ -448,6 +449,30 @@ Q_HELD_OUT = tuple(range(135, 140))
 Q_ARMS = ("on_policy", "M0", "M1", "M3", "M2")
 Q_FAMILY = (("S1X", "M3"), ("S1X", "M2"), ("S1X", "M0"))  # each - M1, Holm over these 3
 
+# ------------------------------------------------------------------------------------------------ pre-registration 11
+# Written 2026-11-27 01:16-01:18 UTC, after experiment Q's analysis (no cost, nothing differs) and BEFORE any training
+# run of scenario S1D. Why: Q's gap sat in rare spikes on tail tokens, so TRL's sequence weights stayed near 1 for
+# most sequences (logged mean 0.89) and ~0 for the few that drew a spike; the regime the published evidence splits on
+# is a DENSE small gap, where log w = sum_t log rho_t is close to normal with variance ~2 T*KL and the sequence
+# weights degenerate (ESS ~ exp(-2 T*KL)). Experiment D: scenario S1D = dense N(0, sigma^2) noise on every logit, no
+# spikes, at n_digits X_DIGITS (T = 257), everything else as S1X (S2X's base model, lr X_LR, 30 steps). Noise D_NOISE
+# by D_PILOT's calibration (run 01:15 UTC, after Q's results; the 1.0 and 1.5 levels are Q_PILOT's): the level whose
+# per-token KL is closest to 8e-3, as for Q. The dense noise also lowers the engine's own sample reward (0.59 at the
+# chosen level vs 0.69-0.77 for Q's), so the mismatch may cost here where Q's did not.
+# Seeds D_SEEDS (never run), arms Q_ARMS seed by seed; family D_FAMILY = {M3, M2, M0} - M1, Holm over 3; rules (a),
+# (b), (c), the held-out rule (D_HELD_OUT, every row (b) or (c) finds, and M1, the same-sign rule), the decisions and
+# the descriptive TOST table exactly as pre-registration 10, with S1D for S1X. Deadline: runs not finished by 02:25
+# UTC are cut; a partial family is reported on the seeds where every arm ran.
+D_PILOT = {(1.0, 0.0, 0.0, 1e-2): (4.41e-3, 1.08, 245, 0.655), (1.1, 0.0, 0.0, 1e-2): (6.28e-3, 1.54, 245, 0.618),
+           (1.2, 0.0, 0.0, 1e-2): (8.85e-3, 2.17, 245, 0.586), (1.3, 0.0, 0.0, 1e-2): (1.24e-2, 2.96, 239, 0.520),
+           (1.4, 0.0, 0.0, 1e-2): (1.71e-2, 4.05, 237, 0.470), (1.5, 0.0, 0.0, 1e-2): (2.34e-2, 5.25, 224, 0.389)}
+D_NOISE = min(D_PILOT, key=lambda k: abs(D_PILOT[k][0] - Q_KL_TARGET))  # (1.2, 0.0, 0.0, 1e-2)
+D_SEEDS = tuple(range(140, 150))
+D_HELD_OUT = tuple(range(150, 155))
+D_FAMILY = (("S1D", "M3"), ("S1D", "M2"), ("S1D", "M0"))  # each - M1, Holm over these 3
+PRECISION_EXPERIMENTS = {  # experiment -> (scenario, family, seeds, held-out seeds): pre-registrations 10 and 11
+    "Q": ("S1X", Q_FAMILY, Q_SEEDS, Q_HELD_OUT), "D": ("S1D", D_FAMILY, D_SEEDS, D_HELD_OUT)}
+
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
 BASE_STEPS, BASE_LR, BASE_SEED = 200, 2e-3, 12345
@@ -611,6 +636,7 @@ class Engine:
         self.scenario, self.tok, self.n_digits, self.lag = scenario, tokenizer, n_digits, lag
         self.seed, self.generator = 1_000_003 * seed + 17, None  # the generator lives on the policy's device
         self.perturb = (heavy_tailed(*noise) if scenario == "S1" else heavy_tailed(*Q_NOISE) if scenario == "S1X" else
+                        heavy_tailed(*D_NOISE) if scenario == "S1D" else
                         top_p_truncation(S3_TOP_P) if scenario == "S3" else None)
         self.stale = policy_factory() if scenario in STALE_SCENARIOS else None
         self.snapshots: dict[int, dict] = {}
@@ -880,15 +906,16 @@ def warm_model(model, tok, base: str, size: dict, seed: int):
     return model
 
 
-def noise_pilot(out: str, size: dict, levels=tuple(Q_PILOT), seed: int = 99, n_prompts: int = 128) -> dict:
-    """Q_PILOT's calibration (pre-registration 10), no training: per noise level (sigma, spike_p, spike, below) of
-    :func:`heavy_tailed`, one batch of ``n_prompts`` prompts (psum_prompts seed 4242) sampled from seed ``seed``'s
-    warm-up of S1X's base model with generator seed 7 -> (per-token KL(engine || policy), T*KL, mean length, the
-    engine's sample reward)."""
+def noise_pilot(out: str, size: dict, levels: tuple | None = None, seed: int = 99, n_prompts: int = 128) -> dict:
+    """Q_PILOT's and D_PILOT's calibrations (pre-registrations 10, 11; ``levels`` None: every level of both), no
+    training: per noise level (sigma, spike_p, spike, below) of :func:`heavy_tailed`, one batch of ``n_prompts``
+    prompts (psum_prompts seed 4242) sampled from seed ``seed``'s warm-up of S1X's base model with generator seed 7
+    -> (per-token KL(engine || policy), T*KL, mean length, the engine's sample reward)."""
     import torch
 
     from trl_rollout_corr.testing.psum_task import psum_prompts, psum_reward
 
+    levels = tuple(dict.fromkeys([*Q_PILOT, *D_PILOT])) if levels is None else levels
     size = cell_size("S1X", size)
     tok = task_tokenizer(size)
     model = warm_model(task_model(size, size["n_digits"]), tok, cell_base(out, "S1X", size), size, seed).eval()
@@ -1600,6 +1627,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "Y": "S2X at lag Y_LAG: the cost check, then Y_FAMILY on Y_SEEDS (held-out: Y_HELD_OUT)",
     "Z": "Y's rare collapses: Z_FAMILY on Z_SEEDS, the cost established by Y (held-out: Z_HELD_OUT)",
     "Q": "a precision-like gap in the target regime: S1X's cost check, Q_FAMILY on Q_SEEDS (held-out: Q_HELD_OUT)",
+    "D": "a dense precision-like gap at T = 257: S1D's cost check, D_FAMILY on D_SEEDS (held-out: D_HELD_OUT)",
 }
 
 
@@ -1610,7 +1638,7 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q"):
+    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q", "D"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
@@ -1622,6 +1650,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
                                    f"T = {X_DIGITS + 1})"),
             "Q": ("S1X", Q_FAMILY, f"Experiment Q: a heavy-tailed precision-like gap in the target regime (T = "
                                    f"{X_DIGITS + 1}, noise {Q_NOISE})"),
+            "D": ("S1D", D_FAMILY, f"Experiment D: a dense precision-like gap in the target regime (T = "
+                                   f"{X_DIGITS + 1}, noise {D_NOISE})"),
         }[experiment]
         established = {"C": C_GAP_SEEDS_0_9, "Z": Y_GAP_SEEDS_75_84}.get(experiment)
         text, result = analyse_family(runs, seeds, scenario, family, title, established=established)
@@ -1633,9 +1663,9 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
             text += "\n\n" + alarm_text
         if experiment in TARGET_FAMILY and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
-        if experiment == "Q":
-            text += ("\n\n" + q_rule_c_text(result) + "\n\n" + q_tost_text(runs, seeds, result) + "\n\n"
-                     + q_held_out_text(runs, result, held_out or []))
+        if experiment in PRECISION_EXPERIMENTS:
+            text += ("\n\n" + q_rule_c_text(result) + "\n\n" + q_tost_text(runs, seeds, result, scenario, family)
+                     + "\n\n" + q_held_out_text(runs, result, held_out or [], scenario))
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
@@ -1667,7 +1697,8 @@ def q_rule_c_text(result: dict) -> str:
                                             "no significant cost of TRL's default."))
 
 
-def q_tost_text(runs: list[dict], seeds: list[int], result: dict) -> str:
+def q_tost_text(runs: list[dict], seeds: list[int], result: dict, scenario: str = "S1X",
+                family: tuple = Q_FAMILY) -> str:
     """Experiment Q's "ties", descriptive (no decision rests on them; written after Q's first seeds had run, at the
     margin TOST_MARGIN fixed in pre-registration 1): TOST within +-TOST_MARGIN (90% paired interval) for the
     mismatch's cost on_policy - M0 and for each family row (method - M1). Sets ``result["tost"]``."""
@@ -1675,8 +1706,8 @@ def q_tost_text(runs: list[dict], seeds: list[int], result: dict) -> str:
     lines = [f"**Equivalence** (TOST ±{TOST_MARGIN}, 90% paired interval; descriptive, at pre-registration 1's "
              "margin):\n", "| comparison | n | difference | 90% interval | TOST p | equivalent |",
              "|---|---|---|---|---|---|"]
-    for method, ref in (("on_policy", "M0"), *((m, REFERENCE) for _, m in Q_FAMILY)):
-        common, x, y = paired(table, "S1X", method, ref, seeds)
+    for method, ref in (("on_policy", "M0"), *((m, REFERENCE) for _, m in family)):
+        common, x, y = paired(table, scenario, method, ref, seeds)
         if len(common) < 2:
             continue
         row = _stats().compare_paired(x, y, margin=TOST_MARGIN)
@@ -1694,7 +1725,7 @@ def q_held_out_methods(result: dict) -> list[str]:
     return found + (["M0"] if result["trl_default_costs"] else [])
 
 
-def q_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
+def q_held_out_text(runs: list[dict], result: dict, seeds: list[int], scenario: str = "S1X") -> str:
     """Each held-out row of :func:`q_held_out_methods` - M1 on ``seeds`` (Q_HELD_OUT): it survives iff the held-out
     mean difference is positive (the same sign as on Q_SEEDS). Sets ``result["held_out"]``: method -> row."""
     methods = q_held_out_methods(result)
@@ -1702,7 +1733,7 @@ def q_held_out_text(runs: list[dict], result: dict, seeds: list[int]) -> str:
         return "**Held-out seeds**: rules (b) and (c) found nothing, so none ran."
     table, lines, result["held_out"] = score_table(runs), [], {}
     for method in methods:
-        common, x, ref = paired(table, "S1X", method, REFERENCE, seeds)
+        common, x, ref = paired(table, scenario, method, REFERENCE, seeds)
         if len(common) < 2:
             lines.append(f"**Held-out seeds**: {method} and M1 not run yet.")
             continue
@@ -1875,7 +1906,8 @@ def main(argv=None) -> None:
                         "4096)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast at any size (default at --size gpu only)")
     p.add_argument("--noise_pilot", action="store_true",
-                   help="pre-registration 10's calibration of S1X's noise (Q_PILOT), no training")
+                   help="pre-registrations 10 and 11's calibration of S1X's and S1D's noise (Q_PILOT, D_PILOT), "
+                        "no training")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
@@ -1949,10 +1981,11 @@ def main(argv=None) -> None:
             todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
             if candidate is None:
                 print("nothing confirmed on the analysis seeds, so no held-out run", flush=True)
-        elif a.held_out and a.experiment == "Q":  # pre-registration 10: rows of rules (b) and (c), and M1
-            _, result = analyse_family(load_runs(a.out), analysis_seeds, "S1X", Q_FAMILY, "Q")
+        elif a.held_out and a.experiment in PRECISION_EXPERIMENTS:  # pre-registrations 10, 11: rules (b), (c), M1
+            scenario, family = PRECISION_EXPERIMENTS[a.experiment][:2]
+            _, result = analyse_family(load_runs(a.out), analysis_seeds, scenario, family, a.experiment)
             methods = q_held_out_methods(result)
-            todo = cells(["S1X"], methods + [REFERENCE], seeds, False) if methods else []
+            todo = cells([scenario], methods + [REFERENCE], seeds, False) if methods else []
             if not methods:
                 print("rules (b) and (c) found nothing on the analysis seeds, so no held-out run", flush=True)
         elif a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3

@@ -571,6 +571,16 @@ def test_experiment_q_is_s1_noise_at_the_target_length_without_a_stale_copy(tmp_
     assert mt.cell_base("o", "S1X", mt.SMOKE) == mt.cell_base("o", "S2X", mt.SMOKE)  # the same base model as S2X
     engine = mt.Engine("S1X", 0, None, lambda: pytest.fail("S1X keeps no stale copy"), 4)
     assert engine.stale is None and engine.perturb is not None
+    # pre-registration 11: S1D, the same with dense noise only, at D_PILOT's level closest to 8e-3
+    assert mt.D_NOISE == (1.2, 0.0, 0.0, 1e-2) and mt.D_PILOT[mt.D_NOISE][0] == pytest.approx(8.85e-3)
+    assert mt.D_FAMILY == (("S1D", "M3"), ("S1D", "M2"), ("S1D", "M0")) and mt.D_SEEDS == tuple(range(140, 150))
+    assert mt.cell_base("o", "S1D", mt.SMOKE) == mt.cell_base("o", "S2X", mt.SMOKE)
+    assert mt.scenario_lr("S1D", None) == mt.X_LR
+    dense = mt.Engine("S1D", 0, None, lambda: pytest.fail("S1D keeps no stale copy"), 4)
+    logits = torch.zeros(3, 50)
+    logits[:, 7] = 30.0  # every other token has p ~ 1e-13 < below: a spike would land on one of them
+    noisy = dense.perturb(logits, torch.Generator().manual_seed(0))
+    assert (noisy - logits).abs().max() < 6 * 1.2 and 0.9 < (noisy - logits).std() < 1.5  # N(0, 1.2^2), no +spike
     out = str(tmp_path / "smoke")
     mt.main(["--smoke", "--out", out, "--scenarios", "S1X", "--methods", "M0,M1", "--seeds", "0-1", "--experiment",
              "Q"])
