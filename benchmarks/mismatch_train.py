@@ -470,6 +470,18 @@ D_NOISE = min(D_PILOT, key=lambda k: abs(D_PILOT[k][0] - Q_KL_TARGET))  # (1.2, 
 D_SEEDS = tuple(range(140, 150))
 D_HELD_OUT = tuple(range(150, 155))
 D_FAMILY = (("S1D", "M3"), ("S1D", "M2"), ("S1D", "M0"))  # each - M1, Holm over these 3
+# ------------------------------------------------------------------------------------------------ pre-registration 12
+# Written 2026-11-27 01:54-01:56 UTC, after experiment D's analysis (seeds 140-149) and BEFORE any run on D_HELD_OUT.
+# D's significant rows were NEGATIVE: ppo_is_bypass (M3) - TRL's default (M1) -0.166 [-0.300, -0.031] (Holm p
+# 0.0059 sign-flip, 0.043 t) and TRL's token_truncate (M2) - M1 -0.044 [-0.066, -0.022] (Holm 0.0059, 0.0047); the
+# mismatch's own cost was not significant (rule (a) fails) and M0 - M1 was -0.012 (Holm 0.078). Pre-registration 11
+# holds out only rows that rules (b) or (c) find (positive ones), so, as pre-registration 9 did for Z: M1, M3 and M2
+# on D_HELD_OUT (seeds 150-154, never run), each negative row surviving iff its held-out mean difference vs M1 is
+# negative (the same-sign rule). Decisions: a surviving row is written as a measured cost of that method against
+# TRL's default under a dense precision-like gap at T = 257 (README table, docs/benchmarks.md, the monitor's
+# persistent-gap message); no method is recommended from it (a worse method names no remedy) and the default stays
+# TRL's.
+D_NEGATIVE_HELD_OUT_ARMS = ("M1", "M3", "M2")
 PRECISION_EXPERIMENTS = {  # experiment -> (scenario, family, seeds, held-out seeds): pre-registrations 10 and 11
     "Q": ("S1X", Q_FAMILY, Q_SEEDS, Q_HELD_OUT), "D": ("S1D", D_FAMILY, D_SEEDS, D_HELD_OUT)}
 
