@@ -471,7 +471,7 @@ D_SEEDS = tuple(range(140, 150))
 D_HELD_OUT = tuple(range(150, 155))
 D_FAMILY = (("S1D", "M3"), ("S1D", "M2"), ("S1D", "M0"))  # each - M1, Holm over these 3
 # ------------------------------------------------------------------------------------------------ pre-registration 12
-# Written 2026-11-27 01:54-01:56 UTC, after experiment D's analysis (seeds 140-149) and BEFORE any run on D_HELD_OUT.
+# Written 2026-11-27 01:51-01:53 UTC, after experiment D's analysis (seeds 140-149) and BEFORE any run on D_HELD_OUT.
 # D's significant rows were NEGATIVE: ppo_is_bypass (M3) - TRL's default (M1) -0.166 [-0.300, -0.031] (Holm p
 # 0.0059 sign-flip, 0.043 t) and TRL's token_truncate (M2) - M1 -0.044 [-0.066, -0.022] (Holm 0.0059, 0.0047); the
 # mismatch's own cost was not significant (rule (a) fails) and M0 - M1 was -0.012 (Holm 0.078). Pre-registration 11
@@ -1110,6 +1110,8 @@ TARGET_CSV = "mismatch_train_target_results.csv"  # experiment X (S2X)
 TARGET_LAG16_CSV = "mismatch_train_target_lag16_results.csv"  # experiment Y (S2X at lag 16)
 TARGET_Z_CSV = "mismatch_train_target_z_results.csv"  # experiment Z (Y's setting on 30 fresh seeds)
 TARGET_Q_CSV = "mismatch_train_target_q_results.csv"  # experiment Q (S1X: a precision-like gap at T = 257)
+TARGET_D_CSV = "mismatch_train_target_d_results.csv"  # experiment D (S1D: a dense precision gap at T = 257)
+PRECISION_CSV = {"Q": TARGET_Q_CSV, "D": TARGET_D_CSV}
 
 
 def runs_from_csv(path: str) -> list[dict]:
@@ -1136,7 +1138,8 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     experiment ran a family in S1), S2X by experiments X, Y and Z (``X_FAMILY`` on ``X_SEEDS``, ``Y_FAMILY`` on
     ``Y_SEEDS``, ``Z_FAMILY`` on ``Z_SEEDS`` with Y's established cost; a confirmed row counts only if it also
     survives its held-out seeds ``X_HELD_OUT`` / ``Y_HELD_OUT`` / ``Z_HELD_OUT``), S1X by experiment Q (``Q_FAMILY``
-    on ``Q_SEEDS``, rule (b), surviving ``Q_HELD_OUT``; M0, "no correction", is never a remedy). What the monitor's
+    on ``Q_SEEDS``, rule (b), surviving ``Q_HELD_OUT``; M0, "no correction", is never a remedy), S1D by experiment D
+    (the same with ``D_FAMILY``, ``D_SEEDS``, ``D_HELD_OUT``). What the monitor's
     advice (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
     _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
     if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
@@ -1156,14 +1159,18 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
             held_out_row_text(target_runs, result, list(held_out), "S2X")
             if result.get("held_out", {}).get("survives", False):
                 target += [m for m in result["confirmed"] if m not in target]
-    q_runs = runs_from_csv(os.path.join(results, TARGET_Q_CSV))  # S1X: pre-registration 10, rule (b) and held-out
-    _, q = analyse_family(q_runs, list(Q_SEEDS), "S1X", Q_FAMILY, "Q")
-    q_text = q_held_out_text(q_runs, q, list(Q_HELD_OUT))
-    if q["confirmed"] and "not run yet" in q_text:
-        raise NotImplementedError(f"experiment Q confirmed {q['confirmed']}: run its held-out seeds Q_HELD_OUT")
-    precision = [m for m in q["confirmed"] if m != "M0" and q.get("held_out", {}).get(m, {}).get("survives")]
+    precision = {}  # S1X and S1D: pre-registrations 10 and 11, rule (b), each row only if it survives its held-out
+    for experiment, (scenario, family, seeds, held_out) in PRECISION_EXPERIMENTS.items():
+        q_runs = runs_from_csv(os.path.join(results, PRECISION_CSV[experiment]))
+        _, q = analyse_family(q_runs, list(seeds), scenario, family, experiment)
+        q_text = q_held_out_text(q_runs, q, list(held_out), scenario)
+        if q["confirmed"] and "not run yet" in q_text:
+            raise NotImplementedError(f"experiment {experiment} confirmed {q['confirmed']}: run its held-out seeds "
+                                      f"{experiment}_HELD_OUT")
+        precision[scenario] = [m for m in q["confirmed"] if m != "M0"
+                               and q.get("held_out", {}).get(m, {}).get("survives")]
     return {"S1": [], "S2": c["confirmed"], "S2L": long["confirmed"], "S3": trunc["confirmed"], "S2X": target,
-            "S1X": precision}
+            **precision}
 
 
 def score_table(runs: list[dict]) -> dict:

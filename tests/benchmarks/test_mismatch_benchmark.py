@@ -136,7 +136,7 @@ def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_on
     from trl_rollout_corr.monitor import advice
 
     confirmed = mt.confirmed_methods()
-    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": [], "S2X": [], "S1X": []}
+    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": [], "S2X": [], "S1X": [], "S1D": []}
     assert set(advice.REMEDIES) <= set(advice.SCENARIOS)
     for kind, scenario in advice.SCENARIOS.items():
         methods = confirmed[scenario]
@@ -277,6 +277,44 @@ def test_experiment_q_a_precision_like_gap_at_t257_costs_nothing_measurable_and_
                  "+0.008 [−0.013, +0.030]"):
         assert text in doc, text
     assert "+0.012 [−0.011, +0.035]" in readme and "+0.012 [-0.011, +0.035]" in advice.FOUND["persistent"]
+
+
+def test_experiment_d_a_dense_precision_gap_bypass_and_token_truncate_train_worse_held_out_too():
+    """Experiment D (pre-registration 11: dense logit noise at T = 257, seeds 140-149), recomputed from the committed
+    CSV: no cost of the gap (rule (a) fails), nothing above TRL's default, bypass and TRL's token_truncate
+    significantly below it after Holm; pre-registration 12's held-out seeds 150-154 keep both signs (the rows
+    survive); the docs, the README and the monitor's persistent-gap message quote these numbers."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_D_CSV))
+    assert {r["seed"] for r in runs} == set(mt.D_SEEDS) and len(runs) == 5 * 10
+    _, d = mt.analyse_family(runs, list(mt.D_SEEDS), "S1D", mt.D_FAMILY, "D")
+    assert not d["counts"] and d["confirmed"] == []
+    assert (round(d["gap"]["diff"], 3), round(d["gap"]["diff_lo"], 3), round(d["gap"]["diff_hi"], 3)) == (
+        -.012, -.026, .003)
+    rows = {r["method"]: r for r in d["family"]}
+    assert {m: (round(r["diff"], 3), round(r["diff_lo"], 3), round(r["diff_hi"], 3)) for m, r in rows.items()} == {
+        "M3": (-.166, -.300, -.031), "M2": (-.044, -.066, -.022), "M0": (-.012, -.024, .001)}
+    for m in ("M3", "M2"):  # significantly worse after Holm, by both tests
+        assert rows[m]["p_sign_flip_holm"] < 0.01 and rows[m]["p_holm"] < 0.05, m
+    assert rows["M0"]["p_sign_flip_holm"] > mt.ALPHA
+    mt.q_rule_c_text(d)
+    assert not d["trl_default_costs"]
+    held = mt.runs_from_csv(os.path.join(mt.RESULTS, "mismatch_train_target_d_heldout_results.csv"))
+    assert {r["seed"] for r in held} == set(mt.D_HELD_OUT) and {r["method"] for r in held} == set(
+        mt.D_NEGATIVE_HELD_OUT_ARMS)
+    table = mt.score_table(held)
+    out = {}
+    for m in ("M3", "M2"):
+        _, x, ref = mt.paired(table, "S1D", m, "M1", list(mt.D_HELD_OUT))
+        out[m] = round(sum(a - b for a, b in zip(x, ref)) / len(x), 3)
+    assert out == {"M3": -.099, "M2": -.065}  # both negative: both rows survive (pre-registration 12)
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    readme = open(os.path.join(os.path.dirname(mt.HERE), "README.md")).read()
+    for text in ("−0.166 [−0.300, −0.031]", "−0.044 [−0.066, −0.022]", "−0.099 [−0.174, −0.024]",
+                 "−0.065 [−0.113, −0.017]"):
+        assert text in doc, text
+    assert "−0.166 [−0.300, −0.031]" in readme and "-0.166 [-0.300, -0.031]" in advice.FOUND["persistent"]
 
 
 def test_experiment_p_supports_no_advice_for_a_truncating_sampler():

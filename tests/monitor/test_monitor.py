@@ -84,7 +84,10 @@ def test_a_synchronous_engine_is_recommended_nothing():
     assert advice.remedies_for(0) == []
     assert "No correction is confirmed to help with a persistent precision gap" in message
     assert "S1" in message and "cost nothing" in message and "T = 49" in message
-    assert "ppo_is_bypass" not in message and "rollout_correction_preset" not in message
+    assert "rollout_correction_preset" not in message and "Switch to it" not in message  # no preset recommended
+    # experiment D (held out): bypass and token_truncate trained worse than TRL's default with a dense gap
+    assert "ppo_is_bypass and TRL's token_truncate trained significantly WORSE" in message
+    assert "keep TRL's default for a persistent gap" in message and "S1D" in message
     assert "a stale engine" not in message
 
 

@@ -18,7 +18,10 @@ its ``confirmed_methods()`` returns from the committed results (``benchmarks/res
   precision-like gap, T = 49, per-token KL 7.7e-2-9.9e-2, T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus
   no correction +0.003 [-0.026, +0.032], 10 seeds), so no correction could be compared; the same gap at T = 257
   (S1X, experiment Q: per-token KL 8.3e-3-8.5e-3, T * KL 2.1) cost nothing measurable either (+0.012 [-0.011,
-  +0.035], 10 seeds) and no correction differed from TRL's default (Holm p 0.73); the old benchmark
+  +0.035], 10 seeds) and no correction differed from TRL's default (Holm p 0.73); with a dense gap at T = 257 (S1D,
+  experiment D: per-token KL 4.3e-3-7.5e-3, T * KL 1.1-1.8, no cost either) ``ppo_is_bypass`` and TRL's
+  ``token_truncate`` trained significantly worse than TRL's default (-0.166 [-0.300, -0.031] and -0.044 [-0.066,
+  -0.022], Holm p 0.0059; held out: -0.099, -0.065), so the message says to keep TRL's default there; the old benchmark
   (``benchmarks/mismatch_bench.py``: T <= 9, per-token KL 0.14-0.30, 5 seeds) singles none out either.
 
 For a kind without a remedy the advice names the metrics to watch and the benchmark page, no preset. The monitor
@@ -47,7 +50,11 @@ FOUND = {
                    "T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus no correction +0.003 [-0.026, +0.032] "
                    "reward, 10 seeds), so no correction could be compared; at T = 257 (S1X: per-token KL "
                    "8.3e-3-8.5e-3, T * KL 2.1) it cost nothing measurable either (+0.012 [-0.011, +0.035], 10 seeds) "
-                   "and no correction differed from TRL's default (Holm p 0.73); the old mismatch benchmark's wq3 rows "
+                   "and no correction differed from TRL's default (Holm p 0.73); with a dense gap at T = 257 (S1D: "
+                   "per-token KL 4.3e-3-7.5e-3, T * KL 1.1-1.8; no cost either) ppo_is_bypass and TRL's token_truncate "
+                   "trained significantly WORSE than TRL's default (-0.166 [-0.300, -0.031] and -0.044 [-0.066, "
+                   "-0.022], Holm p 0.0059; on 5 held-out seeds -0.099 and -0.065): keep TRL's default for a "
+                   "persistent gap; the old mismatch benchmark's wq3 rows "
                    "single none out after a paired, Holm-corrected analysis"),
 }
 
