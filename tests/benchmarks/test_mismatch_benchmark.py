@@ -271,12 +271,8 @@ def test_experiment_q_a_precision_like_gap_at_t257_costs_nothing_measurable_and_
     mt.q_rule_c_text(q)
     assert not q["trl_default_costs"] and mt.q_held_out_methods(q) == []
     assert all(c["collapsed"] == 0 and c["ref_collapsed"] == 0 for c in q["collapse"])
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
-    readme = open(os.path.join(os.path.dirname(mt.HERE), "README.md")).read()
-    for text in ("+0.012 [−0.011, +0.035]", "+0.010 [−0.013, +0.033]", "+0.016 [−0.012, +0.044]",
-                 "+0.008 [−0.013, +0.030]"):
-        assert text in doc, text
-    assert "+0.012 [−0.011, +0.035]" in readme and "+0.012 [-0.011, +0.035]" in advice.FOUND["persistent"]
+    assert_quoted(("+0.012 [−0.011, +0.035]", "+0.010 [−0.013, +0.033]", "+0.016 [−0.012, +0.044]",
+                   "+0.008 [−0.013, +0.030]"), "+0.012 [−0.011, +0.035]", advice.FOUND["persistent"])
 
 
 def test_experiment_d_a_dense_precision_gap_bypass_and_token_truncate_train_worse_held_out_too():
@@ -309,12 +305,18 @@ def test_experiment_d_a_dense_precision_gap_bypass_and_token_truncate_train_wors
         _, x, ref = mt.paired(table, "S1D", m, "M1", list(mt.D_HELD_OUT))
         out[m] = round(sum(a - b for a, b in zip(x, ref)) / len(x), 3)
     assert out == {"M3": -.099, "M2": -.065}  # both negative: both rows survive (pre-registration 12)
+    assert_quoted(("−0.166 [−0.300, −0.031]", "−0.044 [−0.066, −0.022]", "−0.099 [−0.174, −0.024]",
+                   "−0.065 [−0.113, −0.017]"), "−0.166 [−0.300, −0.031]", advice.FOUND["persistent"])
+
+
+def assert_quoted(in_docs: tuple, in_readme: str, message: str) -> None:
+    """Each of ``in_docs`` is on docs/benchmarks.md, ``in_readme`` in the README and (with ASCII minus signs) in the
+    monitor's ``message``."""
     doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
     readme = open(os.path.join(os.path.dirname(mt.HERE), "README.md")).read()
-    for text in ("−0.166 [−0.300, −0.031]", "−0.044 [−0.066, −0.022]", "−0.099 [−0.174, −0.024]",
-                 "−0.065 [−0.113, −0.017]"):
+    for text in in_docs:
         assert text in doc, text
-    assert "−0.166 [−0.300, −0.031]" in readme and "-0.166 [-0.300, -0.031]" in advice.FOUND["persistent"]
+    assert in_readme in readme and in_readme.replace("−", "-") in message
 
 
 def test_experiment_p_supports_no_advice_for_a_truncating_sampler():

@@ -503,19 +503,29 @@ def test_collapse_free_pairs_leave_out_a_seed_where_either_arm_collapsed():
     assert row[4].strip() == "3" and float(row[5].split()[0]) == pytest.approx((0.05 + 0 - 0.7) / 3, abs=5e-5)
 
 
+def copy_committed_results(folder) -> None:
+    """Every committed ``*_results.csv`` into ``folder`` (where a test then replaces one with a synthetic CSV)."""
+    import shutil
+
+    for name in os.listdir(mt.RESULTS):
+        if name.endswith("_results.csv"):
+            shutil.copy(os.path.join(mt.RESULTS, name), os.path.join(folder, name))
+
+
+def synthetic_arm(scenario: str, method: str, seeds, score) -> list[dict]:
+    """One arm's runs as runs_from_csv reads them, the score ``score(seed)`` (the regime fields are placeholders)."""
+    return [dict(scenario=scenario, method=method, seed=s, score=score(s), kl_token=5e-3, t_kl=1.4, engine_reward=0.5,
+                 collapsed=False) for s in seeds]
+
+
 def test_confirmed_methods_counts_a_target_regime_row_only_after_its_held_out_seeds(tmp_path):
     """confirmed_methods()'s S2X entry (experiments X and Y): a row confirmed on X_SEEDS counts only if M3 - M1 keeps
     its sign on X_HELD_OUT (pre-registration 5, item 4); the committed results confirm nothing there."""
-    import shutil
-
     assert mt.confirmed_methods()["S2X"] == []
-    for name in os.listdir(mt.RESULTS):
-        if name.endswith("_results.csv"):
-            shutil.copy(os.path.join(mt.RESULTS, name), tmp_path / name)
+    copy_committed_results(tmp_path)
 
     def arm(method, seeds, score):
-        return [dict(scenario="S2X", method=method, seed=s, score=score(s), kl_token=5e-3, t_kl=1.4,
-                     engine_reward=0.5, collapsed=False) for s in seeds]
+        return synthetic_arm("S2X", method, seeds, score)
 
     seeds, held = list(mt.X_SEEDS), list(mt.X_HELD_OUT)
     base = (arm("on_policy", seeds, lambda s: 0.9 + 0.001 * (s % 3)) + arm("M0", seeds, lambda s: 0.7 + 0.002 * (s % 3))
@@ -630,15 +640,10 @@ def test_confirmed_methods_counts_a_precision_row_only_after_its_held_out_seeds(
     """confirmed_methods()'s S1X entry (experiment Q): a row rule (b) confirms on Q_SEEDS counts only if it keeps its
     sign on Q_HELD_OUT; M0 (no correction) never counts, even when rule (c) finds it above TRL's default; with the
     held-out seeds not run it refuses rather than guess."""
-    import shutil
-
-    for name in os.listdir(mt.RESULTS):
-        if name.endswith("_results.csv"):
-            shutil.copy(os.path.join(mt.RESULTS, name), tmp_path / name)
+    copy_committed_results(tmp_path)
 
     def arm(method, seeds, score):
-        return [dict(scenario="S1X", method=method, seed=s, score=score(s), kl_token=8e-3, t_kl=2.0,
-                     engine_reward=0.5, collapsed=False) for s in seeds]
+        return synthetic_arm("S1X", method, seeds, score)
 
     seeds, held = list(mt.Q_SEEDS), list(mt.Q_HELD_OUT)
     base = (arm("on_policy", seeds, lambda s: 0.9 + 0.001 * (s % 3))
