@@ -1703,8 +1703,9 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
 
 
 def q_rule_c_text(result: dict) -> str:
-    """Pre-registration 10, rule (c): TRL's default COSTS in S1X iff M0 - M1 > 0 with both Holm p's (over Q_FAMILY)
-    below ALPHA, whether or not the mismatch's own cost counts (rule (a)). Sets ``result["trl_default_costs"]``."""
+    """Pre-registrations 10 and 11, rule (c): TRL's default COSTS in S1X (S1D) iff M0 - M1 > 0 with both Holm p's
+    (over Q_FAMILY / D_FAMILY) below ALPHA, whether or not the mismatch's own cost counts (rule (a)). Sets
+    ``result["trl_default_costs"]``."""
     row = next((r for r in result["family"] if r["method"] == "M0"), None)
     costs = bool(row is not None and row["diff"] > 0 and row["p_sign_flip_holm"] < ALPHA and row["p_holm"] < ALPHA)
     result["trl_default_costs"] = costs
@@ -1718,8 +1719,8 @@ def q_rule_c_text(result: dict) -> str:
 
 def q_tost_text(runs: list[dict], seeds: list[int], result: dict, scenario: str = "S1X",
                 family: tuple = Q_FAMILY) -> str:
-    """Experiment Q's "ties", descriptive (no decision rests on them; written after Q's first seeds had run, at the
-    margin TOST_MARGIN fixed in pre-registration 1): TOST within +-TOST_MARGIN (90% paired interval) for the
+    """Experiments Q's and D's "ties", descriptive (no decision rests on them; written after Q's first seeds had
+    run, at the margin TOST_MARGIN fixed in pre-registration 1): TOST within +-TOST_MARGIN (90% paired interval) for the
     mismatch's cost on_policy - M0 and for each family row (method - M1). Sets ``result["tost"]``."""
     table, result["tost"] = score_table(runs), []
     lines = [f"**Equivalence** (TOST ±{TOST_MARGIN}, 90% paired interval; descriptive, at pre-registration 1's "
@@ -1737,7 +1738,7 @@ def q_tost_text(runs: list[dict], seeds: list[int], result: dict, scenario: str 
 
 
 def q_held_out_methods(result: dict) -> list[str]:
-    """Pre-registration 10's held-out rows: every method rule (b) confirms (M3, M2) and M0 if rule (c) holds."""
+    """Pre-registrations 10 and 11's held-out rows: every method rule (b) confirms (M3, M2) and M0 if rule (c) holds."""
     if "trl_default_costs" not in result:
         q_rule_c_text(result)
     found = [m for m in result["confirmed"] if m != "M0"]
@@ -1745,8 +1746,9 @@ def q_held_out_methods(result: dict) -> list[str]:
 
 
 def q_held_out_text(runs: list[dict], result: dict, seeds: list[int], scenario: str = "S1X") -> str:
-    """Each held-out row of :func:`q_held_out_methods` - M1 on ``seeds`` (Q_HELD_OUT): it survives iff the held-out
-    mean difference is positive (the same sign as on Q_SEEDS). Sets ``result["held_out"]``: method -> row."""
+    """Each held-out row of :func:`q_held_out_methods` - M1 on ``seeds`` (Q_HELD_OUT / D_HELD_OUT) in ``scenario``:
+    it survives iff the held-out mean difference is positive (the same sign as on the analysis seeds). Sets
+    ``result["held_out"]``: method -> row."""
     methods = q_held_out_methods(result)
     if not methods:
         return "**Held-out seeds**: rules (b) and (c) found nothing, so none ran."
