@@ -107,11 +107,14 @@ SCENARIOS = {
     "S2X": "S2 in the target regime: n_digits X_DIGITS, the policy of X_LAG optimizer steps ago",
     "S1X": "S1's heavy-tailed precision-like gap in the target regime: n_digits X_DIGITS, noise Q_NOISE",
     "S1D": "a dense precision-like gap in the target regime: n_digits X_DIGITS, N(0, sigma^2) logit noise D_NOISE",
+    "S2D": "staleness and a dense precision-like gap together (an asynchronous bf16 run's mismatch), in the target "
+           "regime: the policy of A_LAG optimizer steps ago sampled with S1D's noise D_NOISE, n_digits X_DIGITS",
 }
-LONG_SCENARIOS = ("S2L", "S2X", "S1X", "S1D")  # their own completion length, base model and on_policy runs
-XL_SCENARIOS = ("S2X", "S1X", "S1D")  # the target regime's length, base model (X_BASE_STEPS) and lr (X_LR)
-STALE_SCENARIOS = ("S2", "S2L", "S2X")  # the engine is an older copy of the policy
-LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits", "S1X": "xl_digits", "S1D": "xl_digits"}  # n_digits
+LONG_SCENARIOS = ("S2L", "S2X", "S1X", "S1D", "S2D")  # their own completion length, base model and on_policy runs
+XL_SCENARIOS = ("S2X", "S1X", "S1D", "S2D")  # the target regime's length, base model (X_BASE_STEPS) and lr (X_LR)
+STALE_SCENARIOS = ("S2", "S2L", "S2X", "S2D")  # the engine is an older copy of the policy
+LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits", "S1X": "xl_digits", "S1D": "xl_digits",
+                   "S2D": "xl_digits"}  # n_digits
 METHODS = {
     # name: (trainer, settings)  trainer "trl" = TRL's unmodified GRPOTrainer on its vLLM IS path, "ours" = this
     # package's RolloutCorrGRPOTrainer (settings are RolloutCorrGRPOConfig fields)
@@ -484,6 +487,50 @@ D_FAMILY = (("S1D", "M3"), ("S1D", "M2"), ("S1D", "M0"))  # each - M1, Holm over
 D_NEGATIVE_HELD_OUT_ARMS = ("M1", "M3", "M2")
 PRECISION_EXPERIMENTS = {  # experiment -> (scenario, family, seeds, held-out seeds): pre-registrations 10 and 11
     "Q": ("S1X", Q_FAMILY, Q_SEEDS, Q_HELD_OUT), "D": ("S1D", D_FAMILY, D_SEEDS, D_HELD_OUT)}
+# ------------------------------------------------------------------------------------------------ pre-registration 13
+# Written 2026-11-27 03:03-03:07 UTC, after experiment D and its held-out seeds, BEFORE any run of scenario S2D.
+# The question D left (docs/async.md): TRL's AsyncGRPOTrainer trains with PPO-clip against pi_rollout and no other
+# correction (ppo_is_bypass, this package's asynchronous default); D found ppo_is_bypass significantly below TRL's
+# default under a persistent dense gap (-0.166, held out -0.099), X/Y/Z found it tied with TRL's default under pure
+# staleness. An asynchronous run on a bf16 engine has BOTH. Experiment A: scenario S2D = the stale engine (the policy
+# of A_LAG optimizer steps ago, A_LAG = 4 = TRL's AsyncGRPOTrainer default max_staleness; here a fixed lag, the bound
+# of the asynchronous trainer's 0..4) sampled with S1D's dense noise D_NOISE (unchanged, no new pilot: the one
+# change from D is the staleness), n_digits X_DIGITS (T = 257), S2X's base model, lr X_LR, 30 steps, every GRPO
+# setting as D. Run in the SYNCHRONOUS benchmark (this package's and TRL's GRPOTrainer; 2 optimizer steps per
+# generation), not in the asynchronous trainer: it measures the methods under an asynchronous bf16 run's KIND of
+# mismatch, not the asynchronous trainer itself.
+# Seeds A_SEEDS (never run), arms A_ARMS seed by seed; family A_FAMILY = {M3, M2, M0} - M1, Holm over 3 (sign-flip,
+# paired t beside it). Rules (a), (b), (c) exactly as pre-registration 10. Held-out rule, new (written before any
+# result, unlike pre-registrations 9 and 12): EVERY family row whose difference has both Holm p's below ALPHA, of
+# either sign, runs with M1 on A_HELD_OUT (5 seeds, never run), and survives iff its held-out mean difference has
+# the same sign. Decisions: a surviving positive row of (b) enters confirmed_methods()["S2D"]; a surviving negative
+# M3 row is written in docs/async.md as a measured cost of the asynchronous trainer's default loss under this kind of
+# mismatch (with the caveat above), in the README's table and the monitor's text; no default changes (the
+# asynchronous trainer's default changes only after a run of the asynchronous trainer itself). Descriptive:
+# collapses (Fisher vs M1), per-token KL and T*KL per arm, TOST at TOST_MARGIN. Deadline: runs not finished by 04:40
+# UTC are cut; a partial family is reported on the seeds where every arm ran.
+A_LAG = 4
+A_SEEDS = tuple(range(155, 165))
+A_HELD_OUT = tuple(range(165, 170))
+A_ARMS = ("on_policy", "M0", "M1", "M3", "M2")
+A_FAMILY = (("S2D", "M3"), ("S2D", "M2"), ("S2D", "M0"))  # each - M1, Holm over these 3
+SIGNED_HELD_OUT = ("A",)  # experiments whose held-out seeds test every significant row, of either sign
+FAMILY_EXPERIMENTS = {**PRECISION_EXPERIMENTS, "A": ("S2D", A_FAMILY, A_SEEDS, A_HELD_OUT)}
+# ------------------------------------------------------------------------------------------------ pre-registration 14
+# Written 2026-11-27 03:03-03:07 UTC with pre-registration 13, BEFORE any run of S2D. Issue 37: pre-registration 8's
+# alarm (ALARM_KEY below ALARM_THRESHOLD on ALARM_CONSECUTIVE logged generations in a row, unchanged) could not be
+# judged on Z (no collapse of TRL's default). Rule: judge it on EVERY run of TRL's default (M1, TRL's GRPOTrainer)
+# made after pre-registration 8 was written: Z (Z_SEEDS), Z's held-out seeds, Q (Q_SEEDS), D (D_SEEDS), D's held-out
+# seeds, A (A_SEEDS) and A's held-out seeds if they run (ALARM_POOL). Known before this was written: Z's 30 runs
+# (0 collapses, 0 alarms), Z's held-out seed 122 collapsed; Q's and D's M1 runs did not collapse (their alarm steps
+# are in the committed CSVs and were not looked at); TRL's logged mean sequence weight per run in Q (0.65-1.21) and D
+# (0.41-1.25) was seen. Decision, pre-registration 8's thresholds: the monitor gets the alarm iff the pool has at
+# least ALARM_MIN_COLLAPSES collapses, sensitivity >= ALARM_MIN_SENSITIVITY and false-alarm rate <=
+# ALARM_MAX_FALSE_ALARM (point estimates; Clopper-Pearson intervals beside them). Reported also by kind of mismatch
+# (stale: Z; persistent: Q, D; both: A), since a dense gap lowers TRL's sequence weights without any collapse.
+ALARM_POOL = (("S2X", "Z", Z_SEEDS), ("S2X", "Z held-out", Z_HELD_OUT), ("S1X", "Q", Q_SEEDS),
+              ("S1D", "D", D_SEEDS), ("S1D", "D held-out", D_HELD_OUT), ("S2D", "A", A_SEEDS),
+              ("S2D", "A held-out", A_HELD_OUT))
 
 # ------------------------------------------------------------------------------------------------ run settings
 HIDDEN, LAYERS, HEADS = 96, 3, 4
@@ -648,7 +695,7 @@ class Engine:
         self.scenario, self.tok, self.n_digits, self.lag = scenario, tokenizer, n_digits, lag
         self.seed, self.generator = 1_000_003 * seed + 17, None  # the generator lives on the policy's device
         self.perturb = (heavy_tailed(*noise) if scenario == "S1" else heavy_tailed(*Q_NOISE) if scenario == "S1X" else
-                        heavy_tailed(*D_NOISE) if scenario == "S1D" else
+                        heavy_tailed(*D_NOISE) if scenario in ("S1D", "S2D") else
                         top_p_truncation(S3_TOP_P) if scenario == "S3" else None)
         self.stale = policy_factory() if scenario in STALE_SCENARIOS else None
         self.snapshots: dict[int, dict] = {}
@@ -751,7 +798,7 @@ def scenario_lr(scenario: str, lr: float | None, size_name: str = "full") -> flo
 
 def scenario_lag(scenario: str) -> int:
     """The stale engine's lag (optimizer steps) in ``scenario``."""
-    return {"S2L": S2L_LAG, "S2X": X_LAG}.get(scenario, S2_LAG)
+    return {"S2L": S2L_LAG, "S2X": X_LAG, "S2D": A_LAG}.get(scenario, S2_LAG)
 
 
 def pretrain_base(size: dict, init: str | None = None, start: int = 0):
@@ -1112,6 +1159,10 @@ TARGET_Z_CSV = "mismatch_train_target_z_results.csv"  # experiment Z (Y's settin
 TARGET_Q_CSV = "mismatch_train_target_q_results.csv"  # experiment Q (S1X: a precision-like gap at T = 257)
 TARGET_D_CSV = "mismatch_train_target_d_results.csv"  # experiment D (S1D: a dense precision gap at T = 257)
 PRECISION_CSV = {"Q": TARGET_Q_CSV, "D": TARGET_D_CSV}
+TARGET_A_CSV = "mismatch_train_target_a_results.csv"  # experiment A (S2D: staleness and a dense gap at T = 257)
+ALARM_POOL_CSV = {"Z": TARGET_Z_CSV, "Z held-out": "mismatch_train_target_z_heldout_results.csv", "Q": TARGET_Q_CSV,
+                  "D": TARGET_D_CSV, "D held-out": "mismatch_train_target_d_heldout_results.csv", "A": TARGET_A_CSV,
+                  "A held-out": "mismatch_train_target_a_heldout_results.csv"}  # pre-registration 14's runs
 
 
 def runs_from_csv(path: str) -> list[dict]:
@@ -1647,6 +1698,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "Z": "Y's rare collapses: Z_FAMILY on Z_SEEDS, the cost established by Y (held-out: Z_HELD_OUT)",
     "Q": "a precision-like gap in the target regime: S1X's cost check, Q_FAMILY on Q_SEEDS (held-out: Q_HELD_OUT)",
     "D": "a dense precision-like gap at T = 257: S1D's cost check, D_FAMILY on D_SEEDS (held-out: D_HELD_OUT)",
+    "A": "staleness and a dense gap at T = 257: S2D's cost check, A_FAMILY on A_SEEDS (held-out: A_HELD_OUT)",
 }
 
 
@@ -1657,7 +1709,7 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q", "D"):
+    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q", "D", "A"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
@@ -1671,6 +1723,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
                                    f"{X_DIGITS + 1}, noise {Q_NOISE})"),
             "D": ("S1D", D_FAMILY, f"Experiment D: a dense precision-like gap in the target regime (T = "
                                    f"{X_DIGITS + 1}, noise {D_NOISE})"),
+            "A": ("S2D", A_FAMILY, f"Experiment A: a stale engine (lag {A_LAG}) with a dense precision-like gap "
+                                   f"(T = {X_DIGITS + 1}, noise {D_NOISE})"),
         }[experiment]
         established = {"C": C_GAP_SEEDS_0_9, "Z": Y_GAP_SEEDS_75_84}.get(experiment)
         text, result = analyse_family(runs, seeds, scenario, family, title, established=established)
@@ -1682,9 +1736,10 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
             text += "\n\n" + alarm_text
         if experiment in TARGET_FAMILY and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
-        if experiment in PRECISION_EXPERIMENTS:
+        if experiment in FAMILY_EXPERIMENTS:
+            signed = experiment in SIGNED_HELD_OUT
             text += ("\n\n" + q_rule_c_text(result) + "\n\n" + q_tost_text(runs, seeds, result, scenario, family)
-                     + "\n\n" + q_held_out_text(runs, result, held_out or [], scenario))
+                     + "\n\n" + q_held_out_text(runs, result, held_out or [], scenario, signed=signed))
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
     else:
@@ -1737,21 +1792,29 @@ def q_tost_text(runs: list[dict], seeds: list[int], result: dict, scenario: str 
     return "\n".join(lines)
 
 
-def q_held_out_methods(result: dict) -> list[str]:
-    """Pre-registrations 10 and 11's held-out rows: every method rule (b) confirms (M3, M2) and M0 if rule (c) holds."""
+def q_held_out_methods(result: dict, signed: bool = False) -> list[str]:
+    """Pre-registrations 10 and 11's held-out rows: every method rule (b) confirms (M3, M2) and M0 if rule (c) holds;
+    with ``signed`` (pre-registration 13) every family row whose difference has both Holm p's below ALPHA, of either
+    sign."""
+    if signed:
+        return [r["method"] for r in result["family"]
+                if r["p_sign_flip_holm"] < ALPHA and r["p_holm"] < ALPHA and r["diff"] != 0]
     if "trl_default_costs" not in result:
         q_rule_c_text(result)
     found = [m for m in result["confirmed"] if m != "M0"]
     return found + (["M0"] if result["trl_default_costs"] else [])
 
 
-def q_held_out_text(runs: list[dict], result: dict, seeds: list[int], scenario: str = "S1X") -> str:
-    """Each held-out row of :func:`q_held_out_methods` - M1 on ``seeds`` (Q_HELD_OUT / D_HELD_OUT) in ``scenario``:
-    it survives iff the held-out mean difference is positive (the same sign as on the analysis seeds). Sets
-    ``result["held_out"]``: method -> row."""
-    methods = q_held_out_methods(result)
+def q_held_out_text(runs: list[dict], result: dict, seeds: list[int], scenario: str = "S1X",
+                    signed: bool = False) -> str:
+    """Each held-out row of :func:`q_held_out_methods` - M1 on ``seeds`` (Q_HELD_OUT / D_HELD_OUT / A_HELD_OUT) in
+    ``scenario``: it survives iff the held-out mean difference has the sign it had on the analysis seeds (positive
+    for Q's and D's rows; either for ``signed``, pre-registration 13). Sets ``result["held_out"]``: method -> row."""
+    methods = q_held_out_methods(result, signed)
     if not methods:
-        return "**Held-out seeds**: rules (b) and (c) found nothing, so none ran."
+        return ("**Held-out seeds**: no family row was significant, so none ran." if signed else
+                "**Held-out seeds**: rules (b) and (c) found nothing, so none ran.")
+    sign = {r["method"]: (1 if r["diff"] > 0 else -1) for r in result["family"]} if signed else {}
     table, lines, result["held_out"] = score_table(runs), [], {}
     for method in methods:
         common, x, ref = paired(table, scenario, method, REFERENCE, seeds)
@@ -1759,10 +1822,11 @@ def q_held_out_text(runs: list[dict], result: dict, seeds: list[int], scenario: 
             lines.append(f"**Held-out seeds**: {method} and M1 not run yet.")
             continue
         row = _stats().compare_paired(x, ref)
-        result["held_out"][method] = {**row, "survives": row["diff"] > 0}
+        survives = row["diff"] * sign.get(method, 1) > 0
+        result["held_out"][method] = {**row, "survives": survives}
         lines.append(f"**Held-out seeds** {seeds[0]}-{seeds[-1]} (run after the choice): {method} − M1 "
                      f"{row['diff']:+.4f} [{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}] (n {row['n']}, paired t p "
-                     f"{row['p']:.3g}): " + ("the same sign: SURVIVES." if row["diff"] > 0 else
+                     f"{row['p']:.3g}): " + ("the same sign: SURVIVES." if survives else
                                              "the sign flips: does NOT survive."))
     return "\n\n".join(lines)
 
@@ -1838,6 +1902,62 @@ def alarm_analysis(runs: list[dict], seeds: list[int], scenario: str = "S2X", me
                  f">= {ALARM_MIN_COLLAPSES} collapses, sensitivity >= {ALARM_MIN_SENSITIVITY}, false alarms <= "
                  f"{ALARM_MAX_FALSE_ALARM}).")
     return "\n".join(lines), result
+
+
+ALARM_KIND = {"S2X": "stale", "S1X": "persistent", "S1D": "persistent", "S2D": "stale and persistent"}
+
+
+def alarm_pool(results: str = RESULTS, pool: tuple = ALARM_POOL) -> tuple[str, dict]:
+    """Pre-registration 14: pre-registration 8's alarm judged on every run of TRL's default (M1) of ``pool``'s
+    experiments (their committed CSVs in ``results``, the ``alarm_step`` and ``collapsed`` columns; an experiment
+    whose CSV is absent has not run and is left out): per experiment, per kind of mismatch and pooled, the collapses,
+    the alarms among them (sensitivity) and among the others (false-alarm rate), Clopper-Pearson 95% intervals, and
+    the pre-registered decision on the pool."""
+    st = _stats()
+    groups = []
+    for scenario, name, seeds in pool:
+        path = os.path.join(results, ALARM_POOL_CSV[name])
+        if not os.path.exists(path):
+            continue
+        rs = [r for r in runs_from_csv(path) if r["scenario"] == scenario and r["method"] == REFERENCE
+              and r["seed"] in seeds]
+        groups.append((name, ALARM_KIND[scenario], rs))
+
+    def counts(rs):
+        collapsed = [r for r in rs if r["collapsed"]]
+        healthy = [r for r in rs if not r["collapsed"]]
+        hits = sum(r["alarm_step"] is not None for r in collapsed)
+        false = sum(r["alarm_step"] is not None for r in healthy)
+        return dict(n=len(rs), collapsed=len(collapsed), alarmed_collapsed=hits, healthy=len(healthy),
+                    alarmed_healthy=false, sensitivity=hits / len(collapsed) if collapsed else math.nan,
+                    false_alarm_rate=false / len(healthy) if healthy else math.nan,
+                    sensitivity_ci=st.clopper_pearson(hits, len(collapsed)) if collapsed else (math.nan, math.nan),
+                    false_alarm_ci=st.clopper_pearson(false, len(healthy)) if healthy else (math.nan, math.nan))
+
+    rows = [(name, counts(rs)) for name, _, rs in groups]
+    kinds = sorted({kind for _, kind, _ in groups})
+    rows += [(f"all {kind}", counts([r for _, k, rs in groups if k == kind for r in rs])) for kind in kinds]
+    total = counts([r for _, _, rs in groups for r in rs])
+    rows.append(("pooled", total))
+    adopt = bool(total["collapsed"] >= ALARM_MIN_COLLAPSES and total["sensitivity"] >= ALARM_MIN_SENSITIVITY
+                 and (not total["healthy"] or total["false_alarm_rate"] <= ALARM_MAX_FALSE_ALARM))
+
+    def rate(k, n, ci):
+        return "—" if not n else f"{k}/{n} = {k / n:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+    lines = ["### The sequence-weight alarm on every later run of TRL's default (pre-registration 14)\n",
+             f"Rule (pre-registration 8, unchanged): `{ALARM_KEY}` below {ALARM_THRESHOLD} on {ALARM_CONSECUTIVE} "
+             "consecutive logged generations. M1 runs (TRL's GRPOTrainer, sequence_mask C = 3, T = 257).\n",
+             "| runs | n | collapsed | alarmed / collapsed (sensitivity, 95%) | alarmed / not collapsed (false "
+             "alarms, 95%) |", "|---|---|---|---|---|"]
+    for name, c in rows:
+        lines.append(f"| {name} | {c['n']} | {c['collapsed']} | "
+                     f"{rate(c['alarmed_collapsed'], c['collapsed'], c['sensitivity_ci'])} | "
+                     f"{rate(c['alarmed_healthy'], c['healthy'], c['false_alarm_ci'])} |")
+    lines.append(f"\n**Decision (pre-registration 14)**: the alarm is {'ADOPTED' if adopt else 'NOT adopted'} "
+                 f"(needs >= {ALARM_MIN_COLLAPSES} collapses in the pool, sensitivity >= {ALARM_MIN_SENSITIVITY}, "
+                 f"false alarms <= {ALARM_MAX_FALSE_ALARM}).")
+    return "\n".join(lines), dict(groups=dict(rows), adopt=adopt)
 
 
 def collapse_free_text(runs: list[dict], seeds: list[int], scenario: str, arms: tuple) -> str:
@@ -2002,13 +2122,13 @@ def main(argv=None) -> None:
             todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
             if candidate is None:
                 print("nothing confirmed on the analysis seeds, so no held-out run", flush=True)
-        elif a.held_out and a.experiment in PRECISION_EXPERIMENTS:  # pre-registrations 10, 11: rules (b), (c), M1
-            scenario, family = PRECISION_EXPERIMENTS[a.experiment][:2]
+        elif a.held_out and a.experiment in FAMILY_EXPERIMENTS:  # pre-registrations 10, 11, 13: the rows, M1
+            scenario, family = FAMILY_EXPERIMENTS[a.experiment][:2]
             _, result = analyse_family(load_runs(a.out), analysis_seeds, scenario, family, a.experiment)
-            methods = q_held_out_methods(result)
+            methods = q_held_out_methods(result, a.experiment in SIGNED_HELD_OUT)
             todo = cells([scenario], methods + [REFERENCE], seeds, False) if methods else []
             if not methods:
-                print("rules (b) and (c) found nothing on the analysis seeds, so no held-out run", flush=True)
+                print("no family row qualifies on the analysis seeds, so no held-out run", flush=True)
         elif a.held_out and a.experiment == "P":  # the candidate of P's analysis and M1, in S3
             _, result = analyse_family(load_runs(a.out), analysis_seeds, "S3", P_FAMILY, "P")
             candidate = p_candidate(result)

@@ -657,3 +657,78 @@ def test_confirmed_methods_counts_a_precision_row_only_after_its_held_out_seeds(
                 + arm("M0", held, lambda s: 0.85 + 0.001 * (s % 2)))
         mt.write_csv(runs, str(tmp_path / mt.TARGET_Q_CSV))
         assert mt.confirmed_methods(str(tmp_path))["S1X"] == expected
+
+
+def test_experiment_a_is_ds_noise_on_a_stale_engine(tmp_path):
+    """Pre-registration 13: S2D = the policy of A_LAG = 4 optimizer steps ago (TRL's asynchronous default bound)
+    sampled with D's dense noise, at S2X's length, base model and lr; its smoke run records lag 4 and a non-zero KL
+    to the policy, and writes A's analysis."""
+    assert (mt.A_LAG, mt.scenario_lag("S2D"), mt.scenario_lag("S2X")) == (4, 4, mt.X_LAG)
+    assert mt.A_FAMILY == (("S2D", "M3"), ("S2D", "M2"), ("S2D", "M0")) and mt.A_SEEDS == tuple(range(155, 165))
+    assert mt.A_HELD_OUT == tuple(range(165, 170)) and not set(mt.A_SEEDS) & set(mt.D_HELD_OUT + mt.Q_HELD_OUT)
+    assert mt.cell_base("o", "S2D", mt.SMOKE) == mt.cell_base("o", "S2X", mt.SMOKE)
+    assert mt.scenario_lr("S2D", None) == mt.X_LR
+    engine = mt.Engine("S2D", 0, None, lambda: "stale copy", 4, lag=mt.scenario_lag("S2D"))
+    assert engine.stale == "stale copy" and engine.lag == 4
+    logits = torch.zeros(3, 50)
+    logits[:, 7] = 30.0
+    noisy = engine.perturb(logits, torch.Generator().manual_seed(0))
+    assert 0.9 < (noisy - logits).std() < 1.5 and (noisy - logits).abs().max() < 6 * 1.2  # D's N(0, 1.2^2)
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S2D", "--methods", "M0,M1", "--seeds", "0-1", "--experiment",
+             "A"])
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["n_digits"] for r in rows} == {str(mt.SMOKE["xl_digits"])}
+    assert {r["method"]: r["lag"] for r in rows if r["seed"] == "0"} == {"on_policy": "0", "M0": "4", "M1": "4"}
+    assert all(float(r["kl_token"]) > 0 for r in rows if r["method"] != "on_policy")
+    assert "Experiment A: a stale engine (lag 4)" in open(os.path.join(out, "analysis.md")).read()
+
+
+def test_signed_held_out_rows_test_a_negative_row_by_its_own_sign():
+    """Pre-registration 13's held-out rule by hand: M3 below M1 on all 10 seeds (sign-flip p 2/1024, Holm x 3) is
+    held out although rules (b) and (c) find nothing; it survives iff M3 - M1 stays negative on the held-out seeds."""
+    seeds, held = list(mt.A_SEEDS), list(mt.A_HELD_OUT)
+
+    def arm(method, seeds, score):
+        return synthetic_arm("S2D", method, seeds, score)
+
+    runs = (arm("on_policy", seeds, lambda s: 0.80 + 0.002 * (s % 3))
+            + arm("M0", seeds, lambda s: 0.80 + 0.002 * (s % 3))
+            + arm("M1", seeds, lambda s: 0.80 + 0.003 * (s % 4)) + arm("M3", seeds, lambda s: 0.60 + 0.003 * (s % 4))
+            + arm("M2", seeds, lambda s: 0.80 + 0.003 * (s % 4) + 0.001 * (-1) ** s))  # M2 - M1 = +-0.001: a tie
+    _, result = mt.analyse_family(runs, seeds, "S2D", mt.A_FAMILY, "A")
+    m3 = next(r for r in result["family"] if r["method"] == "M3")
+    assert m3["p_sign_flip_holm"] == pytest.approx(3 * 2 / 1024) and m3["diff"] == pytest.approx(-0.2)
+    assert mt.q_held_out_methods(result) == [] and mt.q_held_out_methods(result, signed=True) == ["M3"]
+    worse = runs + arm("M1", held, lambda s: 0.80) + arm("M3", held, lambda s: 0.70 + 0.001 * (s % 2))
+    assert "SURVIVES" in mt.q_held_out_text(worse, result, held, "S2D", signed=True)
+    assert result["held_out"]["M3"]["survives"] is True
+    better = runs + arm("M1", held, lambda s: 0.70) + arm("M3", held, lambda s: 0.75 + 0.001 * (s % 2))
+    assert "does NOT survive" in mt.q_held_out_text(better, result, held, "S2D", signed=True)
+    assert "no family row was significant" in mt.q_held_out_text(runs, {"family": []}, held, "S2D", signed=True)
+
+
+def test_the_pooled_alarm_counts_each_experiments_m1_runs_and_decides_on_the_pool(tmp_path):
+    """Pre-registration 14 on made-up CSVs: Z 3 healthy M1 runs (no alarm), D 2 healthy (one false alarm), A 2
+    collapsed (both alarmed) and an M3 run that is not counted; the other experiments' CSVs absent (not run).
+    Pooled: sensitivity 2/2, false alarms 1/5 = 0.2 > 0.10: not adopted; without D's false alarm, adopted."""
+    def m1(scenario, seed, collapsed, alarm, method="M1"):
+        return dict(scenario=scenario, method=method, seed=seed, score=0.5, kl_token=5e-3, t_kl=1.0,
+                    engine_reward=0.5, collapsed=collapsed, alarm_step=alarm)
+
+    def write(name, runs):
+        mt.write_csv(runs, str(tmp_path / mt.ALARM_POOL_CSV[name]))
+
+    write("Z", [m1("S2X", s, False, None) for s in mt.Z_SEEDS[:3]])
+    write("D", [m1("S1D", mt.D_SEEDS[0], False, 7), m1("S1D", mt.D_SEEDS[1], False, None)])
+    write("A", [m1("S2D", s, True, 9) for s in mt.A_SEEDS[:2]] + [m1("S2D", mt.A_SEEDS[2], True, None, "M3")])
+    text, result = mt.alarm_pool(str(tmp_path))
+    pooled = result["groups"]["pooled"]
+    assert (pooled["n"], pooled["collapsed"], pooled["alarmed_collapsed"], pooled["alarmed_healthy"]) == (7, 2, 2, 1)
+    assert pooled["false_alarm_rate"] == pytest.approx(0.2) and result["adopt"] is False and "NOT adopted" in text
+    assert result["groups"]["all persistent"]["n"] == 2 and "Q" not in result["groups"]
+    assert "| A | 2 | 2 | 2/2 = 1.00 [0.16, 1.00] | — |" in text  # Clopper-Pearson lower bound sqrt(0.025) ~ 0.158
+    write("D", [m1("S1D", mt.D_SEEDS[0], False, None), m1("S1D", mt.D_SEEDS[1], False, None)])
+    text, result = mt.alarm_pool(str(tmp_path))
+    assert result["adopt"] is True and "ADOPTED" in text
