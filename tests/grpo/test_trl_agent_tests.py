@@ -8,6 +8,11 @@ comments), with the Hub tokenizer's chat template, and TRL's tiny Qwen3-MoE and 
 from a path string as TRL loads them from a Hub id. Each test runs with ``GRPOTrainer``/``GRPOConfig`` and with
 ``RolloutCorrGRPOTrainer``/``RolloutCorrGRPOConfig``.
 
+Bodies followed: TRL 1.10.0.dev (huggingface/trl, 2026-07-24). No TRL 1.16.0 tree could be had; the newest found,
+the fork ingambe/trl at 02f6a1a2 and c43d0079 (between TRL 1.14.0 and 1.15.0 by its ``grpo_trainer.py`` imports
+against the PyPI wheels), has both bodies unchanged line for line; only TRL's skip mark changed, ``@require_jmespath``
+to ``@require_response_parsing``, which skips neither with transformers 5.17 (docs/testing.md).
+
 Changes from TRL's bodies, all for a CPU: ``use_cpu=True`` (TRL's default ``bf16=True`` needs a GPU otherwise; bf16
 autocast stays on), ``max_steps=3`` where TRL trains 3 epochs (51 and 24 steps), and TRL's fused log-prob scores only
 the completion positions, as it does on a GPU (on a CPU it scores every prompt position too: 5x slower here, same
