@@ -13,7 +13,10 @@ its ``confirmed_methods()`` returns from the committed results (``benchmarks/res
   at a per-token KL of 5.6e-3-8.7e-3) it was not significantly above TRL's default (+0.025, p 0.28; +0.132, Holm
   p 0.80; -0.004 [-0.024, +0.016] on 30 more seeds), and TRL's default collapsed on 2 of Y's 10 seeds at the 16-step
   lag and on none of Z's 30; at T = 129
-  (S2L) the stale engine's cost was not significant. Not measured on a GPU.
+  (S2L) the stale engine's cost was not significant. With a precision gap on top of the staleness (S2D, experiment A:
+  an engine 4 steps stale sampling with dense logit noise at T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1, the
+  kind of mismatch an asynchronous bf16 run has) it trained significantly WORSE than TRL's default (-0.100 [-0.145,
+  -0.054], Holm p 0.0059; held out -0.087), and the message says so. Not measured on a GPU.
 - A persistent precision gap (``rollout_lag`` = 0: quantized / low precision): none. In S1 (a heavy-tailed,
   precision-like gap, T = 49, per-token KL 7.7e-2-9.9e-2, T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus
   no correction +0.003 [-0.026, +0.032], 10 seeds), so no correction could be compared; the same gap at T = 257
@@ -69,6 +72,7 @@ class Remedy:
     scenario: str  # the benchmark scenario (and experiment) whose confirmed analysis backs it
     evidence: str = ""  # the confirmed result, as the message says it
     regime: str = ""  # where it was measured (and where not), as the message says it
+    caution: str = ""  # where the same benchmark measured it WORSE than TRL's default, as the message says it
 
     def config(self) -> Any:
         """The resolved ``RolloutCorrectionConfig`` of the remedy (to tell whether a run already uses it)."""
@@ -94,7 +98,12 @@ REMEDIES: dict[str, Remedy] = {
                 "465k-parameter model, 2 optimizer steps per generation, 30 steps; not confirmed at long completions "
                 "(T = 257, engines 8 and 16 steps stale, uncorrected T * KL 1.4-2.2: +0.025, p 0.28, +0.132, "
                 "Holm p 0.80 and, on 30 more seeds, -0.004 [-0.024, +0.016] over TRL's default, which collapsed on "
-                "2 of 10 seeds at the 16-step lag and on none of the 30 more); not measured on a GPU")),
+                "2 of 10 seeds at the 16-step lag and on none of the 30 more); not measured on a GPU"),
+        caution=("where the engine ALSO samples at another precision (an engine 4 optimizer steps stale with dense "
+                 "logit noise, T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1: the kind of mismatch an "
+                 "asynchronous bf16 run has, measured in the synchronous trainer, mismatch_train S2D, experiment A) "
+                 "ppo_is_bypass trained WORSE than TRL's default: -0.100 [-0.145, -0.054] held-out reward, Holm p "
+                 "0.0059, on 5 held-out seeds -0.087 [-0.166, -0.009]")),
 }
 
 
@@ -140,13 +149,14 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
         where = f"{BENCHMARK} ({remedy.scenario}; {remedy.regime})"
         # with the lag unknown, the remedy holds only if the engine is of its kind
         head = f"If this is {remedy.kind}" if rollout_lag is None else f"For {remedy.kind}"
+        caution = f" But {remedy.caution}." if remedy.caution else ""
         if correction is not None and correction == remedy.config():
             parts.append(f"{head}, this run already uses what was confirmed to train best in {where}, "
                          f"{remedy.setting}; what remains: lower the learning rate, or reduce the mismatch at its "
-                         "source (sync more often / a more precise engine).")
+                         f"source (sync more often / a more precise engine).{caution}")
         else:
             parts.append(f"{head}, {remedy.method} was confirmed to train better than TRL's default in {where}: "
-                         f"{remedy.evidence}. Switch to it: {remedy.setting}.")
+                         f"{remedy.evidence}. Switch to it: {remedy.setting}.{caution}")
     if unsupported:
         parts.append(
             f"No correction is confirmed to help with {' or '.join(KINDS[k] for k in unsupported)}: in {BENCHMARK}, "
