@@ -1158,8 +1158,8 @@ TARGET_LAG16_CSV = "mismatch_train_target_lag16_results.csv"  # experiment Y (S2
 TARGET_Z_CSV = "mismatch_train_target_z_results.csv"  # experiment Z (Y's setting on 30 fresh seeds)
 TARGET_Q_CSV = "mismatch_train_target_q_results.csv"  # experiment Q (S1X: a precision-like gap at T = 257)
 TARGET_D_CSV = "mismatch_train_target_d_results.csv"  # experiment D (S1D: a dense precision gap at T = 257)
-PRECISION_CSV = {"Q": TARGET_Q_CSV, "D": TARGET_D_CSV}
 TARGET_A_CSV = "mismatch_train_target_a_results.csv"  # experiment A (S2D: staleness and a dense gap at T = 257)
+PRECISION_CSV = {"Q": TARGET_Q_CSV, "D": TARGET_D_CSV, "A": TARGET_A_CSV}  # FAMILY_EXPERIMENTS' committed results
 ALARM_POOL_CSV = {"Z": TARGET_Z_CSV, "Z held-out": "mismatch_train_target_z_heldout_results.csv", "Q": TARGET_Q_CSV,
                   "D": TARGET_D_CSV, "D held-out": "mismatch_train_target_d_heldout_results.csv", "A": TARGET_A_CSV,
                   "A held-out": "mismatch_train_target_a_heldout_results.csv"}  # pre-registration 14's runs
@@ -1190,7 +1190,8 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
     ``Y_SEEDS``, ``Z_FAMILY`` on ``Z_SEEDS`` with Y's established cost; a confirmed row counts only if it also
     survives its held-out seeds ``X_HELD_OUT`` / ``Y_HELD_OUT`` / ``Z_HELD_OUT``), S1X by experiment Q (``Q_FAMILY``
     on ``Q_SEEDS``, rule (b), surviving ``Q_HELD_OUT``; M0, "no correction", is never a remedy), S1D by experiment D
-    (the same with ``D_FAMILY``, ``D_SEEDS``, ``D_HELD_OUT``). What the monitor's
+    (the same with ``D_FAMILY``, ``D_SEEDS``, ``D_HELD_OUT``), S2D by experiment A (``A_FAMILY``, ``A_SEEDS``,
+    ``A_HELD_OUT``; a negative row held out there is a cost, never a remedy). What the monitor's
     advice (``trl_rollout_corr/monitor/advice.py``) may recommend, and nothing else."""
     _, main = analyse(runs_from_csv(os.path.join(results, MAIN_CSV)), list(range(10)))
     if main["candidate"] is not None:  # would need its held-out analysis: not written, since none was picked
@@ -1210,11 +1211,11 @@ def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
             held_out_row_text(target_runs, result, list(held_out), "S2X")
             if result.get("held_out", {}).get("survives", False):
                 target += [m for m in result["confirmed"] if m not in target]
-    precision = {}  # S1X and S1D: pre-registrations 10 and 11, rule (b), each row only if it survives its held-out
-    for experiment, (scenario, family, seeds, held_out) in PRECISION_EXPERIMENTS.items():
+    precision = {}  # S1X, S1D, S2D: pre-registrations 10, 11, 13, rule (b), a row only if it survives its held-out
+    for experiment, (scenario, family, seeds, held_out) in FAMILY_EXPERIMENTS.items():
         q_runs = runs_from_csv(os.path.join(results, PRECISION_CSV[experiment]))
         _, q = analyse_family(q_runs, list(seeds), scenario, family, experiment)
-        q_text = q_held_out_text(q_runs, q, list(held_out), scenario)
+        q_text = q_held_out_text(q_runs, q, list(held_out), scenario)  # rule (b)'s rows: positive only
         if q["confirmed"] and "not run yet" in q_text:
             raise NotImplementedError(f"experiment {experiment} confirmed {q['confirmed']}: run its held-out seeds "
                                       f"{experiment}_HELD_OUT")
@@ -2049,6 +2050,9 @@ def main(argv=None) -> None:
     p.add_argument("--noise_pilot", action="store_true",
                    help="pre-registrations 10 and 11's calibration of S1X's and S1D's noise (Q_PILOT, D_PILOT), "
                         "no training")
+    p.add_argument("--alarm_pool", action="store_true",
+                   help="pre-registration 14: the sequence-weight alarm on every later run of TRL's default, from the "
+                        "committed results (no training)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
@@ -2081,6 +2085,9 @@ def main(argv=None) -> None:
         if size["device"].startswith("cuda") and not torch.cuda.is_available():
             p.error(f"--device {size['device']}: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                     "run on a machine with a CUDA GPU and a CUDA build of torch, or pass --device cpu")
+    if a.alarm_pool:
+        print(alarm_pool()[0])
+        return
     if a.noise_pilot:
         build_base(a.out, cell_size("S1X", size), cell_base(a.out, "S1X", size))
         noise_pilot(a.out, size)

@@ -13,6 +13,7 @@ supports one: exactly what the new benchmark (``benchmarks/mismatch_train.py``) 
 committed results.
 """
 
+import csv
 import itertools
 import math
 import os
@@ -136,7 +137,7 @@ def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_on
     from trl_rollout_corr.monitor import advice
 
     confirmed = mt.confirmed_methods()
-    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": [], "S2X": [], "S1X": [], "S1D": []}
+    assert confirmed == {"S1": [], "S2": ["M3"], "S2L": [], "S3": [], "S2X": [], "S1X": [], "S1D": [], "S2D": []}
     assert set(advice.REMEDIES) <= set(advice.SCENARIOS)
     for kind, scenario in advice.SCENARIOS.items():
         methods = confirmed[scenario]
@@ -307,6 +308,51 @@ def test_experiment_d_a_dense_precision_gap_bypass_and_token_truncate_train_wors
     assert out == {"M3": -.099, "M2": -.065}  # both negative: both rows survive (pre-registration 12)
     assert_quoted(("−0.166 [−0.300, −0.031]", "−0.044 [−0.066, −0.022]", "−0.099 [−0.174, −0.024]",
                    "−0.065 [−0.113, −0.017]"), "−0.166 [−0.300, −0.031]", advice.FOUND["persistent"])
+
+
+def test_experiment_a_stale_and_dense_gap_bypass_trains_worse_held_out_too():
+    """Experiment A (pre-registration 13: a 4-step-stale engine sampling with D's dense noise at T = 257, seeds
+    155-164), recomputed from the committed CSV: the gap's cost not significant (rule (a) fails), nothing above TRL's
+    default; only bypass is below it with both Holm p's < 0.05 (token_truncate and no correction miss by one test
+    each), so only bypass was held out, and on seeds 165-169 it keeps its sign (survives). The docs, the README and
+    the monitor's stale-engine message quote these numbers."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_A_CSV))
+    assert {r["seed"] for r in runs} == set(mt.A_SEEDS) and len(runs) == 5 * 10
+    assert {r["lag"] for r in csv.DictReader(open(os.path.join(mt.RESULTS, mt.TARGET_A_CSV)))} == {"0", "4"}
+    _, a = mt.analyse_family(runs, list(mt.A_SEEDS), "S2D", mt.A_FAMILY, "A")
+    assert not a["counts"] and a["confirmed"] == []
+    assert (round(a["gap"]["diff"], 3), round(a["gap"]["diff_lo"], 3), round(a["gap"]["diff_hi"], 3)) == (
+        .021, -.003, .045)
+    rows = {r["method"]: r for r in a["family"]}
+    assert {m: (round(r["diff"], 3), round(r["diff_lo"], 3), round(r["diff_hi"], 3)) for m, r in rows.items()} == {
+        "M3": (-.100, -.145, -.054), "M2": (-.100, -.234, .034), "M0": (-.030, -.056, -.005)}
+    assert {m: (f"{r['p_sign_flip_holm']:.2g}", f"{r['p_holm']:.2g}") for m, r in rows.items()} == {
+        "M3": ("0.0059", "0.0023"), "M2": ("0.016", "0.13"), "M0": ("0.018", "0.05")}
+    assert rows["M0"]["p_holm"] > mt.ALPHA  # 0.0502: no correction is not significantly below TRL's default
+    assert mt.q_held_out_methods(a, signed=True) == ["M3"] and mt.q_held_out_methods(a) == []
+    held = mt.runs_from_csv(os.path.join(mt.RESULTS, "mismatch_train_target_a_heldout_results.csv"))
+    assert {r["seed"] for r in held} == set(mt.A_HELD_OUT) and {r["method"] for r in held} == {"M1", "M3"}
+    text = mt.q_held_out_text(runs + held, a, list(mt.A_HELD_OUT), "S2D", signed=True)
+    assert a["held_out"]["M3"]["survives"] and "−0.0873 [−0.1659, −0.0086]".replace("−", "-") in text
+    mismatched = [r for r in runs + held if r["method"] != "on_policy"]
+    assert all(5e-3 < r["kl_token"] < 1.7e-2 and 1.2 < r["t_kl"] < 4.1 for r in mismatched)
+    assert_quoted(("−0.100 [−0.145, −0.054]", "−0.087 [−0.166, −0.009]", "+0.021 [−0.003, +0.045]"),
+                  "−0.100 [−0.145, −0.054]", advice.REMEDIES["stale"].caution)
+
+
+def test_the_pooled_alarm_on_the_committed_runs_is_not_adopted_with_one_collapse():
+    """Pre-registration 14 on the committed CSVs: 75 later runs of TRL's default, one collapse (Z's held-out seed
+    122), alarmed; one false alarm (A, seed 163) in 74: not adopted (needs 2 collapses); the docs quote it."""
+    text, result = mt.alarm_pool()
+    pooled = result["groups"]["pooled"]
+    assert (pooled["n"], pooled["collapsed"], pooled["alarmed_collapsed"], pooled["alarmed_healthy"]) == (75, 1, 1, 1)
+    assert result["adopt"] is False
+    committed = open(os.path.join(mt.RESULTS, "mismatch_train_alarm_pool_analysis.md")).read()
+    assert committed.strip() == text.strip()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    assert "1 false alarm in 74" in doc and "pre-registration 14" in doc
 
 
 def assert_quoted(in_docs: tuple, in_readme: str, message: str) -> None:
