@@ -109,12 +109,14 @@ SCENARIOS = {
     "S1D": "a dense precision-like gap in the target regime: n_digits X_DIGITS, N(0, sigma^2) logit noise D_NOISE",
     "S2D": "staleness and a dense precision-like gap together (an asynchronous bf16 run's mismatch), in the target "
            "regime: the policy of A_LAG optimizer steps ago sampled with S1D's noise D_NOISE, n_digits X_DIGITS",
+    "S2B": "S2D with a smaller dense gap: the policy of A_LAG optimizer steps ago sampled with B_NOISE, n_digits "
+           "X_DIGITS",
 }
-LONG_SCENARIOS = ("S2L", "S2X", "S1X", "S1D", "S2D")  # their own completion length, base model and on_policy runs
-XL_SCENARIOS = ("S2X", "S1X", "S1D", "S2D")  # the target regime's length, base model (X_BASE_STEPS) and lr (X_LR)
-STALE_SCENARIOS = ("S2", "S2L", "S2X", "S2D")  # the engine is an older copy of the policy
+LONG_SCENARIOS = ("S2L", "S2X", "S1X", "S1D", "S2D", "S2B")  # their own completion length, base model, on_policy
+XL_SCENARIOS = ("S2X", "S1X", "S1D", "S2D", "S2B")  # the target regime's length, base (X_BASE_STEPS), lr (X_LR)
+STALE_SCENARIOS = ("S2", "S2L", "S2X", "S2D", "S2B")  # the engine is an older copy of the policy
 LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits", "S1X": "xl_digits", "S1D": "xl_digits",
-                   "S2D": "xl_digits"}  # n_digits
+                   "S2D": "xl_digits", "S2B": "xl_digits"}  # n_digits
 METHODS = {
     # name: (trainer, settings)  trainer "trl" = TRL's unmodified GRPOTrainer on its vLLM IS path, "ours" = this
     # package's RolloutCorrGRPOTrainer (settings are RolloutCorrGRPOConfig fields)
@@ -514,7 +516,7 @@ A_SEEDS = tuple(range(155, 165))
 A_HELD_OUT = tuple(range(165, 170))
 A_ARMS = ("on_policy", "M0", "M1", "M3", "M2")
 A_FAMILY = (("S2D", "M3"), ("S2D", "M2"), ("S2D", "M0"))  # each - M1, Holm over these 3
-SIGNED_HELD_OUT = ("A",)  # experiments whose held-out seeds test every significant row, of either sign
+SIGNED_HELD_OUT = ("A", "B")  # experiments whose held-out seeds test every significant row, of either sign
 FAMILY_EXPERIMENTS = {**PRECISION_EXPERIMENTS, "A": ("S2D", A_FAMILY, A_SEEDS, A_HELD_OUT)}
 # ------------------------------------------------------------------------------------------------ pre-registration 14
 # Written 2026-11-27 03:03-03:07 UTC with pre-registration 13, BEFORE any run of S2D. Issue 37: pre-registration 8's
@@ -528,6 +530,23 @@ FAMILY_EXPERIMENTS = {**PRECISION_EXPERIMENTS, "A": ("S2D", A_FAMILY, A_SEEDS, A
 # least ALARM_MIN_COLLAPSES collapses, sensitivity >= ALARM_MIN_SENSITIVITY and false-alarm rate <=
 # ALARM_MAX_FALSE_ALARM (point estimates; Clopper-Pearson intervals beside them). Reported also by kind of mismatch
 # (stale: Z; persistent: Q, D; both: A), since a dense gap lowers TRL's sequence weights without any collapse.
+# ------------------------------------------------------------------------------------------------ pre-registration 15
+# Written 2026-11-27 04:13-04:15 UTC, after experiment A's analysis and held-out seeds (ppo_is_bypass - TRL's default
+# -0.100, Holm p 0.0059, held out -0.087), BEFORE any run of scenario S2B. Where does A's finding stop? A bf16 engine's
+# gap may be smaller than A's (per-token KL 5e-3-1.2e-2). Experiment B: scenario S2B = S2D with the smaller dense
+# noise B_NOISE (sigma 1.0: per-token KL 4.4e-3 at step 0 by D_PILOT, about half of A's level there), lag A_LAG,
+# T = 257, everything else as A. Seeds B_SEEDS (never run), arms M1 and M3 only, seed by seed (no on_policy or M0: the
+# question is bypass against TRL's default, not the mismatch's cost, so nothing can be recommended from B). Family
+# B_FAMILY = {M3 - M1}, one test: significant iff both the sign-flip and the paired t p are below ALPHA (either sign).
+# A significant row runs again with M1 on B_HELD_OUT and survives iff its sign holds. Decisions: a surviving
+# negative row extends the monitor's caution and the docs' regime of A's finding down to B's measured per-token KL;
+# otherwise the docs say that at B's level bypass was not significantly different from TRL's default (with TOST at
+# TOST_MARGIN, descriptive). Deadline: runs not finished by 05:15 UTC are cut (reported on the seeds both arms ran).
+B_NOISE = (1.0, 0.0, 0.0, 1e-2)
+B_SEEDS = tuple(range(170, 180))
+B_HELD_OUT = tuple(range(180, 185))
+B_FAMILY = (("S2B", "M3"),)  # M3 - M1
+HELD_OUT_EXPERIMENTS = {**FAMILY_EXPERIMENTS, "B": ("S2B", B_FAMILY, B_SEEDS, B_HELD_OUT)}  # --held_out's rows
 ALARM_POOL = (("S2X", "Z", Z_SEEDS), ("S2X", "Z held-out", Z_HELD_OUT), ("S1X", "Q", Q_SEEDS),
               ("S1D", "D", D_SEEDS), ("S1D", "D held-out", D_HELD_OUT), ("S2D", "A", A_SEEDS),
               ("S2D", "A held-out", A_HELD_OUT))
@@ -696,6 +715,7 @@ class Engine:
         self.seed, self.generator = 1_000_003 * seed + 17, None  # the generator lives on the policy's device
         self.perturb = (heavy_tailed(*noise) if scenario == "S1" else heavy_tailed(*Q_NOISE) if scenario == "S1X" else
                         heavy_tailed(*D_NOISE) if scenario in ("S1D", "S2D") else
+                        heavy_tailed(*B_NOISE) if scenario == "S2B" else
                         top_p_truncation(S3_TOP_P) if scenario == "S3" else None)
         self.stale = policy_factory() if scenario in STALE_SCENARIOS else None
         self.snapshots: dict[int, dict] = {}
@@ -798,7 +818,7 @@ def scenario_lr(scenario: str, lr: float | None, size_name: str = "full") -> flo
 
 def scenario_lag(scenario: str) -> int:
     """The stale engine's lag (optimizer steps) in ``scenario``."""
-    return {"S2L": S2L_LAG, "S2X": X_LAG, "S2D": A_LAG}.get(scenario, S2_LAG)
+    return {"S2L": S2L_LAG, "S2X": X_LAG, "S2D": A_LAG, "S2B": A_LAG}.get(scenario, S2_LAG)
 
 
 def pretrain_base(size: dict, init: str | None = None, start: int = 0):
@@ -1700,6 +1720,7 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "Q": "a precision-like gap in the target regime: S1X's cost check, Q_FAMILY on Q_SEEDS (held-out: Q_HELD_OUT)",
     "D": "a dense precision-like gap at T = 257: S1D's cost check, D_FAMILY on D_SEEDS (held-out: D_HELD_OUT)",
     "A": "staleness and a dense gap at T = 257: S2D's cost check, A_FAMILY on A_SEEDS (held-out: A_HELD_OUT)",
+    "B": "A with a smaller gap: B_FAMILY (M3 - M1) in S2B on B_SEEDS (held-out: B_HELD_OUT)",
 }
 
 
@@ -1710,7 +1731,7 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q", "D", "A"):
+    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q", "D", "A", "B"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
@@ -1726,6 +1747,8 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
                                    f"{X_DIGITS + 1}, noise {D_NOISE})"),
             "A": ("S2D", A_FAMILY, f"Experiment A: a stale engine (lag {A_LAG}) with a dense precision-like gap "
                                    f"(T = {X_DIGITS + 1}, noise {D_NOISE})"),
+            "B": ("S2B", B_FAMILY, f"Experiment B: a stale engine (lag {A_LAG}) with a smaller dense gap "
+                                   f"(T = {X_DIGITS + 1}, noise {B_NOISE})"),
         }[experiment]
         established = {"C": C_GAP_SEEDS_0_9, "Z": Y_GAP_SEEDS_75_84}.get(experiment)
         text, result = analyse_family(runs, seeds, scenario, family, title, established=established)
@@ -1737,9 +1760,10 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
             text += "\n\n" + alarm_text
         if experiment in TARGET_FAMILY and held_out:
             text += "\n\n" + held_out_row_text(runs, result, held_out, "S2X")
-        if experiment in FAMILY_EXPERIMENTS:
+        if experiment in HELD_OUT_EXPERIMENTS:
             signed = experiment in SIGNED_HELD_OUT
-            text += ("\n\n" + q_rule_c_text(result) + "\n\n" + q_tost_text(runs, seeds, result, scenario, family)
+            rule_c = q_rule_c_text(result) + "\n\n" if any(m == "M0" for _, m in family) else ""
+            text += ("\n\n" + rule_c + q_tost_text(runs, seeds, result, scenario, family)
                      + "\n\n" + q_held_out_text(runs, result, held_out or [], scenario, signed=signed))
         hurt, result["hurt"] = hurt_table(runs)
         text += "\n\n### The \"does it hurt?\" metrics of these runs\n\n" + hurt
@@ -2129,8 +2153,8 @@ def main(argv=None) -> None:
             todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
             if candidate is None:
                 print("nothing confirmed on the analysis seeds, so no held-out run", flush=True)
-        elif a.held_out and a.experiment in FAMILY_EXPERIMENTS:  # pre-registrations 10, 11, 13: the rows, M1
-            scenario, family = FAMILY_EXPERIMENTS[a.experiment][:2]
+        elif a.held_out and a.experiment in HELD_OUT_EXPERIMENTS:  # pre-registrations 10, 11, 13, 15: rows, M1
+            scenario, family = HELD_OUT_EXPERIMENTS[a.experiment][:2]
             _, result = analyse_family(load_runs(a.out), analysis_seeds, scenario, family, a.experiment)
             methods = q_held_out_methods(result, a.experiment in SIGNED_HELD_OUT)
             todo = cells([scenario], methods + [REFERENCE], seeds, False) if methods else []

@@ -732,3 +732,22 @@ def test_the_pooled_alarm_counts_each_experiments_m1_runs_and_decides_on_the_poo
     write("D", [m1("S1D", mt.D_SEEDS[0], False, None), m1("S1D", mt.D_SEEDS[1], False, None)])
     text, result = mt.alarm_pool(str(tmp_path))
     assert result["adopt"] is True and "ADOPTED" in text
+
+
+def test_experiment_b_is_a_with_the_smaller_noise_and_only_bypass_against_trls_default(tmp_path):
+    """Pre-registration 15: S2B = S2D's 4-step-stale engine with sigma 1.0 noise (D_PILOT: 4.41e-3 at step 0), arms
+    M1 and M3 only, the family {M3 - M1}; its smoke run (no on_policy, no M0) writes B's analysis without rule (c)."""
+    assert mt.B_NOISE == (1.0, 0.0, 0.0, 1e-2) and mt.D_PILOT[mt.B_NOISE][0] == pytest.approx(4.41e-3)
+    assert (mt.scenario_lag("S2B"), mt.B_FAMILY, mt.B_SEEDS) == (4, (("S2B", "M3"),), tuple(range(170, 180)))
+    assert mt.HELD_OUT_EXPERIMENTS["B"] == ("S2B", mt.B_FAMILY, mt.B_SEEDS, tuple(range(180, 185)))
+    assert "B" not in mt.FAMILY_EXPERIMENTS  # no committed CSV before its runs: confirmed_methods() does not read it
+    engine = mt.Engine("S2B", 0, None, lambda: "stale copy", 4, lag=mt.scenario_lag("S2B"))
+    noise = engine.perturb(torch.zeros(4, 500), torch.Generator().manual_seed(0))
+    assert engine.stale == "stale copy" and 0.9 < noise.std() < 1.1  # N(0, 1.0^2), not A's 1.2
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", "S2B", "--methods", "M1,M3", "--seeds", "0-1", "--experiment",
+             "B", "--without_on_policy"])
+    with open(os.path.join(out, "results.csv")) as f:
+        assert {(r["method"], r["lag"]) for r in csv.DictReader(f)} == {("M1", "4"), ("M3", "4")}
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert "Experiment B: a stale engine (lag 4) with a smaller dense gap" in text and "Rule (c)" not in text
