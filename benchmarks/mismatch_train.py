@@ -1179,6 +1179,7 @@ TARGET_Z_CSV = "mismatch_train_target_z_results.csv"  # experiment Z (Y's settin
 TARGET_Q_CSV = "mismatch_train_target_q_results.csv"  # experiment Q (S1X: a precision-like gap at T = 257)
 TARGET_D_CSV = "mismatch_train_target_d_results.csv"  # experiment D (S1D: a dense precision gap at T = 257)
 TARGET_A_CSV = "mismatch_train_target_a_results.csv"  # experiment A (S2D: staleness and a dense gap at T = 257)
+TARGET_B_CSV = "mismatch_train_target_b_results.csv"  # experiment B (S2B: A with a smaller gap; M1 and M3 only)
 PRECISION_CSV = {"Q": TARGET_Q_CSV, "D": TARGET_D_CSV, "A": TARGET_A_CSV}  # FAMILY_EXPERIMENTS' committed results
 ALARM_POOL_CSV = {"Z": TARGET_Z_CSV, "Z held-out": "mismatch_train_target_z_heldout_results.csv", "Q": TARGET_Q_CSV,
                   "D": TARGET_D_CSV, "D held-out": "mismatch_train_target_d_heldout_results.csv", "A": TARGET_A_CSV,

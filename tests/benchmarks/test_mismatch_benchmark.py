@@ -342,6 +342,28 @@ def test_experiment_a_stale_and_dense_gap_bypass_trains_worse_held_out_too():
                   "−0.100 [−0.145, −0.054]", advice.REMEDIES["stale"].caution)
 
 
+def test_experiment_b_a_smaller_gap_bypass_still_trains_worse_held_out_too():
+    """Experiment B (pre-registration 15: A's setting at noise sigma 1.0, M1 and M3 only, seeds 170-179), from the
+    committed CSVs: M3 - M1 significant by both tests, negative, and negative again on seeds 180-184 (survives); the
+    docs and the monitor's caution quote it."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_B_CSV))
+    assert {r["seed"] for r in runs} == set(mt.B_SEEDS) and {r["method"] for r in runs} == {"M1", "M3"}
+    _, b = mt.analyse_family(runs, list(mt.B_SEEDS), "S2B", mt.B_FAMILY, "B")
+    (m3,) = b["family"]
+    assert (round(m3["diff"], 3), round(m3["diff_lo"], 3), round(m3["diff_hi"], 3)) == (-.081, -.119, -.043)
+    assert m3["p_sign_flip_holm"] == pytest.approx(4 / 1024) and m3["p_holm"] < 0.001  # 9 of 10 below, 1 tie-ish
+    assert mt.q_held_out_methods(b, signed=True) == ["M3"] and not b["confirmed"]
+    held = mt.runs_from_csv(os.path.join(mt.RESULTS, "mismatch_train_target_b_heldout_results.csv"))
+    assert {r["seed"] for r in held} == set(mt.B_HELD_OUT)
+    text = mt.q_held_out_text(runs + held, b, list(mt.B_HELD_OUT), "S2B", signed=True)
+    assert b["held_out"]["M3"]["survives"] and "-0.0427 [-0.0672, -0.0182]" in text
+    assert all(2.7e-3 < r["kl_token"] < 7.7e-3 and 0.7 < r["t_kl"] < 2.0 for r in runs + held)
+    assert_quoted(("−0.081 [−0.119, −0.043]", "−0.043 [−0.067, −0.018]"), "−0.081 [−0.119, −0.043]",
+                  advice.REMEDIES["stale"].caution)
+
+
 def test_the_pooled_alarm_on_the_committed_runs_is_not_adopted_with_one_collapse():
     """Pre-registration 14 on the committed CSVs: 75 later runs of TRL's default, one collapse (Z's held-out seed
     122), alarmed; one false alarm (A, seed 163) in 74: not adopted (needs 2 collapses); the docs quote it."""

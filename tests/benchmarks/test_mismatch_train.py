@@ -740,7 +740,7 @@ def test_experiment_b_is_a_with_the_smaller_noise_and_only_bypass_against_trls_d
     assert mt.B_NOISE == (1.0, 0.0, 0.0, 1e-2) and mt.D_PILOT[mt.B_NOISE][0] == pytest.approx(4.41e-3)
     assert (mt.scenario_lag("S2B"), mt.B_FAMILY, mt.B_SEEDS) == (4, (("S2B", "M3"),), tuple(range(170, 180)))
     assert mt.HELD_OUT_EXPERIMENTS["B"] == ("S2B", mt.B_FAMILY, mt.B_SEEDS, tuple(range(180, 185)))
-    assert "B" not in mt.FAMILY_EXPERIMENTS  # no committed CSV before its runs: confirmed_methods() does not read it
+    assert "B" not in mt.FAMILY_EXPERIMENTS  # no on_policy / M0 arms: nothing can be confirmed (recommended) from B
     engine = mt.Engine("S2B", 0, None, lambda: "stale copy", 4, lag=mt.scenario_lag("S2B"))
     noise = engine.perturb(torch.zeros(4, 500), torch.Generator().manual_seed(0))
     assert engine.stale == "stale copy" and 0.9 < noise.std() < 1.1  # N(0, 1.0^2), not A's 1.2

@@ -79,6 +79,7 @@ def test_a_stale_engine_is_told_the_confirmed_remedy_with_its_regime():
     # experiment A: the same remedy measured WORSE than TRL's default with a precision gap on top, said after it
     assert message.index("Switch to it") < message.index("But where the engine ALSO samples at another precision")
     assert "-0.100 [-0.145, -0.054]" in message and "-0.087 [-0.166, -0.009]" in message
+    assert "-0.081 [-0.119, -0.043]" in message and "-0.043 [-0.067, -0.018]" in message  # experiment B
     bypass = RolloutCorrectionConfig.from_preset("ppo_is_bypass")
     already = replay(load(COLLAPSE)["rows"], correction=bypass, rollout_lag=4).alerts[0]["message"]
     assert "this run already uses" in already and "But where the engine ALSO samples" in already

@@ -16,7 +16,8 @@ its ``confirmed_methods()`` returns from the committed results (``benchmarks/res
   (S2L) the stale engine's cost was not significant. With a precision gap on top of the staleness (S2D, experiment A:
   an engine 4 steps stale sampling with dense logit noise at T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1, the
   kind of mismatch an asynchronous bf16 run has) it trained significantly WORSE than TRL's default (-0.100 [-0.145,
-  -0.054], Holm p 0.0059; held out -0.087), and the message says so. Not measured on a GPU.
+  -0.054], Holm p 0.0059; held out -0.087), and with a smaller gap too (S2B, experiment B: per-token KL
+  2.8e-3-7.6e-3, T * KL 0.7-1.9: -0.081, held out -0.043); the message says so. Not measured on a GPU.
 - A persistent precision gap (``rollout_lag`` = 0: quantized / low precision): none. In S1 (a heavy-tailed,
   precision-like gap, T = 49, per-token KL 7.7e-2-9.9e-2, T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus
   no correction +0.003 [-0.026, +0.032], 10 seeds), so no correction could be compared; the same gap at T = 257
@@ -103,7 +104,9 @@ REMEDIES: dict[str, Remedy] = {
                  "logit noise, T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1: the kind of mismatch an "
                  "asynchronous bf16 run has, measured in the synchronous trainer, mismatch_train S2D, experiment A) "
                  "ppo_is_bypass trained WORSE than TRL's default: -0.100 [-0.145, -0.054] held-out reward, Holm p "
-                 "0.0059, on 5 held-out seeds -0.087 [-0.166, -0.009]")),
+                 "0.0059, on 5 held-out seeds -0.087 [-0.166, -0.009]; with a smaller gap (S2B, experiment B: "
+                 "per-token KL 2.8e-3-7.6e-3, T * KL 0.7-1.9) too: -0.081 [-0.119, -0.043], p 0.0039, held out "
+                 "-0.043 [-0.067, -0.018]")),
 }
 
 
