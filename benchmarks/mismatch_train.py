@@ -111,12 +111,16 @@ SCENARIOS = {
            "regime: the policy of A_LAG optimizer steps ago sampled with S1D's noise D_NOISE, n_digits X_DIGITS",
     "S2B": "S2D with a smaller dense gap: the policy of A_LAG optimizer steps ago sampled with B_NOISE, n_digits "
            "X_DIGITS",
+    "S2E": "S2B with a smaller dense gap still: the policy of A_LAG optimizer steps ago sampled with E_NOISE",
+    "S2F": "S2E with a smaller dense gap still: the policy of A_LAG optimizer steps ago sampled with F_NOISE",
 }
-LONG_SCENARIOS = ("S2L", "S2X", "S1X", "S1D", "S2D", "S2B")  # their own completion length, base model, on_policy
-XL_SCENARIOS = ("S2X", "S1X", "S1D", "S2D", "S2B")  # the target regime's length, base (X_BASE_STEPS), lr (X_LR)
-STALE_SCENARIOS = ("S2", "S2L", "S2X", "S2D", "S2B")  # the engine is an older copy of the policy
+# their own completion length, base model, on_policy
+LONG_SCENARIOS = ("S2L", "S2X", "S1X", "S1D", "S2D", "S2B", "S2E", "S2F")
+# the target regime's length, base (X_BASE_STEPS), lr (X_LR)
+XL_SCENARIOS = ("S2X", "S1X", "S1D", "S2D", "S2B", "S2E", "S2F")
+STALE_SCENARIOS = ("S2", "S2L", "S2X", "S2D", "S2B", "S2E", "S2F")  # the engine is an older copy of the policy
 LONG_DIGITS_KEY = {"S2L": "long_digits", "S2X": "xl_digits", "S1X": "xl_digits", "S1D": "xl_digits",
-                   "S2D": "xl_digits", "S2B": "xl_digits"}  # n_digits
+                   "S2D": "xl_digits", "S2B": "xl_digits", "S2E": "xl_digits", "S2F": "xl_digits"}  # n_digits
 METHODS = {
     # name: (trainer, settings)  trainer "trl" = TRL's unmodified GRPOTrainer on its vLLM IS path, "ours" = this
     # package's RolloutCorrGRPOTrainer (settings are RolloutCorrGRPOConfig fields)
@@ -516,7 +520,6 @@ A_SEEDS = tuple(range(155, 165))
 A_HELD_OUT = tuple(range(165, 170))
 A_ARMS = ("on_policy", "M0", "M1", "M3", "M2")
 A_FAMILY = (("S2D", "M3"), ("S2D", "M2"), ("S2D", "M0"))  # each - M1, Holm over these 3
-SIGNED_HELD_OUT = ("A", "B")  # experiments whose held-out seeds test every significant row, of either sign
 FAMILY_EXPERIMENTS = {**PRECISION_EXPERIMENTS, "A": ("S2D", A_FAMILY, A_SEEDS, A_HELD_OUT)}
 # ------------------------------------------------------------------------------------------------ pre-registration 14
 # Written 2026-11-27 03:03-03:07 UTC with pre-registration 13, BEFORE any run of S2D. Issue 37: pre-registration 8's
@@ -546,7 +549,41 @@ B_NOISE = (1.0, 0.0, 0.0, 1e-2)
 B_SEEDS = tuple(range(170, 180))
 B_HELD_OUT = tuple(range(180, 185))
 B_FAMILY = (("S2B", "M3"),)  # M3 - M1
-HELD_OUT_EXPERIMENTS = {**FAMILY_EXPERIMENTS, "B": ("S2B", B_FAMILY, B_SEEDS, B_HELD_OUT)}  # --held_out's rows
+# ------------------------------------------------------------------------------------------------ pre-registration 16
+# Written 2026-11-27 05:31-05:40 UTC, after experiment B (held out: survives), BEFORE any run of S2E or S2F. Where
+# does A's and B's finding stop as the gap shrinks toward a good bf16 engine's (per-token KL ~4e-4-1e-2, issue 36)?
+# E_PILOT: D_PILOT's procedure (seed 99's warm-up of S1X's base, generator seed 7, 128 prompts; run 05:29 UTC, no
+# training; sigma 1.0 reproduces D_PILOT's 4.41e-3). Experiment E: scenario S2E = S2B with E_NOISE (sigma 0.8: 2.05e-3
+# per token at step 0, about half of B's, as B's was about half of A's), lag A_LAG, T = 257, everything else as B.
+# Seeds E_SEEDS (never run), arms M1 and M3 only, seed by seed; family {M3 - M1}: significant iff both the sign-flip
+# and the paired t p are below ALPHA (either sign); a significant row runs again with M1 on E_HELD_OUT and survives
+# iff its sign holds. Experiment F runs ONLY IF E's row is significant, negative and survives: S2F = F_NOISE (sigma
+# 0.6: 8.7e-4 at step 0), seeds F_SEEDS, held out F_HELD_OUT, the same rules. Decisions: (1) the docs and the
+# monitor's caution extend A's finding down to the smallest level whose negative row survived; at a level where the
+# row is not significant the docs say "not significantly different" with TOST at TOST_MARGIN (descriptive).
+# (2) Issue 37, the monitor's use of the per-lag metrics: LAG0_CAUTION_KL := the smallest step-0 noise-only
+# per-token KL (D_PILOT / E_PILOT) of A, B, E, F whose M3 - M1 row was significant, negative and survived its
+# held-out seeds. After a policy_collapse of the stale kind, a run that logs rollout_corr/lag_0/kl (the asynchronous
+# trainer: the part of the gap that is not staleness) with its smoothed value >= LAG0_CAUTION_KL is NOT told to
+# switch to ppo_is_bypass (and one already on it is told that it trained worse there); below it, the remedy is said
+# with the run's lag-0 KL and the smallest level measured. No lag-0 metric: the message stays as it is. Deadlines:
+# E's runs not finished by 06:45 UTC are cut, F's by 07:35 (reported on the seeds both arms ran).
+E_PILOT = {(1.0, 0.0, 0.0, 1e-2): (4.41e-3, 1.08, 245, 0.655), (0.9, 0.0, 0.0, 1e-2): (3.02e-3, 0.74, 246, 0.675),
+           (0.8, 0.0, 0.0, 1e-2): (2.05e-3, 0.50, 247, 0.685), (0.7, 0.0, 0.0, 1e-2): (1.37e-3, 0.34, 248, 0.721),
+           (0.6, 0.0, 0.0, 1e-2): (8.69e-4, 0.22, 249, 0.744)}
+E_NOISE = (0.8, 0.0, 0.0, 1e-2)
+E_SEEDS = tuple(range(185, 195))
+E_HELD_OUT = tuple(range(195, 200))
+F_NOISE = (0.6, 0.0, 0.0, 1e-2)
+F_SEEDS = tuple(range(200, 210))
+F_HELD_OUT = tuple(range(210, 215))
+GAP_LADDER = {  # experiment -> (scenario, noise, seeds, held-out seeds): A's engine at smaller gaps, M3 - M1 only
+    "B": ("S2B", B_NOISE, B_SEEDS, B_HELD_OUT), "E": ("S2E", E_NOISE, E_SEEDS, E_HELD_OUT),
+    "F": ("S2F", F_NOISE, F_SEEDS, F_HELD_OUT)}
+LADDER_NOISE = {scenario: noise for scenario, noise, _, _ in GAP_LADDER.values()}
+SIGNED_HELD_OUT = ("A", *GAP_LADDER)
+HELD_OUT_EXPERIMENTS = {**FAMILY_EXPERIMENTS, **{name: (scenario, ((scenario, "M3"),), seeds, held_out)
+                                                for name, (scenario, _, seeds, held_out) in GAP_LADDER.items()}}
 ALARM_POOL = (("S2X", "Z", Z_SEEDS), ("S2X", "Z held-out", Z_HELD_OUT), ("S1X", "Q", Q_SEEDS),
               ("S1D", "D", D_SEEDS), ("S1D", "D held-out", D_HELD_OUT), ("S2D", "A", A_SEEDS),
               ("S2D", "A held-out", A_HELD_OUT))
@@ -715,7 +752,7 @@ class Engine:
         self.seed, self.generator = 1_000_003 * seed + 17, None  # the generator lives on the policy's device
         self.perturb = (heavy_tailed(*noise) if scenario == "S1" else heavy_tailed(*Q_NOISE) if scenario == "S1X" else
                         heavy_tailed(*D_NOISE) if scenario in ("S1D", "S2D") else
-                        heavy_tailed(*B_NOISE) if scenario == "S2B" else
+                        heavy_tailed(*LADDER_NOISE[scenario]) if scenario in LADDER_NOISE else
                         top_p_truncation(S3_TOP_P) if scenario == "S3" else None)
         self.stale = policy_factory() if scenario in STALE_SCENARIOS else None
         self.snapshots: dict[int, dict] = {}
@@ -818,7 +855,7 @@ def scenario_lr(scenario: str, lr: float | None, size_name: str = "full") -> flo
 
 def scenario_lag(scenario: str) -> int:
     """The stale engine's lag (optimizer steps) in ``scenario``."""
-    return {"S2L": S2L_LAG, "S2X": X_LAG, "S2D": A_LAG, "S2B": A_LAG}.get(scenario, S2_LAG)
+    return {"S2L": S2L_LAG, "S2X": X_LAG, "S2D": A_LAG, **dict.fromkeys(LADDER_NOISE, A_LAG)}.get(scenario, S2_LAG)
 
 
 def pretrain_base(size: dict, init: str | None = None, start: int = 0):
@@ -1180,6 +1217,11 @@ TARGET_Q_CSV = "mismatch_train_target_q_results.csv"  # experiment Q (S1X: a pre
 TARGET_D_CSV = "mismatch_train_target_d_results.csv"  # experiment D (S1D: a dense precision gap at T = 257)
 TARGET_A_CSV = "mismatch_train_target_a_results.csv"  # experiment A (S2D: staleness and a dense gap at T = 257)
 TARGET_B_CSV = "mismatch_train_target_b_results.csv"  # experiment B (S2B: A with a smaller gap; M1 and M3 only)
+TARGET_E_CSV = "mismatch_train_target_e_results.csv"  # experiment E (S2E: B with a smaller gap; M1 and M3 only)
+TARGET_F_CSV = "mismatch_train_target_f_results.csv"  # experiment F (S2F: E with a smaller gap; only if E survived)
+LADDER_CSV = {  # pre-registration 16: the experiments of A's engine at each gap, and their held-out results
+    name: (csv_name, csv_name.replace("_results.csv", "_heldout_results.csv"))
+    for name, csv_name in (("A", TARGET_A_CSV), ("B", TARGET_B_CSV), ("E", TARGET_E_CSV), ("F", TARGET_F_CSV))}
 PRECISION_CSV = {"Q": TARGET_Q_CSV, "D": TARGET_D_CSV, "A": TARGET_A_CSV}  # FAMILY_EXPERIMENTS' committed results
 ALARM_POOL_CSV = {"Z": TARGET_Z_CSV, "Z held-out": "mismatch_train_target_z_heldout_results.csv", "Q": TARGET_Q_CSV,
                   "D": TARGET_D_CSV, "D held-out": "mismatch_train_target_d_heldout_results.csv", "A": TARGET_A_CSV,
@@ -1200,6 +1242,30 @@ def runs_from_csv(path: str) -> list[dict]:
                 run["pool"] = run["scenario"] if run["scenario"] in LONG_SCENARIOS else "all"
             runs.append(run)
     return runs
+
+
+def lag0_caution_kl(results: str = RESULTS) -> float | None:
+    """Pre-registration 16, decision (2): the smallest step-0 noise-only per-token KL (``D_PILOT`` / ``E_PILOT``) of
+    experiments A, B, E, F whose M3 - M1 row was significant by both tests (Holm within the family), NEGATIVE, and
+    survived its held-out seeds (the same sign there), from the committed results; ``None`` if none did. An
+    experiment whose results (or held-out results) are not committed counts as not run."""
+    noise_of = {"A": D_NOISE, **{name: noise for name, (_, noise, _, _) in GAP_LADDER.items()}}
+    levels = []
+    for name, (csv_name, held_csv) in LADDER_CSV.items():
+        if not os.path.exists(os.path.join(results, csv_name)):
+            continue
+        scenario, family, seeds, held_out = HELD_OUT_EXPERIMENTS[name]
+        runs = runs_from_csv(os.path.join(results, csv_name))
+        _, result = analyse_family(runs, list(seeds), scenario, family, name)
+        row = next(r for r in result["family"] if r["method"] == "M3")
+        significant = row["p_sign_flip_holm"] < ALPHA and row["p_holm"] < ALPHA
+        if row["diff"] >= 0 or not significant or not os.path.exists(os.path.join(results, held_csv)):
+            continue
+        q_held_out_text(runs + runs_from_csv(os.path.join(results, held_csv)), result, list(held_out), scenario,
+                        signed=True)
+        if result.get("held_out", {}).get("M3", {}).get("survives", False):
+            levels.append({**D_PILOT, **E_PILOT}[noise_of[name]][0])
+    return min(levels, default=None)
 
 
 def confirmed_methods(results: str = RESULTS) -> dict[str, list[str]]:
@@ -1722,6 +1788,8 @@ EXPERIMENTS = {  # --experiment: what analysis.md holds
     "D": "a dense precision-like gap at T = 257: S1D's cost check, D_FAMILY on D_SEEDS (held-out: D_HELD_OUT)",
     "A": "staleness and a dense gap at T = 257: S2D's cost check, A_FAMILY on A_SEEDS (held-out: A_HELD_OUT)",
     "B": "A with a smaller gap: B_FAMILY (M3 - M1) in S2B on B_SEEDS (held-out: B_HELD_OUT)",
+    "E": "B with a smaller gap: M3 - M1 in S2E on E_SEEDS (held-out: E_HELD_OUT)",
+    "F": "E with a smaller gap (only if E's row survived): M3 - M1 in S2F on F_SEEDS (held-out: F_HELD_OUT)",
 }
 
 
@@ -1732,7 +1800,7 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
         text, result = analyse(runs, seeds)
         if held_out and result["candidate"] is not None:
             text += "\n\n" + held_out_text(runs, result["candidate"], held_out)
-    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q", "D", "A", "B"):
+    elif experiment in ("C", "L", "P", "X", "Y", "Z", "Q", "D", "A", "B", "E", "F"):
         scenario, family, title = {
             "C": ("S2", CONFIRM_FAMILY, "Experiment C: confirmation of the S2 lead"),
             "L": ("S2L", LONG_FAMILY, "Experiment L: the stale engine at a long completion"),
@@ -1748,8 +1816,9 @@ def report(out: str, seeds: list[int], held_out: list[int] | None = None, experi
                                    f"{X_DIGITS + 1}, noise {D_NOISE})"),
             "A": ("S2D", A_FAMILY, f"Experiment A: a stale engine (lag {A_LAG}) with a dense precision-like gap "
                                    f"(T = {X_DIGITS + 1}, noise {D_NOISE})"),
-            "B": ("S2B", B_FAMILY, f"Experiment B: a stale engine (lag {A_LAG}) with a smaller dense gap "
-                                   f"(T = {X_DIGITS + 1}, noise {B_NOISE})"),
+            **{name: (scenario, ((scenario, "M3"),), f"Experiment {name}: a stale engine (lag {A_LAG}) with a smaller "
+                                                      f"dense gap (T = {X_DIGITS + 1}, noise {noise})")
+               for name, (scenario, noise, _, _) in GAP_LADDER.items()},
         }[experiment]
         established = {"C": C_GAP_SEEDS_0_9, "Z": Y_GAP_SEEDS_75_84}.get(experiment)
         text, result = analyse_family(runs, seeds, scenario, family, title, established=established)
@@ -2154,7 +2223,7 @@ def main(argv=None) -> None:
             todo = [] if candidate is None else cells(["S2X"], [candidate["method"], REFERENCE], seeds, False)
             if candidate is None:
                 print("nothing confirmed on the analysis seeds, so no held-out run", flush=True)
-        elif a.held_out and a.experiment in HELD_OUT_EXPERIMENTS:  # pre-registrations 10, 11, 13, 15: rows, M1
+        elif a.held_out and a.experiment in HELD_OUT_EXPERIMENTS:  # pre-registrations 10, 11, 13, 15, 16: rows, M1
             scenario, family = HELD_OUT_EXPERIMENTS[a.experiment][:2]
             _, result = analyse_family(load_runs(a.out), analysis_seeds, scenario, family, a.experiment)
             methods = q_held_out_methods(result, a.experiment in SIGNED_HELD_OUT)

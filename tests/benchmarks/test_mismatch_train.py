@@ -751,3 +751,67 @@ def test_experiment_b_is_a_with_the_smaller_noise_and_only_bypass_against_trls_d
         assert {(r["method"], r["lag"]) for r in csv.DictReader(f)} == {("M1", "4"), ("M3", "4")}
     text = open(os.path.join(out, "analysis.md")).read()
     assert "Experiment B: a stale engine (lag 4) with a smaller dense gap" in text and "Rule (c)" not in text
+
+
+@pytest.mark.parametrize("name, sigma, kl, seeds", [("E", 0.8, 2.05e-3, range(185, 195)),
+                                                    ("F", 0.6, 8.69e-4, range(200, 210))])
+def test_experiments_e_and_f_are_b_at_the_pre_registered_smaller_gaps(tmp_path, name, sigma, kl, seeds):
+    """Pre-registration 16: S2E / S2F = B's 4-step-stale engine with sigma 0.8 / 0.6 noise (E_PILOT: 2.05e-3 /
+    8.7e-4 per token at step 0), arms M1 and M3, the family {M3 - M1}, fresh seeds; the smoke run writes the
+    analysis under the experiment's own title."""
+    scenario, noise, analysis_seeds, held_out = mt.GAP_LADDER[name]
+    assert noise == (sigma, 0.0, 0.0, 1e-2) and mt.E_PILOT[noise][0] == pytest.approx(kl)
+    assert (mt.scenario_lag(scenario), tuple(analysis_seeds)) == (4, tuple(seeds))
+    assert mt.HELD_OUT_EXPERIMENTS[name] == (scenario, ((scenario, "M3"),), tuple(seeds),
+                                             tuple(range(seeds[-1] + 1, seeds[-1] + 6)))
+    assert name in mt.SIGNED_HELD_OUT and name not in mt.FAMILY_EXPERIMENTS
+    engine = mt.Engine(scenario, 0, None, lambda: "stale copy", 4, lag=mt.scenario_lag(scenario))
+    drawn = engine.perturb(torch.zeros(4, 2000), torch.Generator().manual_seed(0))
+    assert engine.stale == "stale copy" and abs(float(drawn.std()) - sigma) < 0.03
+    out = str(tmp_path / "smoke")
+    mt.main(["--smoke", "--out", out, "--scenarios", scenario, "--methods", "M1,M3", "--seeds", "0-1",
+             "--experiment", name, "--without_on_policy"])
+    text = open(os.path.join(out, "analysis.md")).read()
+    assert f"Experiment {name}: a stale engine (lag 4) with a smaller dense gap" in text and "Rule (c)" not in text
+
+
+def _write_ladder_csv(path, scenario: str, seeds, diffs, methods=("M1", "M3")) -> None:
+    """A committed-style results CSV: M3 - M1 = ``diffs`` per seed; any other arm M1's score + a small spread."""
+    fields = ("scenario", "method", "seed", "collapsed", "score", "kl_token", "t_kl", "engine_reward", "alarm_step",
+              "first_low_eval")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fields)
+        w.writeheader()
+        for i, (seed, d) in enumerate(zip(seeds, diffs)):
+            for j, method in enumerate(methods):
+                score = 0.8 + (d if method == "M3" else 0.0 if method == "M1" else 0.003 * ((i + j) % 3 - 1))
+                w.writerow(dict(scenario=scenario, method=method, seed=seed, collapsed=False, score=score,
+                                kl_token=3e-3, t_kl=0.8, engine_reward=0.6, alarm_step="", first_low_eval=""))
+
+
+def test_lag0_caution_kl_is_the_smallest_gap_whose_negative_row_survived(tmp_path):
+    """Pre-registration 16, decision (2), on hand-made results: an experiment counts iff M3 - M1 is negative on all of
+    its 10 seeds (sign-flip p 2/1024, before Holm) AND negative again on its held-out seeds; a positive row, a row
+    whose held-out sign flips, held-out seeds not run, or an experiment not run does not count; the smallest such
+    step-0 KL (A 8.85e-3, B 4.41e-3, E 2.05e-3, F 8.7e-4) is returned."""
+    down = [-0.05 - 0.001 * i for i in range(10)]
+    for name, sign, held_sign in (("A", 1, 1), ("B", 1, 1), ("E", 1, -1), ("F", -1, -1)):
+        scenario, _, seeds, held_out = mt.HELD_OUT_EXPERIMENTS[name]
+        arms = mt.A_ARMS if name == "A" else ("M1", "M3")
+        csv_name, held_csv = mt.LADDER_CSV[name]
+        _write_ladder_csv(tmp_path / csv_name, scenario, seeds, [sign * d for d in down], arms)
+        _write_ladder_csv(tmp_path / held_csv, scenario, held_out, [held_sign * -0.04] * 5)
+    assert mt.lag0_caution_kl(str(tmp_path)) == pytest.approx(4.41e-3)  # A and B count; E's sign flips; F is positive
+    _write_ladder_csv(tmp_path / mt.LADDER_CSV["E"][1], "S2E", mt.E_HELD_OUT, [-0.04] * 5)
+    assert mt.lag0_caution_kl(str(tmp_path)) == pytest.approx(2.05e-3)  # E's held-out seeds now hold the sign
+    os.remove(tmp_path / mt.LADDER_CSV["E"][1])
+    assert mt.lag0_caution_kl(str(tmp_path)) == pytest.approx(4.41e-3)  # E's held-out seeds not run: E does not count
+    os.remove(tmp_path / mt.LADDER_CSV["B"][0])
+    assert mt.lag0_caution_kl(str(tmp_path)) == pytest.approx(8.85e-3)  # A alone (Holm over its family of 3)
+    os.remove(tmp_path / mt.LADDER_CSV["A"][0])
+    assert mt.lag0_caution_kl(str(tmp_path)) is None
+
+
+def test_lag0_caution_kl_on_the_committed_results():
+    """Pre-registration 16 on the committed CSVs: A (8.85e-3) and B (4.41e-3) survived, so 4.41e-3 until E runs."""
+    assert mt.lag0_caution_kl() == pytest.approx(4.41e-3)
