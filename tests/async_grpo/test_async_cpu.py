@@ -210,6 +210,9 @@ def test_corrected_async_trainer_on_the_real_server(chat_model_dir, async_server
     assert lag1 == set(LAG_METRICS) - ({"is_weight_mean"} if trainer.rollout_correction.rollout_is is None else set())
     assert trainer.weight_transfer.syncs == 3  # at train begin and after each step
     assert monitor.alerts == []  # a healthy run: the monitor stays quiet
+    # the monitor reads the lag-0 gap it needs for its collapse advice (pre-registration 16) from the real logs
+    lag0 = [log["rollout_corr/lag_0/kl"] for log in logs if "rollout_corr/lag_0/kl" in log]
+    assert lag0 and min(lag0) - 1e-9 <= monitor.rules.ema["kl_lag0"] <= max(lag0) + 1e-9
     assert {PREFIX + m for m in (*OFFPOLICY_METRICS, *ALWAYS_METRICS)} <= logs[-1].keys()
     trainer.save_model()
     saved = json.loads((tmp_path / "rollout_correction_config.json").read_text())

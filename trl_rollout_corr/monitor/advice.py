@@ -28,6 +28,14 @@ its ``confirmed_methods()`` returns from the committed results (``benchmarks/res
   -0.022], Holm p 0.0059; held out: -0.099, -0.065), so the message says to keep TRL's default there; the old benchmark
   (``benchmarks/mismatch_bench.py``: T <= 9, per-token KL 0.14-0.30, 5 seeds) singles none out either.
 
+The gap that is not staleness (issue 37, pre-registration 16 of ``benchmarks/mismatch_train.py``): a run that logs
+``rollout_corr/lag_0/kl`` (the asynchronous trainer's per-lag metrics: the per-token KL(pi_rollout || pi_theta) of the
+samples the current policy drew, i.e. the engine's own gap without staleness) has that gap measured. At or above
+``LAG0_CAUTION_KL`` -- the smallest step-0 noise-only per-token KL at which ``ppo_is_bypass`` trained significantly
+worse than TRL's default and stayed worse on held-out seeds (``lag0_caution_kl()`` of the committed results) -- the
+stale remedy is NOT advised (a run already on it is told it trained worse there); below it, the remedy is said with the
+run's lag-0 KL and that bound. Without the metric the message is as above.
+
 For a kind without a remedy the advice names the metrics to watch and the benchmark page, no preset. The monitor
 tells the kinds apart by what it is told about the engine (``rollout_lag``): a lag > 0 is a stale engine, 0 a
 synchronous engine whose mismatch persists, ``None`` unknown (both kinds, the stale remedy named only as conditional
@@ -110,6 +118,12 @@ REMEDIES: dict[str, Remedy] = {
 }
 
 
+# pre-registration 16's decision (2): benchmarks/mismatch_train.py's lag0_caution_kl() of the committed results
+# (experiments A: 8.85e-3 and B: 4.41e-3 survived; tests/benchmarks/test_mismatch_benchmark.py holds them equal)
+LAG0_CAUTION_KL = 4.41e-3
+LAG0_KEY = metric("lag_0/kl")
+
+
 # Truncated sampling (top-k / top-p / min-p): experiment P of benchmarks/mismatch_train.py (scenario S3) found a cost
 # of truncation on seeds 40-49 (on_policy - M0 +0.055, p 0.0022) that no correction recovered, but its held-out seeds
 # 50-54 did not confirm the cost (-0.010 [-0.082, +0.061]): so the monitor and the trainer advise nothing for a
@@ -128,11 +142,26 @@ def remedies_for(rollout_lag: int | None) -> list[Remedy]:
     return [REMEDIES[kind] for kind in kinds_for(rollout_lag) if kind in REMEDIES]
 
 
-def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | None, has_metrics: bool) -> str:
+def lag0_text(remedy: Remedy, lag0_kl: float | None) -> tuple[bool, str]:
+    """(advised, what the run's own lag-0 gap says about the stale remedy): ``lag0_kl`` is the run's smoothed
+    ``rollout_corr/lag_0/kl`` (None: not logged, nothing to say); not advised at or above ``LAG0_CAUTION_KL``."""
+    if lag0_kl is None or remedy.kind != KINDS["stale"]:
+        return True, ""
+    said = (f"this run's engine differs from the trainer without staleness too: smoothed {LAG0_KEY} = {lag0_kl:.3g} "
+            f"per token")
+    if lag0_kl >= LAG0_CAUTION_KL:
+        return False, (f"{said}, at or above {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {remedy.method} "
+                       f"trained significantly WORSE than TRL's default and stayed worse on held-out seeds")
+    return True, (f"{said}, below {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {remedy.method} was measured "
+                  "to train worse than TRL's default")
+
+
+def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | None, has_metrics: bool,
+                    lag0_kl: float | None = None) -> str:
     """The advice after ``policy_collapse``: a remedy a benchmark confirmed for the kind of mismatch, with its regime
     (conditional on that kind when the lag is unknown), or, where the run already uses it (``correction``: the run's
     resolved config), what remains; for a kind without one, what the benchmark found, the metrics to watch and the
-    benchmark page, no preset."""
+    benchmark page, no preset. ``lag0_kl``: the run's smoothed lag-0 KL where logged (:func:`lag0_text`)."""
     if not has_metrics:
         lead = f"No {METRIC_PREFIX}* metrics are logged: enable a rollout correction."
     elif corrected is False:
@@ -153,13 +182,24 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
         # with the lag unknown, the remedy holds only if the engine is of its kind
         head = f"If this is {remedy.kind}" if rollout_lag is None else f"For {remedy.kind}"
         caution = f" But {remedy.caution}." if remedy.caution else ""
-        if correction is not None and correction == remedy.config():
+        advised, measured = lag0_text(remedy, lag0_kl)
+        on_remedy = correction is not None and correction == remedy.config()
+        if not advised:
+            parts.append(f"{head}: {measured}. There, {remedy.caution}. So {remedy.method} is not advised"
+                         + (f", and this run uses it ({remedy.setting}): TRL's default (vllm_importance_sampling_mode="
+                            "sequence_mask, the trl_default preset) is what it was measured against"
+                            if on_remedy else "")
+                         + "; what remains: a lower learning rate, or less mismatch at its source (a more precise "
+                           "engine / sync more often).")
+        elif on_remedy:
             parts.append(f"{head}, this run already uses what was confirmed to train best in {where}, "
                          f"{remedy.setting}; what remains: lower the learning rate, or reduce the mismatch at its "
-                         f"source (sync more often / a more precise engine).{caution}")
+                         f"source (sync more often / a more precise engine).{caution}"
+                         + (f" Here {measured}." if measured else ""))
         else:
             parts.append(f"{head}, {remedy.method} was confirmed to train better than TRL's default in {where}: "
-                         f"{remedy.evidence}. Switch to it: {remedy.setting}.{caution}")
+                         f"{remedy.evidence}. Switch to it: {remedy.setting}.{caution}"
+                         + (f" Here {measured}." if measured else ""))
     if unsupported:
         parts.append(
             f"No correction is confirmed to help with {' or '.join(KINDS[k] for k in unsupported)}: in {BENCHMARK}, "

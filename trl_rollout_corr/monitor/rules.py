@@ -29,7 +29,9 @@ Rules (an alert holds once its condition has been true for ``patience_steps`` op
   pi_rollout, >= 0 in expectation) <= -``negative_kl_tolerance``: the pi_rollout log-probs are not those of the
   sampler (temperature / processing / hand-over bug).
 
-The mismatch levels (``kl``, ``k3_kl``, ``chi2_token``) never trigger an alert; they are quoted in messages.
+The mismatch levels (``kl``, ``k3_kl``, ``chi2_token``) never trigger an alert; they are quoted in messages. The
+smoothed ``lag_0/kl`` (logged by the asynchronous trainer) never triggers one either: it decides whether the collapse
+advice may name the stale remedy (:func:`.advice.lag0_text`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ SIGNALS = {  # smoothed name -> logged key (TRL's own, or ours from the registry
     "kl": metric("kl"),
     "k3": metric("k3_kl"),
     "chi2": metric("chi2_token"),
+    "kl_lag0": metric("lag_0/kl"),  # the asynchronous trainer's gap without staleness: shapes the collapse advice
 }
 DEFAULTS: dict[str, Any] = dict(
     smoothing_steps=5, warmup_steps=10, patience_steps=5,
@@ -210,4 +213,4 @@ class AlertRules:
 
     def _collapse_advice(self) -> str:
         has_metrics = "kl" in self.ema or "ess" in self.ema
-        return collapse_advice(self.correction, self.rollout_lag, self.corrected, has_metrics)
+        return collapse_advice(self.correction, self.rollout_lag, self.corrected, has_metrics, self.ema.get("kl_lag0"))
