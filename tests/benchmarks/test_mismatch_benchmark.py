@@ -364,6 +364,28 @@ def test_experiment_b_a_smaller_gap_bypass_still_trains_worse_held_out_too():
                   advice.REMEDIES["stale"].caution)
 
 
+def test_experiment_e_a_smaller_gap_still_bypass_trains_worse_held_out_too():
+    """Experiment E (pre-registration 16: B's setting at noise sigma 0.8, 2.05e-3 per token at step 0, seeds
+    185-194), from the committed CSVs: M3 - M1 significant by both tests, negative, and negative again on seeds
+    195-199 (survives), so F runs and the monitor's lag-0 bound is E's level; the caution quotes it."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_E_CSV))
+    assert {r["seed"] for r in runs} == set(mt.E_SEEDS) and {r["method"] for r in runs} == {"M1", "M3"}
+    _, e = mt.analyse_family(runs, list(mt.E_SEEDS), "S2E", (("S2E", "M3"),), "E")
+    (m3,) = e["family"]
+    assert (round(m3["diff"], 3), round(m3["diff_lo"], 3), round(m3["diff_hi"], 3)) == (-.046, -.085, -.006)
+    assert m3["p_sign_flip_holm"] == pytest.approx(16 / 1024) and 0.01 < m3["p_holm"] < 0.05  # 8 of 10 below
+    assert mt.q_held_out_methods(e, signed=True) == ["M3"] and not e["confirmed"]
+    held = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.LADDER_CSV["E"][1]))
+    assert {r["seed"] for r in held} == set(mt.E_HELD_OUT)
+    text = mt.q_held_out_text(runs + held, e, list(mt.E_HELD_OUT), "S2E", signed=True)
+    assert e["held_out"]["M3"]["survives"] and "-0.0251 [-0.0373, -0.0129]" in text
+    assert all(1.1e-3 < r["kl_token"] < 5.0e-3 and 0.29 < r["t_kl"] < 1.26 for r in runs + held)
+    assert_quoted(("−0.046 [−0.085, −0.006]", "−0.025 [−0.037, −0.013]"), "−0.046 [−0.085, −0.006]",
+                  advice.REMEDIES["stale"].caution)
+
+
 def test_the_pooled_alarm_on_the_committed_runs_is_not_adopted_with_one_collapse():
     """Pre-registration 14 on the committed CSVs: 75 later runs of TRL's default, one collapse (Z's held-out seed
     122), alarmed; one false alarm (A, seed 163) in 74: not adopted (needs 2 collapses); the docs quote it."""

@@ -129,24 +129,26 @@ def with_lag0(rows, lag0_kl):
 @pytest.mark.parametrize("lag", [4, None])
 def test_a_measured_lag0_gap_at_the_bound_withholds_the_stale_remedy(lag):
     """Pre-registration 16 (issue 37): a run logging rollout_corr/lag_0/kl at or above LAG0_CAUTION_KL (the smallest
-    gap at which bypass was measured worse and held out: B's 4.41e-3) is not told to switch to ppo_is_bypass; the
-    message quotes its lag-0 KL, the bound and the measured cost; a run already on bypass is told what it was
-    measured against; below the bound, the remedy is said with both numbers; no metric, no lag-0 text."""
-    assert advice.LAG0_CAUTION_KL == 4.41e-3 and advice.LAG0_KEY == "rollout_corr/lag_0/kl"
+    gap at which bypass was measured worse and held out; equal to lag0_caution_kl() of the committed results,
+    tests/benchmarks/test_mismatch_train.py) is not told to switch to ppo_is_bypass; the message quotes its lag-0 KL,
+    the bound and the measured cost; a run already on bypass is told what it was measured against; below the bound,
+    the remedy is said with both numbers; no metric, no lag-0 text."""
+    bound = advice.LAG0_CAUTION_KL
+    assert 5e-4 < bound < 1e-2 and advice.LAG0_KEY == "rollout_corr/lag_0/kl"
     rows = load(COLLAPSE)["rows"]
     geo = RolloutCorrectionConfig.from_preset("decoupled_geo_rs")
     bypass = RolloutCorrectionConfig.ppo_is_bypass()
-    for gap in (4.41e-3, 6e-3):  # at the bound (the EMA of a constant is exact) and above it
+    for gap in (bound, 3 * bound):  # at the bound (the EMA of a constant is exact) and above it
         message = replay(with_lag0(rows, gap), correction=geo, rollout_lag=lag).alerts[0]["message"]
-        assert f"smoothed rollout_corr/lag_0/kl = {gap:.3g} per token, at or above 0.00441" in message
+        assert f"smoothed rollout_corr/lag_0/kl = {gap:.3g} per token, at or above {bound:.3g}" in message
         assert "So ppo_is_bypass is not advised" in message and "-0.100 [-0.145, -0.054]" in message
         assert "Switch to it" not in message and "rollout_correction_preset=ppo_is_bypass" not in message
         on_bypass = replay(with_lag0(rows, gap), correction=bypass, rollout_lag=lag).alerts[0]["message"]
         assert "is not advised, and this run uses it" in on_bypass and "sequence_mask" in on_bypass
         assert "already uses what was confirmed" not in on_bypass
-    below = replay(with_lag0(rows, 4.4e-3), correction=geo, rollout_lag=lag).alerts[0]["message"]
+    below = replay(with_lag0(rows, 0.98 * bound), correction=geo, rollout_lag=lag).alerts[0]["message"]
     assert "Switch to it: rollout_correction_preset=ppo_is_bypass" in below and "not advised" not in below
-    assert "lag_0/kl = 0.0044 per token, below 0.00441" in below
+    assert f"lag_0/kl = {0.98 * bound:.3g} per token, below {bound:.3g}" in below
     assert below.index("But where the engine ALSO") < below.index("Here this run's engine differs")
     plain = replay(rows, correction=geo, rollout_lag=lag).alerts[0]["message"]
     assert "lag_0" not in plain and "Switch to it: rollout_correction_preset=ppo_is_bypass" in plain
