@@ -101,9 +101,43 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
               "dropped": sum(log.get("sample/dropped_stale_total", 0.0) for log in recorder.logs),
               "staleness_mean": mean("sample/staleness_mean"), "lag_mean": mean(metric("lag_mean")),
               "kl": mean(metric("kl")), "k3_kl": mean(metric("k3_kl")),
-              "ppo_kl": mean("kl")}
+              "ppo_kl": mean("kl"), "metric_ranges": metric_ranges(recorder.logs)}
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+RANGED_PREFIXES = ("rollout_corr/lag_", "rollout_corr/grad_share_", "rollout_corr/t_kl_", "rollout_corr/k3_kl_len_")
+
+
+def metric_ranges(logs: list[dict]) -> dict[str, list[float]]:
+    """Per logged key of the per-lag and "does it hurt?" metrics (``RANGED_PREFIXES``): [min, mean, max] over the
+    run's logged rows (each row a mean over ``logging_steps`` optimizer steps); non-finite values are skipped."""
+    values: dict[str, list[float]] = {}
+    for row in logs:
+        for key, value in row.items():
+            if key.startswith(RANGED_PREFIXES) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return {key: [min(v), statistics.fmean(v), max(v)] for key, v in sorted(values.items())}
+
+
+def ranges_table(output_dir: str) -> str:
+    """Markdown: per variant and metric, the smallest, the mean of the run means and the largest logged value over
+    the runs in ``output_dir`` that recorded ``metric_ranges`` (the docs' measured ranges)."""
+    per: dict[tuple[str, int], dict[str, list[list[float]]]] = {}
+    for name in sorted(os.listdir(output_dir)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(output_dir, name)) as f:
+            r = json.load(f)
+        for key, lo_mean_hi in r.get("metric_ranges", {}).items():
+            per.setdefault((r["variant"], r["staleness"]), {}).setdefault(key, []).append(lo_mean_hi)
+    lines = ["| variant | max_staleness | metric | runs | min | mean of run means | max |",
+             "|---|---|---|---|---|---|---|"]
+    for (variant, staleness), metrics in sorted(per.items()):
+        for key, runs in sorted(metrics.items()):
+            lines.append(f"| {variant} | {staleness} | `{key}` | {len(runs)} | {min(r[0] for r in runs):.3g} | "
+                         f"{statistics.fmean(r[1] for r in runs):.3g} | {max(r[2] for r in runs):.3g} |")
+    return "\n".join(lines)
 
 
 def run_sync(seed: int, steps: int, eval_every: int, out: str) -> None:
@@ -122,6 +156,9 @@ def main() -> None:
     p.add_argument("--output_dir", default="outputs/async_staleness")
     p.add_argument("--reanalyse", metavar="CSV", help="recompute the statistics of an async_staleness_results.csv "
                    "from its per-seed column, rewrite it in place and print the table; runs nothing")
+    p.add_argument("--ranges", action="store_true",
+                   help="print the per-lag and 'does it hurt?' metrics' measured ranges of the runs in --output_dir "
+                        "(docs/metrics.md); runs nothing")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # variant seed staleness url out
     p.add_argument("--results", default=None,
                    help="write the rows with all --seeds to this CSV (docs/async.md's table: benchmarks/results/"
@@ -131,6 +168,9 @@ def main() -> None:
         rows = analyse(read_results(a.reanalyse))
         write_results(rows, a.reanalyse)
         print(markdown(rows))
+        return
+    if a.ranges:
+        print(ranges_table(a.output_dir))
         return
     if a.results:
         rows = result_rows(a.output_dir, [int(s) for s in a.seeds.split(",")])

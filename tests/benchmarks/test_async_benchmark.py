@@ -7,6 +7,7 @@ distribution) and agree with the review's own recomputation (benchmark-review-20
 notes)."""
 
 import itertools
+import json
 import math
 import os
 from statistics import fmean, stdev
@@ -77,3 +78,18 @@ def test_the_reviews_paired_recomputation_agrees(rows):
     assert (dec["vs_trl_as_is_lo"], dec["vs_trl_as_is_hi"]) == pytest.approx((-0.140, -0.057), abs=1e-3)
     assert dec["p_paired"] == pytest.approx(0.003, abs=5e-4) and trl16["p_paired"] == pytest.approx(0.002, abs=5e-4)
     assert dec["p_holm"] < 0.05 and trl16["p_holm"] < 0.05  # both survive Holm over the table
+
+
+def test_metric_ranges_pool_the_logged_rows_and_the_runs(tmp_path):
+    """The measured ranges docs/metrics.md quotes: per run [min, mean, max] over logged rows of the per-lag and "does
+    it hurt?" keys only (non-finite skipped); per variant, min of mins, mean of run means, max of maxes."""
+    logs = [{"loss": 1.0, "rollout_corr/lag_0/kl": 1e-3, "rollout_corr/kl": 5.0, "rollout_corr/t_kl_mean": 0.2},
+            {"loss": 1.0, "rollout_corr/lag_0/kl": 3e-3, "rollout_corr/lag_1/k3_kl": float("nan")}]
+    ranges = async_staleness.metric_ranges(logs)
+    assert ranges == {"rollout_corr/lag_0/kl": [1e-3, 2e-3, 3e-3], "rollout_corr/t_kl_mean": [0.2, 0.2, 0.2]}
+    for seed, r in ((0, ranges), (1, {"rollout_corr/lag_0/kl": [0.0, 4e-3, 9e-3]})):
+        with open(tmp_path / f"v-s4-{seed}.json", "w") as f:
+            json.dump({"variant": "ppo_is_bypass", "staleness": 4, "metric_ranges": r}, f)
+    table = async_staleness.ranges_table(str(tmp_path))
+    assert "| ppo_is_bypass | 4 | `rollout_corr/lag_0/kl` | 2 | 0 | 0.003 | 0.009 |" in table
+    assert "| ppo_is_bypass | 4 | `rollout_corr/t_kl_mean` | 1 | 0.2 | 0.2 | 0.2 |" in table
