@@ -380,6 +380,28 @@ def test_gap_ladder_bypass_trains_worse_and_survives_held_out(name):
     assert_quoted(want["quoted"], want["quoted"][0], advice.REMEDIES["stale"].caution)
 
 
+def test_experiment_f_the_smallest_gap_shows_no_significant_difference():
+    """Experiment F (pre-registration 16: sigma 0.6, run because E survived; seeds 200-209), from the committed CSV:
+    M3 - M1 -0.012 [-0.049, +0.025], sign-flip p 490/1024, paired t p 0.48: not significant, so no held-out seeds
+    and the lag-0 bound stays E's; TOST at +-0.02 does not show them equal; the docs and the monitor quote it."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TARGET_F_CSV))
+    assert {r["seed"] for r in runs} == set(mt.F_SEEDS) and {r["method"] for r in runs} == {"M1", "M3"}
+    assert not os.path.exists(os.path.join(mt.RESULTS, mt.LADDER_CSV["F"][1]))
+    _, f = mt.analyse_family(runs, list(mt.F_SEEDS), "S2F", (("S2F", "M3"),), "F")
+    (m3,) = f["family"]
+    assert (round(m3["diff"], 3), round(m3["diff_lo"], 3), round(m3["diff_hi"], 3)) == (-.012, -.049, .025)
+    assert m3["p_sign_flip_holm"] == pytest.approx(490 / 1024) and m3["p_holm"] == pytest.approx(0.481, abs=1e-3)
+    assert mt.q_held_out_methods(f, signed=True) == []
+    text = mt.q_tost_text(runs, list(mt.F_SEEDS), f, "S2F", (("S2F", "M3"),))
+    assert "| M3 − M1 | 10 | -0.0120 | [-0.0418, +0.0179] | 0.317 | no |" in text
+    assert mt.lag0_caution_kl() == pytest.approx(2.05e-3)
+    assert all(9.9e-4 < r["kl_token"] < 2.9e-3 and 0.25 < r["t_kl"] < 0.74 for r in runs)
+    assert_quoted(("−0.012 [−0.049, +0.025]", "[−0.042, +0.018]"), "−0.012 [−0.049, +0.025]",
+                  advice.LAG0_BELOW_FOUND)
+
+
 def test_the_pooled_alarm_on_the_committed_runs_is_not_adopted_with_one_collapse():
     """Pre-registration 14 on the committed CSVs: 75 later runs of TRL's default, one collapse (Z's held-out seed
     122), alarmed; one false alarm (A, seed 163) in 74: not adopted (needs 2 collapses); the docs quote it."""

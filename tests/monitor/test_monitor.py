@@ -149,6 +149,7 @@ def test_a_measured_lag0_gap_at_the_bound_withholds_the_stale_remedy(lag):
     below = replay(with_lag0(rows, 0.98 * bound), correction=geo, rollout_lag=lag).alerts[0]["message"]
     assert "Switch to it: rollout_correction_preset=ppo_is_bypass" in below and "not advised" not in below
     assert f"lag_0/kl = {0.98 * bound:.3g} per token, below {bound:.3g}" in below
+    assert advice.LAG0_BELOW_FOUND in below and "not significant (-0.012 [-0.049, +0.025]" in below
     assert below.index("But where the engine ALSO") < below.index("Here this run's engine differs")
     plain = replay(rows, correction=geo, rollout_lag=lag).alerts[0]["message"]
     assert "lag_0" not in plain and "Switch to it: rollout_correction_preset=ppo_is_bypass" in plain

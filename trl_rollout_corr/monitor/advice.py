@@ -35,7 +35,8 @@ samples the current policy drew, i.e. the engine's own gap without staleness) ha
 ``LAG0_CAUTION_KL`` -- the smallest step-0 noise-only per-token KL at which ``ppo_is_bypass`` trained significantly
 worse than TRL's default and stayed worse on held-out seeds (``lag0_caution_kl()`` of the committed results) -- the
 stale remedy is NOT advised (a run already on it is told it trained worse there); below it, the remedy is said with the
-run's lag-0 KL and that bound. Without the metric the message is as above.
+run's lag-0 KL, that bound and what the smallest gap measured found (experiment F: 8.7e-4, not significant).
+Without the metric the message is as above.
 
 For a kind without a remedy the advice names the metrics to watch and the benchmark page, no preset. The monitor
 tells the kinds apart by what it is told about the engine (``rollout_lag``): a lag > 0 is a stale engine, 0 a
@@ -126,6 +127,9 @@ REMEDIES: dict[str, Remedy] = {
 # equal)
 LAG0_CAUTION_KL = 2.05e-3
 LAG0_KEY = metric("lag_0/kl")
+# below the bound: what the smallest gap measured found (experiment F, not significant, so it does not move the bound)
+LAG0_BELOW_FOUND = ("at 8.7e-4 (S2F, experiment F: per-token KL 1.0e-3-2.9e-3, T * KL 0.25-0.73) the difference was "
+                    "not significant (-0.012 [-0.049, +0.025], p 0.48) and not shown equal either")
 
 
 # Truncated sampling (top-k / top-p / min-p): experiment P of benchmarks/mismatch_train.py (scenario S3) found a cost
@@ -157,7 +161,7 @@ def lag0_text(remedy: Remedy, lag0_kl: float | None) -> tuple[bool, str]:
         return False, (f"{said}, at or above {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {remedy.method} "
                        f"trained significantly WORSE than TRL's default and stayed worse on held-out seeds")
     return True, (f"{said}, below {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {remedy.method} was measured "
-                  "to train worse than TRL's default")
+                  f"to train worse than TRL's default; {LAG0_BELOW_FOUND}")
 
 
 def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | None, has_metrics: bool,
