@@ -93,3 +93,21 @@ def test_metric_ranges_pool_the_logged_rows_and_the_runs(tmp_path):
     table = async_staleness.ranges_table(str(tmp_path))
     assert "| ppo_is_bypass | 4 | `rollout_corr/lag_0/kl` | 2 | 0 | 0.003 | 0.009 |" in table
     assert "| ppo_is_bypass | 4 | `rollout_corr/t_kl_mean` | 1 | 0.2 | 0.2 | 0.2 |" in table
+
+
+def test_the_committed_lag_metric_ranges_are_what_docs_metrics_quotes():
+    """benchmarks/results/async_lag_metric_ranges.md (the --ranges output docs/metrics.md cites): no rejection at any
+    lag, no gap at lag 0 on the float32 server, most samples at lag 5, and the quoted bounds."""
+    path = os.path.join(ROOT, "benchmarks", "results", "async_lag_metric_ranges.md")
+    rows = {}
+    for line in open(path):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[2].startswith("`rollout_corr/"):
+            rows[(cells[0], cells[2].strip("`"))] = tuple(float(c) for c in cells[4:])
+    presets = ("ppo_is_bypass", "decoupled_token_is")
+    assert all(rows[(v, f"rollout_corr/lag_{k}/rejected_token_fraction")][2] == 0 for v in presets for k in range(6))
+    assert all(abs(x) < 1e-7 for v in presets for x in rows[(v, "rollout_corr/lag_0/kl")])
+    assert [round(rows[(v, "rollout_corr/lag_5/sample_fraction")][1], 2) for v in presets] == [0.70, 0.73]
+    assert round(rows[("decoupled_token_is", "rollout_corr/lag_3/is_weight_mean")][0], 2) == 0.77
+    doc = open(os.path.join(ROOT, "docs", "metrics.md")).read()
+    assert "0.77–1.01 under `decoupled_token_is`" in doc and "run means 0.70–0.73" in doc
