@@ -159,8 +159,9 @@ def test_a_measured_lag0_gap_at_the_bound_withholds_the_stale_remedy(lag):
 
 def test_the_lag0_gap_never_alerts_on_its_own():
     """rollout_corr/lag_0/kl shapes the collapse advice only: a huge lag-0 gap on a healthy trace raises nothing."""
-    for name in HEALTHY:
-        assert replay(with_lag0(load(name)["rows"], 0.5), rollout_lag=4).alerts == []
+    for name in HEALTHY:  # huge either way: were it read as kl, -0.5 would raise negative_kl
+        for gap in (0.5, -0.5):
+            assert replay(with_lag0(load(name)["rows"], gap), rollout_lag=4).alerts == []
 
 
 def test_collapse_advice_follows_what_is_known_about_the_engine(monkeypatch):
