@@ -625,6 +625,13 @@ SMOKE = dict(hidden=32, layers=1, heads=2, n_digits=6, base_steps=3, warmup_step
              steps=2, long_digits=8, xl_digits=10, xl_base_steps=4)
 
 
+def full_size() -> dict:
+    """The CPU size of every run (``--size full``); a scenario's length comes from :func:`cell_size`."""
+    return dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
+                warmup_steps=WARMUP_STEPS, n_eval=N_EVAL, eval_every=EVAL_EVERY, long_digits=S2L_DIGITS,
+                xl_digits=X_DIGITS, xl_base_steps=X_BASE_STEPS)
+
+
 def _stats():
     from benchmarks import stats
 
@@ -2149,9 +2156,7 @@ def main(argv=None) -> None:
                         "committed results (no training)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    size = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, n_digits=48, base_steps=BASE_STEPS,
-                warmup_steps=WARMUP_STEPS, n_eval=N_EVAL, eval_every=EVAL_EVERY, long_digits=S2L_DIGITS,
-                xl_digits=X_DIGITS, xl_base_steps=X_BASE_STEPS)
+    size = full_size()
     if a.s2l_lag is not None:
         global S2L_LAG
         S2L_LAG = a.s2l_lag

@@ -1,0 +1,311 @@
+"""S4 of issue 36: TRL's asynchronous trainer itself, in the regime of real runs (T = 257), with a precision-like gap
+inside the real vLLM engine, analysed as a pre-registered paired experiment (pre-registration 17 below).
+
+Experiments A, B and E of ``benchmarks/mismatch_train.py`` found, in the SYNCHRONOUS trainer with an emulated
+4-step-stale engine that also samples with dense logit noise, that ``ppo_is_bypass`` (the asynchronous trainer's loss:
+TRL's ``AsyncGRPOTrainer`` is bypass PPO by construction) trains worse than TRL's synchronous default
+(``sequence_mask``, C = 3). Only a run of the asynchronous trainer itself may change its default (pre-registration
+16). This runs it:
+
+* **Engine**: one ``trl-rollout-corr vllm-serve-async`` server (vLLM's CPU build, float32) serving the psum model,
+  sampling with ``GaussianLogitNoise`` (:mod:`trl_rollout_corr.testing.logit_noise`): every logit + N(0, sigma^2),
+  the log-probs returned are the noisy distribution's (vLLM's ``processed_logprobs``). Staleness is the asynchronous
+  trainer's own (``max_staleness`` 4, TRL's default; the lag each sample reaches the loss at is logged).
+* **Task, model, schedule**: experiment E's (``mismatch_train.py``'s target regime): running prefix sums of 256
+  digits (T = 257), the 465k-parameter Qwen2-style model from the shared base checkpoint after each seed's warm-up,
+  lr ``X_LR``, 30 optimizer steps of 16 completions (2 prompts x 8), score = the policy's own held-out reward (64
+  fixed prompts, no noise, no staleness) averaged over the last 30% of the steps (``mismatch_train.policy_reward``).
+* **Arms**: ``trl_as_is`` = TRL's ``AsyncGRPOTrainer`` itself, unmodified (TRL's default in S4, by TRL's code); the
+  others are this package's ``RolloutCorrAsyncGRPOTrainer`` with a preset. ``ARMS`` / ``FAMILY`` below.
+
+    python benchmarks/async_mismatch.py --arms trl_as_is,trl_default,decoupled_token_is --seeds 185-194 --out DIR
+    python benchmarks/async_mismatch.py --sigma 0 --arms trl_as_is --seeds 185-194 --out DIR   # the cost check
+    python benchmarks/async_mismatch.py --report_only --out DIR                                  # the analysis
+
+Each run is its own process, one at a time (the server and the trainer share the 2 cores); a finished run is one
+JSON that a re-run skips. The shared base model and the warm-ups are ``mismatch_train.py``'s (``--base_dir``: a
+folder holding ``base_n256_s400.pt``; the warm-ups are saved beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if not __package__:  # run as a script: this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks import mismatch_train as mt  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------ pre-registration 17
+# Fixed 2026-11-27 before any paired run (one timing pilot only: trl_as_is, seed 99, not a family seed, 183 s, score
+# 0.900, TRL's logged kl at step 0 (lag 0) 4.4e-3 = D_PILOT's 4.41e-3 for sigma 1.0 on the same warm-up: the vLLM
+# noise is the synchronous experiments' gap). The analysis reads only these.
+ARMS = {  # arm -> this package's correction fields (None: TRL's AsyncGRPOTrainer itself, unmodified)
+    "trl_as_is": None,  # TRL's default in S4 (its loss is bypass PPO: ppo_is_bypass's gradient, tested)
+    "trl_default": dict(rollout_correction_preset="trl_default"),  # TRL's synchronous default (sequence_mask, C=3)
+    "decoupled_token_is": dict(rollout_correction_preset="decoupled_token_is"),  # runnable, not in the family
+}
+REFERENCE = "trl_as_is"
+FAMILY = (("S4", "trl_default"),)  # trl_default - trl_as_is; Holm over this one
+SIGMA = 1.0  # experiment B's dense gap (4.41e-3 per token at step 0), where the synchronous finding is -0.081
+COST_SIGMA = 0.0  # the cost check: trl_as_is without the gap (the staleness of asynchrony only)
+SEEDS = tuple(range(185, 195))  # experiment E's seeds: their warm-ups exist (mismatch_train's warm_model)
+HELD_OUT = tuple(range(195, 200))  # run only if the family row is significant; the sign must hold
+FAMILY_ARMS = ("trl_as_is", "trl_default")  # run seed by seed (a partial run leaves whole paired seeds)
+RULES = """Pre-registration 17 (S4: TRL's asynchronous trainer itself, T = 257, a dense precision-like gap in vLLM).
+1. The family: trl_default - trl_as_is (paired by seed, seeds 185-194), exact sign-flip and paired t; significant iff
+   both p < 0.05 (Holm over 1). Run first, seed by seed.
+2. Held out: only if (1) is significant, both arms on seeds 195-199; confirmed iff the mean difference has the same
+   sign (no test: 5 seeds).
+3. The cost check, run after (1) and (2) if the session's time allows: trl_as_is at sigma 0 on seeds 185-194; the gap
+   costs iff trl_as_is(sigma 1) - trl_as_is(sigma 0) < 0 significant (both tests). Not run: reported as not run, and a
+   confirmed row (2) is then reported without the claim that S4's gap costs anything.
+4. Decisions: the asynchronous trainer's default (ppo_is_bypass = TRL's own loss) changes to trl_default only if (1)
+   is significant above 0, (2) confirms it, (3) shows a cost, AND a sigma-0 run shows trl_default TOST-equivalent to
+   trl_as_is within +-0.02 (not registered here: a later experiment). Below 0 and confirmed: the docs and the monitor
+   say that in the asynchronous trainer TRL's own loss beat TRL's synchronous default at this gap (the synchronous
+   experiments' advice does not carry over). Not significant: reported with its interval and a TOST at +-0.02.
+Regime recorded per run: TRL's logged kl at lag 0 (the gap), this package's rollout_corr/kl and lag_<k>/kl (the
+trl_default arm), the lag each sample reached the loss at, dropped samples."""
+MAX_STALENESS = 4  # TRL's default
+STEPS = mt.X_STEPS  # 30
+N_DIGITS = mt.X_DIGITS  # 256: T = 257
+PER_STEP = mt.GEN_PROMPTS * mt.NUM_GENERATIONS // mt.STEPS_PER_GENERATION  # 16 completions per optimizer step
+
+
+def run_path(out: str, arm: str, sigma: float, seed: int) -> str:
+    return os.path.join(out, "runs", f"S4__{arm}__sigma{sigma:g}__seed{seed}.json")
+
+
+def size() -> dict:
+    """Experiment E's sizes (mismatch_train's full size at the target regime's length)."""
+    return {**mt.cell_size("S2E", mt.full_size()), "device": "cpu", "bf16": False, "name": "full"}
+
+
+def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: str, out_path: str) -> dict:
+    """Train one (arm, seed) against the running server and write its JSON."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+
+    from trl_rollout_corr.core.metric_names import metric
+    from trl_rollout_corr.testing.psum_task import psum_prompts
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    t0 = time.time()
+    sz = size()
+    tok = chat_tokenizer(sz)
+    model = served_model(mt.warm_model(mt.task_model(sz, N_DIGITS), tok, base, sz, seed))  # E's model, servable
+    evaluator = served_model(mt.task_model(sz, N_DIGITS)).eval()  # plain attention: the trainer's may be packed
+    held_out = psum_prompts(sz["n_eval"], N_DIGITS, seed=777_777)  # mismatch_train's held-out prompts
+    curve = [(0, mt.policy_reward(model, tok, held_out, N_DIGITS))]
+    logs: list[dict] = []
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            tail_step = step >= (1 - mt.TAIL) * STEPS and step % mt.TAIL_EVAL_EVERY == 0
+            if step % sz["eval_every"] == 0 or tail_step or step == STEPS:
+                evaluator.load_state_dict(model.state_dict())
+                curve.append((step, mt.policy_reward(evaluator, tok, held_out, N_DIGITS)))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                rows.append({"step": state.global_step, **numbers})
+
+    rows = logs
+    prompts = [[{"role": "user", "content": p}] for p in psum_prompts(STEPS * PER_STEP * 4 + 256, N_DIGITS, seed=seed)]
+    common = dict(per_device_train_batch_size=PER_STEP, num_generations=mt.NUM_GENERATIONS,
+                  max_completion_length=N_DIGITS + 1, learning_rate=mt.X_LR, lr_scheduler_type="constant",
+                  adam_beta2=0.99, max_grad_norm=1.0, temperature=1.0, epsilon=0.2, max_steps=STEPS, logging_steps=1,
+                  save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+                  disable_tqdm=True, dtype="float32", seed=seed, max_staleness=MAX_STALENESS, token_budget=-1,
+                  vllm_server_base_url=url, weight_sync_steps=1)
+    model.save_pretrained(model_dir)  # TRL's cold sync at train begin loads this run's weights into the server
+    tok.save_pretrained(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        kwargs = dict(model=model_dir, reward_funcs=psum_chat_reward, processing_class=tok,
+                      train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Recorder()])
+        if ARMS[arm] is None:
+            from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+            from trl_rollout_corr.async_grpo import CPUFileWeightTransfer, install_cpu_support
+            from trl_rollout_corr.vllm.security import find_token
+
+            install_cpu_support()
+            transfer = CPUFileWeightTransfer(url, find_token(int(url.rsplit(":", 1)[1])))
+            trainer = AsyncGRPOTrainer(args=AsyncGRPOConfig(output_dir=tmp, **common), weight_transfer=transfer,
+                                       **kwargs)
+        else:
+            from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
+
+            args = RolloutCorrAsyncGRPOConfig(output_dir=tmp, **ARMS[arm], **common)
+            trainer = RolloutCorrAsyncGRPOTrainer(args=args, **kwargs)
+        trainer.train()
+
+    def mean(key):
+        values = [row[key] for row in logs if key in row and math.isfinite(row[key])]
+        return statistics.fmean(values) if values else math.nan
+
+    tail = [r for s, r in curve if s >= (1 - mt.TAIL) * STEPS and s > 0]
+    result = dict(scenario="S4", arm=arm, seed=seed, sigma=sigma, steps=STEPS, lr=mt.X_LR, n_digits=N_DIGITS,
+                  max_staleness=MAX_STALENESS, score=statistics.fmean(tail), curve=curve, initial=curve[0][1],
+                  final=curve[-1][1], collapsed=curve[-1][1] < mt.COLLAPSE_FRACTION * curve[0][1],
+                  staleness_mean=mean("sample/staleness_mean"), lag_mean=mean(metric("lag_mean")),
+                  kl=mean(metric("kl")), k3_kl=mean(metric("k3_kl")), lag0_kl=mean(metric("lag_0/kl")),
+                  trl_kl=mean("kl"), trl_kl_first=logs[0].get("kl", math.nan) if logs else math.nan,
+                  dropped=sum(row.get("sample/dropped_stale_total", 0.0) for row in logs),
+                  logs=logs, seconds=time.time() - t0)
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out_path + ".tmp", out_path)
+    return result
+
+
+SERVED_HEAD_DIM = 32  # vLLM's CPU attention supports head sizes 32, 64, 80, ... (not the task model's 24)
+
+
+def served_model(qwen2, head_dim: int = SERVED_HEAD_DIM):
+    """The same function as the task's Qwen2 model (``qwen2``) as a Llama model whose attention heads are zero-padded
+    from d = hidden / heads to ``head_dim`` (vLLM's Qwen2 fixes d = hidden / heads; its Llama reads ``head_dim``).
+
+    Per head, dims [0, d/2) and [d/2, d) of q, k, v go to [0, d/2) and [D/2, D/2 + d/2) (D = ``head_dim``), so
+    rotate_half pairs (j, j + D/2) are the original pairs (j, j + d/2); RoPE's frequencies theta'^(-2j/D) equal
+    theta^(-2j/d) with theta' = theta^(D/d); q (weight and bias) is scaled by sqrt(D/d), which turns the attention
+    scale D^-1/2 back into d^-1/2; o_proj reads the same dims (zero bias: Llama's ``attention_bias`` covers o_proj
+    too). The padded dims have zero gradient (q_pad . k_pad = 0 and o_proj's padded columns are 0), so training moves
+    exactly the original parameters: the trainer trains the task model, the server serves it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = qwen2.config
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    d = c.hidden_size // heads
+    theta = c.rope_parameters["rope_theta"]
+    rope = {"rope_type": "default", "rope_theta": theta ** (head_dim / d)}
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                         rope_parameters=rope,
+                         attention_bias=True, mlp_bias=False, tie_word_embeddings=False, pad_token_id=c.pad_token_id,
+                         eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id, hidden_act=c.hidden_act)
+    llama = LlamaForCausalLM(config)
+    half = d // 2
+    dim_map = torch.cat([torch.arange(half), head_dim // 2 + torch.arange(half)])  # (d,) original dim -> padded dim
+
+    def pad_rows(weight, n_heads, scale=1.0):  # (n_heads * d, ...) -> (n_heads * D, ...)
+        out = weight.new_zeros((n_heads, head_dim) + weight.shape[1:])
+        out[:, dim_map] = weight.reshape((n_heads, d) + weight.shape[1:]) * scale
+        return out.reshape((n_heads * head_dim,) + weight.shape[1:])
+
+    source = qwen2.state_dict()
+    state = {k: v.clone() for k, v in source.items() if ".self_attn." not in k}
+    for i in range(c.num_hidden_layers):
+        a = f"model.layers.{i}.self_attn."
+        scale = (head_dim / d) ** 0.5
+        state[a + "q_proj.weight"] = pad_rows(source[a + "q_proj.weight"], heads, scale)
+        state[a + "q_proj.bias"] = pad_rows(source[a + "q_proj.bias"], heads, scale)
+        for name in ("k_proj", "v_proj"):
+            state[a + name + ".weight"] = pad_rows(source[a + name + ".weight"], kv_heads)
+            state[a + name + ".bias"] = pad_rows(source[a + name + ".bias"], kv_heads)
+        state[a + "o_proj.weight"] = pad_rows(source[a + "o_proj.weight"].T, heads).T.contiguous()
+        state[a + "o_proj.bias"] = torch.zeros_like(llama.state_dict()[a + "o_proj.bias"])
+    llama.load_state_dict(state)
+    llama.generation_config.pad_token_id = c.pad_token_id
+    llama.generation_config.eos_token_id = c.eos_token_id
+    return llama
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a user turn renders as the plain prompt
+
+
+def chat_tokenizer(sz: dict):
+    """The psum tokenizer with a chat template rendering ``[{"role": "user", "content": p}]`` as ``p`` (the same ids
+    as the plain prompt) and TRL's Qwen3 response template, as TRL's asynchronous trainer needs."""
+    from trl.chat_template_utils import qwen3_template
+
+    tok = mt.task_tokenizer(sz)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.response_template = qwen3_template
+    return tok
+
+
+def psum_chat_reward(prompts, completions, completion_ids=None, **_) -> list[float]:
+    """``psum_reward`` on conversational prompts; the completion read from its token ids (TRL's response parser,
+    made for chat models, would leave the prompt in a plain completion's text)."""
+    from trl_rollout_corr.testing.psum_task import VOCAB, psum_reward
+
+    def text(x):
+        return x[-1]["content"] if isinstance(x, list) else x
+
+    texts = ([" ".join(VOCAB[i] for i in ids) for ids in completion_ids]
+             if completion_ids is not None else [text(c) or "" for c in completions])
+    return psum_reward([text(p) for p in prompts], texts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default=",".join(FAMILY_ARMS))
+    p.add_argument("--seeds", default="185-194")
+    p.add_argument("--sigma", type=float, default=SIGMA)
+    p.add_argument("--out", default="outputs/async_mismatch")
+    p.add_argument("--base_dir", default=None, help="a folder with base_n256_s400.pt (default: OUT/base)")
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # arm seed url model_dir out
+    a = p.parse_args()
+    base = os.path.join(a.base_dir or os.path.join(a.out, "base"), "base_n256_s400.pt")
+    if a.worker:
+        arm, seed, url, model_dir, out = a.worker
+        run_one(arm, int(seed), a.sigma, url, model_dir, base, out)
+        return
+    seeds = mt.parse_seeds(a.seeds)
+    runs = [(arm, seed) for seed in seeds for arm in a.arms.split(",")]  # seed by seed: whole paired seeds
+    from trl_rollout_corr.testing.logit_noise import SIGMA_ENV
+    from trl_rollout_corr.testing.psum_task import build_model
+    from trl_rollout_corr.testing.server import free_port, running_server
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", SIGMA_ENV: str(a.sigma)}
+    os.makedirs(a.out, exist_ok=True)
+    sz = size()
+    with tempfile.TemporaryDirectory() as model_dir:
+        served_model(build_model(sz["hidden"], sz["layers"], seed=0, num_heads=sz["heads"],
+                                 n_digits=N_DIGITS)).save_pretrained(model_dir)
+        chat_tokenizer(sz).save_pretrained(model_dir)
+        cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", model_dir, "--port", str(port),
+               "--dtype", "float32", "--gpu-memory-utilization", "0.02", "--logits-processors",
+               "trl_rollout_corr.testing.logit_noise:GaussianLogitNoise"]
+        with running_server(cmd, port, Path(a.out) / f"server_sigma{a.sigma:g}.log", env):
+            for arm, seed in runs:
+                out = run_path(a.out, arm, a.sigma, seed)
+                if os.path.exists(out):
+                    continue
+                worker = [sys.executable, os.path.abspath(__file__), "--sigma", str(a.sigma), "--out", a.out,
+                          "--base_dir", os.path.dirname(base), "--worker", arm, str(seed), url, model_dir, out]
+                proc = subprocess.run(worker, env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(f"{arm} seed {seed} failed:\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+                    continue
+                r = json.load(open(out))
+                print(f"{arm:20s} sigma={a.sigma:g} seed={seed} score={r['score']:.3f} lag={r['lag_mean']:.2f} "
+                      f"kl={r['kl']:.2e} {r['seconds']:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
