@@ -38,6 +38,10 @@ def test_server_flags_add_what_trl_documents_and_keep_what_is_given(monkeypatch)
                  ("--middleware", "trl_rollout_corr.vllm.security.ControlTokenMiddleware")):
         assert flags[flags.index(pair[0]) + 1] == pair[1]
     assert "--enforce-eager" in flags and "--kv-cache-memory-bytes" in flags and "--weight-transfer-config" not in flags
+    assert "--no-enable-chunked-prefill" in flags  # serve_async.CPU_CHUNKED_PREFILL
+    for given in (["--enable-chunked-prefill"], ["--no-enable-chunked-prefill"]):  # the user's choice wins
+        kept, _, _ = serve_async.build_server_argv(["DIR", *given])
+        assert [f for f in kept if "chunked-prefill" in f] == given
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
     assert len(env["TRL_ROLLOUT_CORR_CONTROL_TOKEN"]) > 20
     flags, env, port = serve_async.build_server_argv(["DIR", "--host=0.0.0.0", "--logprobs-mode", "raw_logprobs"])
@@ -46,7 +50,8 @@ def test_server_flags_add_what_trl_documents_and_keep_what_is_given(monkeypatch)
     monkeypatch.setattr(vllm_pkg, "vllm_on_cpu", lambda: False)  # a GPU: TRL's NCCL transfer, nothing CPU-only
     flags, _, _ = serve_async.build_server_argv(["DIR"])
     assert flags[flags.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
-    assert not {"--enforce-eager", "--worker-extension-cls", "--kv-cache-memory-bytes", "--host"} & set(flags)
+    assert not {"--enforce-eager", "--worker-extension-cls", "--kv-cache-memory-bytes", "--host",
+                "--no-enable-chunked-prefill"} & set(flags)
     with pytest.raises(SystemExit, match="give the model first"):
         serve_async.build_server_argv(["--port", "8011"])
 
@@ -324,3 +329,26 @@ def test_server_dying_mid_run_is_a_clear_error_and_the_run_resumes_against_the_r
     logs = [log for log in resumed.state.log_history if "loss" in log and log["step"] > 1]
     assert [log["step"] for log in logs] == [2, 3]
     assert all(0 <= log["rollout_corr/lag_max"] <= 2 for log in logs)  # max_staleness=2
+
+
+@requires_vllm
+def test_seeded_long_prompts_arriving_together_keep_the_cpu_engine_alive(chat_model_dir, async_server):
+    """TRL's rollout worker seeds every request; on vLLM's CPU engine a seeded request whose prefill chunked prefill
+    splits kills the engine ("CPU Generator does not use offset"). 32 seeded 200-token prompts at once, as the worker
+    sends them: every one answered, the server still healthy (fails with chunked prefill on)."""
+    import concurrent.futures
+
+    import requests
+
+    url = async_server["url"]
+
+    def one(seed: int) -> int:
+        ids = [(seed * 7 + i) % 60 + 40 for i in range(200)]
+        body = {"model": chat_model_dir, "prompt": ids, "max_tokens": 4, "temperature": 1.0, "seed": seed,
+                "logprobs": 0}
+        return requests.post(f"{url}/v1/completions", json=body, timeout=120).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(one, range(32)))
+    assert codes == [200] * 32
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200

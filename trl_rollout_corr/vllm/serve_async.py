@@ -10,7 +10,8 @@ TRL 1.16 documents ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-c
   :mod:`trl_rollout_corr.vllm.security` (``--control_token_file``, ``--weight_sync_dir`` as for ``vllm-serve``);
 - on a GPU: ``--weight-transfer-config '{"backend": "nccl"}'`` (TRL's transfer);
 - on vLLM's CPU platform: the CPU weight-sync worker extension (the trainer then sends weights through a file,
-  :class:`trl_rollout_corr.async_grpo.CPUFileWeightTransfer`), ``--enforce-eager``, a KV cache sized from
+  :class:`trl_rollout_corr.async_grpo.CPUFileWeightTransfer`), ``--enforce-eager``, ``--no-enable-chunked-prefill``
+  (:data:`CPU_CHUNKED_PREFILL`), a KV cache sized from
   ``--gpu-memory-utilization`` (a fraction of host memory, default 0.05, at most half of what is free;
   ``VLLM_CPU_KVCACHE_SPACE`` wins), host 127.0.0.1 unless ``--host`` is given.
 
@@ -25,6 +26,14 @@ import os
 import sys
 
 from .serve import _LOOPBACK, MIDDLEWARE, WORKER_EXTENSION, run_server, split_own_args
+
+
+CPU_CHUNKED_PREFILL = (
+    "TRL's asynchronous rollout worker seeds every request; vLLM 0.31's CPU engine dies (EngineDeadError, 'CPU "
+    "Generator does not use offset', vllm/v1/worker/gpu_model_runner.py _bookkeeping_sync) when a seeded request's "
+    "prefill is split across steps, which chunked prefill does as soon as several long prompts arrive together "
+    "(measured: 258-token prompts, 64 requests in flight, the first minute). Without chunked prefill a prompt is "
+    "never split; --enable-chunked-prefill given on the command line wins.")
 
 
 def _value(flags: list[str], *names: str) -> str | None:
@@ -66,6 +75,8 @@ def build_server_argv(argv: list[str]) -> tuple[list[str], dict[str, str], int]:
             host = "127.0.0.1"
         if not _has(flags, "--enforce-eager"):
             flags += ["--enforce-eager"]
+        if not _has(flags, "--enable-chunked-prefill", "--no-enable-chunked-prefill"):
+            flags += ["--no-enable-chunked-prefill"]  # see CPU_CHUNKED_PREFILL
         if not _has(flags, "--worker-extension-cls"):
             flags += ["--worker-extension-cls", WORKER_EXTENSION]
         fraction = float(_value(flags, "--gpu-memory-utilization") or 0.05)
