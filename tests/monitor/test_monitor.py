@@ -278,6 +278,32 @@ def test_smoothing_is_a_step_weighted_ema_started_as_a_running_mean():
     assert rules.ema["reward"] == pytest.approx((2 / 3) * (1 - a))
 
 
+def test_a_sparsely_logged_signal_is_blended_by_the_steps_since_its_own_last_value():
+    """lag_0/kl logged at steps 2 and 30 only, reward every step: at step 30 the gap's EMA moves by
+    a = max(1 - 2^(-28/5), 28/29) = 28/29 (28 steps since its value at step 2; its first row covers steps 1-2),
+    not by the reward's a = 1 - 2^(-1/5) of a one-step row; a saved state keeps it, an older state without the
+    per-signal steps still loads (as if each signal were in every row)."""
+    key = "rollout_corr/lag_0/kl"
+    rules = AlertRules(smoothing_steps=5)
+    for step in range(2, 31):
+        row = {"reward": 0.5}
+        if step in (2, 30):
+            row[key] = 1e-2 if step == 2 else 2e-3
+        rules.update(step, row)
+    a = max(1 - 2 ** (-28 / 5), 28 / 29)
+    assert rules.ema["kl_lag0"] == pytest.approx(1e-2 + a * (2e-3 - 1e-2))
+    restored = AlertRules(smoothing_steps=5)
+    restored.load_state(rules.state())
+    restored.update(60, {key: 0.0, "reward": 0.5})
+    a60 = max(1 - 2 ** (-30 / 5), 30 / 59)
+    assert restored.ema["kl_lag0"] == pytest.approx(rules.ema["kl_lag0"] * (1 - a60))
+    old = {k: v for k, v in rules.state().items() if k != "seen"}  # a checkpoint from before the per-signal steps
+    legacy = AlertRules(smoothing_steps=5)
+    legacy.load_state(old)
+    legacy.update(31, {key: 0.0})
+    assert legacy.ema["kl_lag0"] == pytest.approx(rules.ema["kl_lag0"] * (1 - max(1 - 2 ** (-1 / 5), 1 / 30)))
+
+
 def test_alerts_fire_once_per_episode_and_rearm():
     key = "rollout_corr/rejected_token_fraction"
     rows = rows_of(n=80, **{key: lambda s: 0.99 if 11 <= s <= 30 or s > 55 else 0.0})

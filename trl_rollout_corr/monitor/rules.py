@@ -10,7 +10,9 @@ Smoothing: each signal x is an exponential moving average over optimizer steps w
 
     a = max(1 - 2^(-dt / H), dt / n),    x_ema <- x_ema + a * (x - x_ema)
 
-(n = optimizer steps seen so far: the first steps are a running mean, not the first noisy row).
+(n = optimizer steps seen so far: the first steps are a running mean, not the first noisy row). dt and n are each
+signal's own: a key logged only in some rows (the asynchronous trainer's ``lag_0/kl``) is blended by the steps since
+its own last value, not since the last row.
 
 Rules (an alert holds once its condition has been true for ``patience_steps`` optimizer steps):
 
@@ -106,6 +108,7 @@ class AlertRules:
         self.bypass, self.rollout_lag, self.corrected = bypass, rollout_lag, corrected
         self.correction = correction  # the run's resolved RolloutCorrectionConfig (None: unknown), for the advice
         self.ema: dict[str, float] = {}
+        self.seen: dict[str, list[int]] = {}  # signal -> [first optimizer step its rows cover, its last row's step]
         self.last_step: int | None = None
         self.first_step: int | None = None
         self.trail: list[tuple[int, float, float | None]] = []  # (step, smoothed reward, smoothed entropy)
@@ -113,12 +116,16 @@ class AlertRules:
 
     # ------------------------------------------------------------------ state (for checkpoints)
     def state(self) -> dict[str, Any]:
-        return {"ema": dict(self.ema), "last_step": self.last_step, "first_step": self.first_step,
+        return {"ema": dict(self.ema), "seen": {k: list(v) for k, v in self.seen.items()},
+                "last_step": self.last_step, "first_step": self.first_step,
                 "trail": [list(t) for t in self.trail], "pending": dict(self.pending)}
 
     def load_state(self, saved: dict[str, Any]) -> None:
         self.ema = dict(saved.get("ema", {}))
         self.last_step, self.first_step = saved.get("last_step"), saved.get("first_step")
+        # a state saved before per-signal steps: every smoothed signal as if seen in every row
+        self.seen = {k: [int(v[0]), int(v[1])] for k, v in saved.get("seen", {}).items()} or {
+            k: [self.first_step, self.last_step] for k in self.ema if self.last_step is not None}
         self.trail = [tuple(t) for t in saved.get("trail", [])]
         self.pending = {k: int(v) for k, v in saved.get("pending", {}).items()}
 
@@ -129,13 +136,21 @@ class AlertRules:
         dt = step - self.last_step if self.last_step is not None else max(step, 1)  # the first row covers (0, step]
         if self.first_step is None:
             self.first_step = step - dt + 1  # the first optimizer step this row covers
-        # EMA over optimizer steps; its first steps are a running mean (no weight on a single noisy first row)
-        a = max(1.0 - 0.5 ** (dt / self.config["smoothing_steps"]), dt / (step - self.first_step + 1))
+        # EMA over optimizer steps, per signal from its own previous value; its first steps are a running mean (no
+        # weight on a single noisy first row)
         for name, key in SIGNALS.items():
             value = row.get(key)
             if value is None or not math.isfinite(value):
                 continue
-            self.ema[name] = value if name not in self.ema else self.ema[name] + a * (value - self.ema[name])
+            if name not in self.ema:
+                self.ema[name] = value
+                self.seen[name] = [step - dt + 1, step]  # this row covers (step - dt, step]
+                continue
+            first, last = self.seen.get(name) or [self.first_step, self.last_step]
+            dt_signal = step - last
+            a = max(1.0 - 0.5 ** (dt_signal / self.config["smoothing_steps"]), dt_signal / (step - first + 1))
+            self.ema[name] += a * (value - self.ema[name])
+            self.seen[name] = [first, step]
         self.last_step = step
         if "reward" in self.ema:
             self.trail.append((step, self.ema["reward"], self.ema.get("entropy")))
