@@ -351,9 +351,39 @@ def analyse(runs: list[dict]) -> dict:
     return out
 
 
+RESULT_COLUMNS = ("arm", "seed", "sigma", "score", "initial", "final", "collapsed", "trl_kl_first", "trl_kl", "kl",
+                  "k3_kl", "lag0_kl", "staleness_mean", "lag_mean", "dropped", "seconds")
+
+
+def write_results(runs: list[dict], path: str) -> None:
+    """One CSV row per run (``RESULT_COLUMNS``): the committed copy the docs' tables and the tests read."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(RESULT_COLUMNS)
+        for r in sorted(runs, key=lambda r: (r["sigma"], r["seed"], r["arm"])):
+            w.writerow([r[c] for c in RESULT_COLUMNS])
+
+
+def read_results(path: str) -> list[dict]:
+    import csv
+
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    out = []
+    for row in rows:
+        r = {k: float(v) for k, v in row.items() if k not in ("arm", "seed", "collapsed")}
+        out.append({**r, "arm": row["arm"], "seed": int(row["seed"]), "collapsed": row["collapsed"] == "True"})
+    return out
+
+
 def report(out: str) -> str:
-    """analysis.md of ``out`` (and analysis.json): pre-registration 17's rows, verdicts and the regime."""
-    a = analyse(load_runs(out))
+    """analysis.md of ``out`` (and analysis.json, results.csv): pre-registration 17's rows, verdicts and the
+    regime."""
+    runs = load_runs(out)
+    write_results(runs, os.path.join(out, "results.csv"))
+    a = analyse(runs)
     lines = ["# S4: TRL's asynchronous trainer, T = 257, a dense gap in vLLM (pre-registration 17)", "",
              "```", RULES, "```", "",
              "| comparison | seeds | mean (arm) | mean (ref) | arm - ref, paired 95% CI | p t (Holm) | "

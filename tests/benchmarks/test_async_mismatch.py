@@ -87,11 +87,12 @@ def test_logit_noise_adds_independent_normal_noise_and_keeps_masked_tokens_maske
 
 
 def run(arm, seed, score, sigma=am.SIGMA):
-    return dict(arm=arm, seed=seed, sigma=sigma, score=score, collapsed=False, trl_kl_first=4e-3, trl_kl=6e-3,
-                kl=math.nan, lag0_kl=math.nan, staleness_mean=3.3, lag_mean=math.nan, dropped=1200.0, seconds=180.0)
+    return dict(arm=arm, seed=seed, sigma=sigma, score=score, initial=0.8, final=score, collapsed=False,
+                trl_kl_first=4e-3, trl_kl=6e-3, kl=math.nan, k3_kl=math.nan, lag0_kl=math.nan, staleness_mean=3.3,
+                lag_mean=math.nan, dropped=1200.0, seconds=180.0)
 
 
-def test_the_analysis_follows_the_registered_rules_on_hand_made_runs():
+def test_the_analysis_follows_the_registered_rules_on_hand_made_runs(tmp_path):
     ref = [0.90, 0.92, 0.88, 0.91, 0.93, 0.89, 0.90, 0.92, 0.87, 0.91]
     diffs = [-0.05, -0.03, -0.04, -0.06, -0.02, -0.05, -0.04, -0.03, -0.05, -0.03]  # all below: sign-flip 2/1024
     runs = [run("trl_as_is", s, r) for s, r in zip(am.SEEDS, ref)]
@@ -102,6 +103,8 @@ def test_the_analysis_follows_the_registered_rules_on_hand_made_runs():
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 9)
     assert row["diff"] == pytest.approx(mean) and row["diff_hi"] == pytest.approx(mean + 2.2621571627 * sd / 10**0.5)
     assert row["p_sign_flip"] == pytest.approx(2 / 1024) and row["significant"]
+    am.write_results(runs, str(tmp_path / "results.csv"))  # the committed CSV gives the same analysis
+    assert am.analyse(am.read_results(str(tmp_path / "results.csv")))["family"][0]["diff"] == pytest.approx(mean)
     assert a["held_out"] == {} and a["cost"] is None
     # held out: the sign must hold on all 5 held-out seeds' mean
     held_diffs = (0.01, -0.03, -0.02, 0, -0.01)
@@ -115,9 +118,11 @@ def test_the_analysis_follows_the_registered_rules_on_hand_made_runs():
              for i, (s, r) in enumerate(zip(am.SEEDS, ref))]
     cost = am.analyse(runs + clean)["cost"]
     assert cost["costs"] and cost["diff"] == pytest.approx(-0.0345)
-    # one seed against: the t-test may pass but the rule needs both tests; a mixed sign pattern is not significant
-    mixed = [dict(r, score=r["score"] + (0.2 if r["seed"] == 185 else 0)) for r in runs if r["arm"] == "trl_default"]
-    assert not am.analyse([r for r in runs if r["arm"] == "trl_as_is"] + mixed)["family"][0]["significant"]
+    # the rule needs both tests: these differences pass the sign-flip test (p 0.037) but not the t-test (p 0.061)
+    split = (-0.03, -0.02, -0.02, -0.05, 0.03, -0.03, -0.13, -0.01, -0.01, -0.01)
+    mixed = [run("trl_default", s, r + d) for s, r, d in zip(am.SEEDS, ref, split)]
+    row = am.analyse([r for r in runs if r["arm"] == "trl_as_is"] + mixed)["family"][0]
+    assert row["p_sign_flip"] < 0.05 < row["p"] and not row["significant"]
 
 
 @requires_vllm
