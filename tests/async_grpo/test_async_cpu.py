@@ -235,6 +235,30 @@ def test_a_server_serving_another_model_name_is_a_clear_error(chat_model_dir, as
 
 
 @requires_vllm
+def test_seeded_long_prompts_arriving_together_keep_the_cpu_engine_alive(chat_model_dir, async_server):
+    """TRL's rollout worker seeds every request; on vLLM's CPU engine a seeded request whose prefill chunked prefill
+    splits kills the engine ("CPU Generator does not use offset"). 32 seeded 200-token prompts at once, as the worker
+    sends them: every one answered, the server still healthy (fails with chunked prefill on)."""
+    import concurrent.futures
+
+    import requests
+
+    url = async_server["url"]
+
+    def one(seed: int) -> int:
+        ids = [(seed * 7 + i) % 60 + 40 for i in range(200)]
+        body = {"model": chat_model_dir, "prompt": ids, "max_tokens": 4, "temperature": 1.0, "seed": seed,
+                "logprobs": 0}
+        return requests.post(f"{url}/v1/completions", json=body, timeout=120).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(one, range(32)))
+    assert codes == [200] * 32
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+
+@requires_vllm
 def test_a_resumed_run_continues_the_policy_versions_against_the_same_server(chat_model_dir, async_server, tmp_path):
     """A trainer resumed from a checkpoint against the server that kept running: TRL's rollout_state.json restores
     the policy version, so the samples' lags stay within max_staleness and the correction reports them per lag."""
@@ -330,25 +354,3 @@ def test_server_dying_mid_run_is_a_clear_error_and_the_run_resumes_against_the_r
     assert [log["step"] for log in logs] == [2, 3]
     assert all(0 <= log["rollout_corr/lag_max"] <= 2 for log in logs)  # max_staleness=2
 
-
-@requires_vllm
-def test_seeded_long_prompts_arriving_together_keep_the_cpu_engine_alive(chat_model_dir, async_server):
-    """TRL's rollout worker seeds every request; on vLLM's CPU engine a seeded request whose prefill chunked prefill
-    splits kills the engine ("CPU Generator does not use offset"). 32 seeded 200-token prompts at once, as the worker
-    sends them: every one answered, the server still healthy (fails with chunked prefill on)."""
-    import concurrent.futures
-
-    import requests
-
-    url = async_server["url"]
-
-    def one(seed: int) -> int:
-        ids = [(seed * 7 + i) % 60 + 40 for i in range(200)]
-        body = {"model": chat_model_dir, "prompt": ids, "max_tokens": 4, "temperature": 1.0, "seed": seed,
-                "logprobs": 0}
-        return requests.post(f"{url}/v1/completions", json=body, timeout=120).status_code
-
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        codes = list(pool.map(one, range(32)))
-    assert codes == [200] * 32
-    assert requests.get(f"{url}/health", timeout=10).status_code == 200
