@@ -141,3 +141,36 @@ def test_the_smoke_run_trains_trls_async_trainer_against_the_noisy_vllm_cpu_serv
     assert runs["trl_default"]["kl"] > 1e-3 and runs["trl_default"]["lag0_kl"] > 1e-3
     assert "pre-registration 17" in (tmp_path / "analysis.md").read_text()
     assert json.loads((tmp_path / "analysis.json").read_text())["regime"]
+
+
+def test_the_committed_s4_results_give_the_documented_numbers_and_the_monitors_text():
+    """benchmarks/results/async_mismatch_s4_results.csv (the runs of pre-registration 17) recomputed: the family row,
+    the held-out confirmation and the regime that docs/benchmarks.md and the monitor's ASYNC_S4_FOUND quote."""
+    from pathlib import Path
+
+    from trl_rollout_corr.monitor import advice
+
+    root = Path(__file__).resolve().parents[2]
+    runs = am.read_results(str(root / "benchmarks/results/async_mismatch_s4_results.csv"))
+    a = am.analyse(runs)
+    (row,) = a["family"]
+    assert row["seeds"] == list(am.SEEDS) and row["significant"]
+    family = f"{row['diff']:+.3f} [{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}]"
+    assert family == "+0.110 [+0.046, +0.174]" and f"{row['p_sign_flip']:.2g}" == "0.002"
+    held = a["held_out"]["trl_default"]
+    assert held["seeds"] == list(am.HELD_OUT) and held["confirmed"] and f"{held['mean']:+.3f}" == "+0.067"
+    assert sum(d > 0 for d in held["diffs"]) == 4
+    trl = [r for r in runs if r["arm"] == "trl_as_is" and r["sigma"] == am.SIGMA]
+    lag0 = f"{min(r['trl_kl_first'] for r in trl):.1e}-{max(r['trl_kl_first'] for r in trl):.1e}"
+    kl = f"{min(r['trl_kl'] for r in trl):.1e}-{max(r['trl_kl'] for r in trl):.1e}"
+    assert (lag0, kl) == ("1.3e-03-5.3e-03", "3.1e-03-6.7e-03")
+    text = advice.ASYNC_S4_FOUND
+    assert family in text and "sign-flip p 0.002" in text and "+0.067 on 5 held-out seeds (above on 4)" in text
+    assert "lag-0 gap of 1.3e-3-5.3e-3" in text and "per-token KL 3.1e-3-6.7e-3" in text
+    cost = a["cost"]  # rule 3: TRL's trainer with the gap minus without it, the family seeds
+    assert cost["seeds"] == list(am.SEEDS) and cost["costs"] and f"{cost['p_sign_flip']:.2g}" == "0.002"
+    cost_text = f"{cost['diff']:.3f} [{cost['diff_lo']:.3f}, {cost['diff_hi']:.3f}]".replace("-", "−")
+    assert cost_text == "−0.102 [−0.167, −0.036]"
+    docs = (root / "docs/benchmarks.md").read_text()
+    assert "**+0.110 [+0.046, +0.174]**" in docs and "+0.067 [−0.016, +0.149]" in docs
+    assert f"**the gap costs TRL's trainer {cost_text}**" in docs

@@ -146,8 +146,13 @@ def test_a_measured_lag0_gap_at_the_bound_withholds_the_stale_remedy(lag):
         on_bypass = replay(with_lag0(rows, gap), correction=bypass, rollout_lag=lag).alerts[0]["message"]
         assert "is not advised, and this run uses it" in on_bypass and "sequence_mask" in on_bypass
         assert "already uses what was confirmed" not in on_bypass
+        # what TRL's asynchronous trainer itself measured (S4), to the run on its default only
+        assert advice.ASYNC_S4_FOUND in on_bypass and "rollout_correction_preset=trl_default" in on_bypass
+        assert "trl_default" not in message
     below = replay(with_lag0(rows, 0.98 * bound), correction=geo, rollout_lag=lag).alerts[0]["message"]
     assert "Switch to it: rollout_correction_preset=ppo_is_bypass" in below and "not advised" not in below
+    below_on_bypass = replay(with_lag0(rows, 0.98 * bound), correction=bypass, rollout_lag=lag).alerts[0]["message"]
+    assert "async_mismatch" not in below_on_bypass  # below the bound S4 is not quoted
     assert f"lag_0/kl = {0.98 * bound:.3g} per token, below {bound:.3g}" in below
     assert advice.LAG0_BELOW_FOUND in below and "not significant (-0.012 [-0.049, +0.025]" in below
     assert below.index("But where the engine ALSO") < below.index("Here this run's engine differs")

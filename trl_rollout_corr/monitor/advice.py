@@ -36,7 +36,10 @@ samples the current policy drew, i.e. the engine's own gap without staleness) ha
 worse than TRL's default and stayed worse on held-out seeds (``lag0_caution_kl()`` of the committed results) -- the
 stale remedy is NOT advised (a run already on it is told it trained worse there); below it, the remedy is said with the
 run's lag-0 KL, that bound and what the smallest gap measured found (experiment F: 8.7e-4, not significant).
-Without the metric the message is as above.
+Without the metric the message is as above. A run on bypass at or above the bound (the asynchronous trainer's
+default) is also told what TRL's asynchronous trainer itself measured (``ASYNC_S4_FOUND``: S4 of
+``benchmarks/async_mismatch.py``, pre-registration 17): TRL's default correction (``trl_default``) trained better
+than TRL's own loss there, held out.
 
 For a kind without a remedy the advice names the metrics to watch and the benchmark page, no preset. The monitor
 tells the kinds apart by what it is told about the engine (``rollout_lag``): a lag > 0 is a stale engine, 0 a
@@ -132,6 +135,17 @@ LAG0_BELOW_FOUND = ("at 8.7e-4 (S2F, experiment F: per-token KL 1.0e-3-2.9e-3, T
                     "not significant (-0.012 [-0.049, +0.025], p 0.48) and not shown equal either")
 
 
+# in TRL's asynchronous trainer itself (benchmarks/async_mismatch.py, S4, pre-registration 17): what a run on its
+# default (bypass) is told at or above the lag-0 bound; tests/benchmarks/test_async_mismatch.py recomputes the numbers
+# from benchmarks/results/async_mismatch_s4_results.csv
+ASYNC_S4_FOUND = ("in TRL's asynchronous trainer itself (benchmarks/async_mismatch.py, S4: T = 257, max_staleness 4, "
+                  "N(0, 1) logit noise inside vLLM, a lag-0 gap of 1.3e-3-5.3e-3 per token, per-token KL 3.1e-3-6.7e-3 "
+                  "under TRL's loss, 465k parameters, CPU float32) TRL's default correction trained better than TRL's "
+                  "own loss: +0.110 [+0.046, +0.174] held-out reward on 10 paired seeds (above on all 10, sign-flip p "
+                  "0.002), +0.067 on 5 held-out seeds (above on 4); to use it here: "
+                  "rollout_correction_preset=trl_default")
+
+
 # Truncated sampling (top-k / top-p / min-p): experiment P of benchmarks/mismatch_train.py (scenario S3) found a cost
 # of truncation on seeds 40-49 (on_policy - M0 +0.055, p 0.0022) that no correction recovered, but its held-out seeds
 # 50-54 did not confirm the cost (-0.010 [-0.082, +0.061]): so the monitor and the trainer advise nothing for a
@@ -195,7 +209,7 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
         if not advised:
             parts.append(f"{head}: {measured}. There, {remedy.caution}. So {remedy.method} is not advised"
                          + (f", and this run uses it ({remedy.setting}): TRL's default (vllm_importance_sampling_mode="
-                            "sequence_mask, the trl_default preset) is what it was measured against"
+                            f"sequence_mask, the trl_default preset) is what it was measured against; {ASYNC_S4_FOUND}"
                             if on_remedy else "")
                          + "; what remains: a lower learning rate, or less mismatch at its source (a more precise "
                            "engine / sync more often).")
