@@ -21,6 +21,8 @@ TRL's ``AsyncGRPOTrainer`` is bypass PPO by construction) trains worse than TRL'
     python benchmarks/async_mismatch.py --arms trl_as_is,trl_default,decoupled_token_is --seeds 185-194 --out DIR
     python benchmarks/async_mismatch.py --sigma 0 --arms trl_as_is --seeds 185-194 --out DIR   # the cost check
     python benchmarks/async_mismatch.py --report_only --out DIR                                  # the analysis
+    python benchmarks/async_mismatch.py --sigma 0 --arms trl_default --seeds 185-194 --out DIR \
+        --import_results benchmarks/results/async_mismatch_s4_results.csv                       # pre-registration 18
 
 Each run is its own process, one at a time (the server and the trainer share the 2 cores); a finished run is one
 JSON that a re-run skips. The shared base model and the warm-ups are ``mismatch_train.py``'s (``--base_dir``: a
@@ -62,6 +64,26 @@ COST_SIGMA = 0.0  # the cost check: trl_as_is without the gap (the staleness of 
 SEEDS = tuple(range(185, 195))  # experiment E's seeds: their warm-ups exist (mismatch_train's warm_model)
 HELD_OUT = tuple(range(195, 200))  # run only if the family row is significant; the sign must hold
 FAMILY_ARMS = ("trl_as_is", "trl_default")  # run seed by seed (a partial run leaves whole paired seeds)
+
+# ------------------------------------------------------------------------------------------------ pre-registration 18
+# Fixed 2026-11-27 (11:55 UTC) before any run of trl_default at sigma 0: pre-registration 17's rule 4 ("a later
+# experiment"). Pre-registration 17's (1)-(3) are met (committed results): this decides the asynchronous default.
+RULES_18 = """Pre-registration 18 (S4 without the gap: does trl_default cost anything where TRL's loss needs no help?).
+1. trl_default at sigma 0 on seeds 185-194, paired with trl_as_is at sigma 0 (pre-registration 17's cost-check runs,
+   the same server, warm-ups, schedule and score). Equivalent iff TOST within +-0.02 gives p < 0.05 (the paired 90%
+   interval inside (-0.02, +0.02)); the paired t and sign-flip p are reported beside it (a difference significant by
+   both tests is reported as such, of either sign).
+2. Reproduction: each run's initial score (the warm-up's held-out reward before training) must equal the committed
+   trl_as_is sigma-0 run's for the seed; where it does not, the warm-ups differ and trl_as_is is re-run at sigma 0 on
+   that seed before it is paired.
+3. Held out: only if (1) is equivalent, both arms at sigma 0 on seeds 195-199; confirmed iff the mean difference lies
+   inside (-0.02, +0.02) (no test: 5 seeds).
+4. Decision: RolloutCorrAsyncGRPOConfig's default preset becomes trl_default iff (1) is equivalent and (3) confirms
+   it. Otherwise it stays ppo_is_bypass (TRL's own loss) and the docs report the interval; the README and the monitor
+   keep pointing asynchronous runs with a lag-0 gap at trl_default (pre-registration 17)."""
+EQUIV_ARM = "trl_default"
+EQUIV_SIGMA = COST_SIGMA  # 0: the asynchronous trainer's staleness only
+EQUIV_MARGIN = mt.TOST_MARGIN  # 0.02 reward units, as every "no cost" of mismatch_train
 RULES = """Pre-registration 17 (S4: TRL's asynchronous trainer itself, T = 257, a dense precision-like gap in vLLM).
 1. The family: trl_default - trl_as_is (paired by seed, seeds 185-194), exact sign-flip and paired t; significant iff
    both p < 0.05 (Holm over 1). Run first, seed by seed.
@@ -333,6 +355,7 @@ def analyse(runs: list[dict]) -> dict:
         row = stats.compare_paired([gap[s] for s in paired], [clean[s] for s in paired])
         out["cost"] = dict(seeds=paired, costs=row["diff"] < 0 and row["p"] < mt.ALPHA
                            and row["p_sign_flip"] < mt.ALPHA, **row)
+    out["equivalence"] = equivalence(runs)
     for arm in dict.fromkeys([REFERENCE, *ARMS]):
         for sigma in (SIGMA, COST_SIGMA):
             rs = [r for r in runs if r["arm"] == arm and r["sigma"] == sigma]
@@ -348,6 +371,38 @@ def analyse(runs: list[dict]) -> dict:
                 else math.nan, trl_kl_first=m("trl_kl_first"), trl_kl=m("trl_kl"), kl=m("kl"), lag0_kl=m("lag0_kl"),
                 staleness=m("staleness_mean"), lag=m("lag_mean"), dropped=m("dropped"), seconds=m("seconds"),
                 collapsed=sum(bool(r["collapsed"]) for r in rs))
+    return out
+
+
+def equivalence(runs: list[dict]) -> dict | None:
+    """Pre-registration 18's analysis (``RULES_18``): ``EQUIV_ARM`` - ``REFERENCE`` at ``EQUIV_SIGMA`` on the family
+    seeds both ran (TOST at ``EQUIV_MARGIN``, paired t, sign-flip), the seeds whose initial scores differ (rule 2),
+    the held-out mean difference and the decision (rule 4). None before any pair exists."""
+    from benchmarks import stats
+
+    def at(arm, seeds):
+        return {r["seed"]: r for r in runs if r["arm"] == arm and r["sigma"] == EQUIV_SIGMA and r["seed"] in seeds}
+
+    x, ref = at(EQUIV_ARM, SEEDS), at(REFERENCE, SEEDS)
+    paired = sorted(set(x) & set(ref))
+    if len(paired) < 2:
+        return None
+    row = stats.compare_paired([x[s]["score"] for s in paired], [ref[s]["score"] for s in paired], margin=EQUIV_MARGIN)
+    hx, href = at(EQUIV_ARM, HELD_OUT), at(REFERENCE, HELD_OUT)
+    every_x, every_ref = {**x, **hx}, {**ref, **href}
+    out = dict(seeds=paired, **row, equivalent=row["tost_p"] < mt.ALPHA and len(paired) == len(SEEDS),
+               different=row["p"] < mt.ALPHA and row["p_sign_flip"] < mt.ALPHA,
+               initial_mismatch=[s for s in sorted(set(every_x) & set(every_ref))
+                                 if every_x[s]["initial"] != every_ref[s]["initial"]])
+    held = sorted(set(hx) & set(href))
+    out["held_out"] = None
+    if held:
+        diffs = [hx[s]["score"] - href[s]["score"] for s in held]
+        mean = statistics.fmean(diffs)
+        out["held_out"] = dict(seeds=held, diffs=diffs, mean=mean,
+                               confirmed=len(held) == len(HELD_OUT) and abs(mean) < EQUIV_MARGIN)
+    out["change_default"] = bool(out["equivalent"] and out["held_out"] and out["held_out"]["confirmed"]
+                                 and not out["initial_mismatch"])
     return out
 
 
@@ -378,8 +433,23 @@ def read_results(path: str) -> list[dict]:
     return out
 
 
+def import_results(path: str, out: str) -> int:
+    """Write each row of a committed results CSV (``write_results``) as a run JSON of ``out`` where that run has none
+    (a later experiment pairs with committed runs; ``imported_from`` names the CSV). Returns how many it wrote."""
+    written = 0
+    for r in read_results(path):
+        target = run_path(out, r["arm"], r["sigma"], r["seed"])
+        if os.path.exists(target):
+            continue
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w") as f:
+            json.dump({**r, "imported_from": os.path.basename(path)}, f)
+        written += 1
+    return written
+
+
 def report(out: str) -> str:
-    """analysis.md of ``out`` (and analysis.json, results.csv): pre-registration 17's rows, verdicts and the
+    """analysis.md of ``out`` (and analysis.json, results.csv): pre-registration 17's and 18's rows, verdicts and the
     regime."""
     runs = load_runs(out)
     write_results(runs, os.path.join(out, "results.csv"))
@@ -402,6 +472,26 @@ def report(out: str) -> str:
         "not run." if c is None else f"{c['diff']:+.3f} [{c['diff_lo']:+.3f}, {c['diff_hi']:+.3f}], p t {c['p']:.2g}, "
         f"p sign-flip {c['p_sign_flip']:.2g} on {len(c['seeds'])} seeds: the gap "
         f"{'costs' if c['costs'] else 'shows no significant cost'}."))
+    e = a["equivalence"]
+    lines += ["", "## Pre-registration 18: trl_default without the gap", "", "```", RULES_18, "```", ""]
+    if e is None:
+        lines.append("Not run.")
+    else:
+        lines.append(
+            f"{EQUIV_ARM} - {REFERENCE} at sigma {EQUIV_SIGMA:g}, seeds {e['seeds'][0]}-{e['seeds'][-1]} "
+            f"({len(e['seeds'])}): {e['mean']:.3f} vs {e['ref_mean']:.3f}, {e['diff']:+.3f} [{e['diff_lo']:+.3f}, "
+            f"{e['diff_hi']:+.3f}] (95%), 90% [{e['tost_lo']:+.3f}, {e['tost_hi']:+.3f}], TOST +-{EQUIV_MARGIN:g} p "
+            f"{e['tost_p']:.2g}: {'equivalent' if e['equivalent'] else 'not shown equivalent'}; p t {e['p']:.2g}, "
+            f"p sign-flip {e['p_sign_flip']:.2g}{' (different by both tests)' if e['different'] else ''}.")
+        if e["initial_mismatch"]:
+            lines.append(f"Initial scores differ from the reference's on seeds {e['initial_mismatch']} (rule 2).")
+        h = e["held_out"]
+        if h:
+            lines.append(f"Held out (seeds {h['seeds'][0]}-{h['seeds'][-1]}): mean {h['mean']:+.3f} (per seed "
+                         f"{', '.join(f'{d:+.3f}' for d in h['diffs'])}): "
+                         f"{'confirmed' if h['confirmed'] else 'not confirmed'}.")
+        lines.append(f"Decision (rule 4): the asynchronous default "
+                     f"{'becomes trl_default' if e['change_default'] else 'stays ppo_is_bypass'}.")
     lines += ["", "TRL's kl is k3 of its ratio: pi_theta / pi_rollout in trl_as_is, pi_theta / pi_prox (= 0) in this "
               "package's decoupled arms, whose gap is rollout_corr/kl (k1 of KL(pi_rollout || pi_theta)).", "",
               "| arm | runs | score (mean, sd) | TRL kl at step 1 (lag 0) | TRL kl (run mean) | rollout_corr/kl | "
@@ -428,9 +518,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base_dir", default=None, help="the folder whose base/ holds mismatch_train's base_n256_s400.pt "
                    "and its warm-ups (default: OUT)")
     p.add_argument("--report_only", action="store_true", help="write OUT/analysis.md from OUT/runs; runs nothing")
+    p.add_argument("--import_results", default=None, metavar="CSV", help="first add a committed results CSV's runs "
+                   "to OUT/runs (pre-registration 18 pairs with pre-registration 17's sigma-0 runs)")
     p.add_argument("--smoke", action="store_true", help="the suite's version: a tiny model, T = 11, 2 steps")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # arm seed url model_dir out
     a = p.parse_args(argv)
+    if a.import_results:
+        print(f"{import_results(a.import_results, a.out)} runs imported from {a.import_results}", flush=True)
     if a.report_only:
         print(report(a.out))
         return

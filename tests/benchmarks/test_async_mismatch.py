@@ -174,3 +174,51 @@ def test_the_committed_s4_results_give_the_documented_numbers_and_the_monitors_t
     docs = (root / "docs/benchmarks.md").read_text()
     assert "**+0.110 [+0.046, +0.174]**" in docs and "+0.067 [−0.016, +0.149]" in docs
     assert f"**the gap costs TRL's trainer {cost_text}**" in docs
+
+
+def _equiv_runs(diffs: dict[int, float], initial_shift: dict[int, float] | None = None) -> list[dict]:
+    """Reference runs at sigma 0 on every family and held-out seed (score 0.9) and trl_default runs whose score is
+    0.9 + diffs[seed] (only the seeds in ``diffs``)."""
+    runs = []
+    for seed in (*am.SEEDS, *am.HELD_OUT):
+        runs.append(dict(arm=am.REFERENCE, seed=seed, sigma=0.0, score=0.9, initial=0.8))
+        if seed in diffs:
+            runs.append(dict(arm=am.EQUIV_ARM, seed=seed, sigma=0.0, score=0.9 + diffs[seed],
+                             initial=0.8 + (initial_shift or {}).get(seed, 0.0)))
+    return runs
+
+
+def test_pre_registration_18_decides_by_tost_then_the_held_out_mean():
+    """Rule 1: equivalence is TOST at +-0.02 on all 10 family seeds; rule 3: the held-out mean must lie inside the
+    margin; rule 2: a seed whose initial score differs from the reference's blocks the decision. Hand-computed: diffs
+    +-0.005 alternating (mean 0, sd 0.00527, se 0.00167): t = 0.02 / 0.00167 = 12.0 on 9 df, p ~ 4e-7."""
+    small = {s: 0.005 * (-1) ** s for s in am.SEEDS}
+    assert am.equivalence(_equiv_runs({})) is None
+    e = am.equivalence(_equiv_runs(small))
+    assert e["equivalent"] and not e["different"] and 1e-7 < e["tost_p"] < 1e-6 and e["held_out"] is None
+    assert not e["change_default"]  # the held-out seeds are still to run
+    e = am.equivalence(_equiv_runs({**small, **{s: 0.01 for s in am.HELD_OUT}}))
+    assert e["held_out"]["confirmed"] and e["change_default"]
+    e = am.equivalence(_equiv_runs({**small, **{s: 0.03 for s in am.HELD_OUT}}))
+    assert not e["held_out"]["confirmed"] and not e["change_default"]
+    e = am.equivalence(_equiv_runs({**small, **{s: 0.01 for s in am.HELD_OUT}}, initial_shift={186: 1e-3}))
+    assert e["initial_mismatch"] == [186] and not e["change_default"]
+    wide = {s: 0.04 * (-1) ** s for s in am.SEEDS}  # mean 0, 90% interval +-0.023: not inside +-0.02
+    e = am.equivalence(_equiv_runs(wide))
+    assert not e["equivalent"] and not e["different"]
+    nine = {s: d for s, d in small.items() if s != 194}  # a missing family seed: no equivalence claim
+    assert not am.equivalence(_equiv_runs(nine))["equivalent"]
+    worse = {s: -0.03 + 0.005 * (-1) ** s for s in am.SEEDS}
+    e = am.equivalence(_equiv_runs(worse))
+    assert e["different"] and not e["equivalent"] and e["diff"] < 0
+
+
+def test_import_results_pairs_a_later_run_with_the_committed_csv(tmp_path):
+    from pathlib import Path
+
+    csv = Path(__file__).resolve().parents[2] / "benchmarks/results/async_mismatch_s4_results.csv"
+    assert am.import_results(str(csv), str(tmp_path)) == 40
+    assert am.import_results(str(csv), str(tmp_path)) == 0  # never overwrites a run
+    assert (tmp_path / "runs" / "S4__trl_as_is__sigma0__seed185.json").exists()
+    am.report(str(tmp_path))
+    assert (tmp_path / "results.csv").read_text() == csv.read_text()
