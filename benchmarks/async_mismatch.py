@@ -133,6 +133,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.core.metric_names import metric
+    from trl_rollout_corr.testing.async_trainers import build_async_trainer
     from trl_rollout_corr.testing.psum_task import psum_prompts
 
     torch.set_num_threads(1)
@@ -174,21 +175,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     with tempfile.TemporaryDirectory() as tmp:
         kwargs = dict(model=model_dir, reward_funcs=psum_chat_reward, processing_class=tok,
                       train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Recorder()])
-        if ARMS[arm] is None:
-            from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-            from trl_rollout_corr.async_grpo import CPUFileWeightTransfer, install_cpu_support
-            from trl_rollout_corr.vllm.security import find_token
-
-            install_cpu_support()
-            transfer = CPUFileWeightTransfer(url, find_token(int(url.rsplit(":", 1)[1])))
-            trainer = AsyncGRPOTrainer(args=AsyncGRPOConfig(output_dir=tmp, **common), weight_transfer=transfer,
-                                       **kwargs)
-        else:
-            from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
-
-            args = RolloutCorrAsyncGRPOConfig(output_dir=tmp, **ARMS[arm], **common)
-            trainer = RolloutCorrAsyncGRPOTrainer(args=args, **kwargs)
+        trainer = build_async_trainer(ARMS[arm], url=url, output_dir=tmp, config=common, **kwargs)
         freeze_added_bias(trainer.model)
         trainer.train()
 

@@ -61,6 +61,7 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
+    from trl_rollout_corr.testing.async_trainers import build_async_trainer
     from trl_rollout_corr.testing.harness import (HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder,
                                                  warmed_up_policy)
     from trl_rollout_corr.testing.toy_task import build_model, reverse_chat_reward, reverse_prompts
@@ -79,21 +80,7 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
         tok.save_pretrained(model_dir)
         kwargs = dict(model=model_dir, reward_funcs=reverse_chat_reward, processing_class=tok,
                       train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[recorder])
-        if variant == "trl_as_is":
-            from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-            from trl_rollout_corr.async_grpo import CPUFileWeightTransfer, install_cpu_support
-            from trl_rollout_corr.vllm.security import find_token
-
-            install_cpu_support()
-            transfer = CPUFileWeightTransfer(url, find_token(int(url.rsplit(":", 1)[1])))
-            trainer = AsyncGRPOTrainer(args=AsyncGRPOConfig(output_dir=out_dir, **common), weight_transfer=transfer,
-                                       **kwargs)
-        else:
-            from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
-
-            args = RolloutCorrAsyncGRPOConfig(output_dir=out_dir, **ASYNC_VARIANTS[variant], **common)
-            trainer = RolloutCorrAsyncGRPOTrainer(args=args, **kwargs)
+        trainer = build_async_trainer(ASYNC_VARIANTS[variant], url=url, output_dir=out_dir, config=common, **kwargs)
         trainer.train()
     mean = recorder.log_mean
     result = {"variant": variant, "seed": seed, "staleness": staleness, "curve": recorder.curve,
