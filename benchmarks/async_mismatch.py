@@ -78,9 +78,17 @@ RULES_18 = """Pre-registration 18 (S4 without the gap: does trl_default cost any
    that seed before it is paired.
 3. Held out: only if (1) is equivalent, both arms at sigma 0 on seeds 195-199; confirmed iff the mean difference lies
    inside (-0.02, +0.02) (no test: 5 seeds).
-4. Decision: RolloutCorrAsyncGRPOConfig's default preset becomes trl_default iff (1) is equivalent and (3) confirms
-   it. Otherwise it stays ppo_is_bypass (TRL's own loss) and the docs report the interval; the README and the monitor
-   keep pointing asynchronous runs with a lag-0 gap at trl_default (pre-registration 17)."""
+4. Decision: RolloutCorrAsyncGRPOConfig's default preset becomes trl_default iff (1) is equivalent, (3) confirms it
+   and (5) does not block it. Otherwise it stays ppo_is_bypass (TRL's own loss) and the docs report the interval; the
+   README and the monitor keep pointing asynchronous runs with a lag-0 gap at trl_default (pre-registration 17).
+5. "Not worse anywhere measured" (amended 12:00 UTC, before any run of this experiment: the asynchronous trainer's
+   other measured regime, where decoupled_token_is trained below TRL's trainer): only if (3) confirms, trl_default in
+   benchmarks/async_staleness.py's committed 5-seed setting (reverse-digits toy, T <= 9, max_staleness 4, 100 steps,
+   seeds 0-4, eval_every 10), paired by seed with the committed trl_as_is row's per-seed rewards
+   (STALENESS_CSV); it blocks (4) iff trl_default - trl_as_is < 0 with paired t p < 0.05 (the t alone: at 5 seeds
+   the sign-flip p cannot fall below 0.0625; blocking on one test is the cautious side)."""
+STALENESS_CSV = "benchmarks/results/async_staleness_results.csv"  # rule 5's reference: trl_as_is at max_staleness 4
+STALENESS_SEEDS = (0, 1, 2, 3, 4)
 EQUIV_ARM = "trl_default"
 EQUIV_SIGMA = COST_SIGMA  # 0: the asynchronous trainer's staleness only
 EQUIV_MARGIN = mt.TOST_MARGIN  # 0.02 reward units, as every "no cost" of mismatch_train
@@ -310,7 +318,7 @@ def scores(runs: list[dict], arm: str, sigma: float, seeds) -> dict[int, float]:
     return {r["seed"]: r["score"] for r in runs if r["arm"] == arm and r["sigma"] == sigma and r["seed"] in seeds}
 
 
-def analyse(runs: list[dict]) -> dict:
+def analyse(runs: list[dict], staleness: dict[int, float] | None = None) -> dict:
     """Pre-registration 17's analysis (``RULES``) of ``runs``: the family row on the family seeds that have both
     arms, its Holm p (over ``FAMILY``), the verdict; the held-out mean difference; the cost check; per arm the regime
     (TRL's kl at the first step and over the run, this package's kl, the lag at the loss, dropped samples)."""
@@ -342,7 +350,7 @@ def analyse(runs: list[dict]) -> dict:
         row = stats.compare_paired([gap[s] for s in paired], [clean[s] for s in paired])
         out["cost"] = dict(seeds=paired, costs=row["diff"] < 0 and row["p"] < mt.ALPHA
                            and row["p_sign_flip"] < mt.ALPHA, **row)
-    out["equivalence"] = equivalence(runs)
+    out["equivalence"] = equivalence(runs, staleness)
     for arm in dict.fromkeys([REFERENCE, *ARMS]):
         for sigma in (SIGMA, COST_SIGMA):
             rs = [r for r in runs if r["arm"] == arm and r["sigma"] == sigma]
@@ -361,10 +369,42 @@ def analyse(runs: list[dict]) -> dict:
     return out
 
 
-def equivalence(runs: list[dict]) -> dict | None:
+def staleness_check(trl_default_rewards: dict[int, float], csv_path: str | None = None) -> dict | None:
+    """Pre-registration 18's rule 5: ``trl_default_rewards`` (seed -> held-out reward of async_staleness.py's
+    ``trl_default`` runs at max_staleness 4) paired with the committed ``trl_as_is`` row's per-seed rewards; ``blocks``
+    iff the mean difference is < 0 with paired t p < ``mt.ALPHA``. None until every seed has run."""
+    import csv
+
+    from benchmarks import stats
+
+    if sorted(trl_default_rewards) != list(STALENESS_SEEDS):
+        return None
+    path = csv_path or os.path.join(os.path.dirname(HERE), STALENESS_CSV)
+    with open(path) as f:
+        (row,) = [r for r in csv.DictReader(f)
+                  if r["variant"] == REFERENCE and r["max_staleness"] == str(MAX_STALENESS)]
+    ref = [float(v) for v in row["per_seed"].split()]  # seeds 0-4 in order
+    x = [trl_default_rewards[s] for s in STALENESS_SEEDS]
+    out = stats.compare_paired(x, ref)
+    return dict(seeds=list(STALENESS_SEEDS), **out, blocks=out["diff"] < 0 and out["p"] < mt.ALPHA)
+
+
+def staleness_rewards(folder: str | None) -> dict[int, float]:
+    """seed -> held-out reward of async_staleness.py's ``trl_default`` runs at ``MAX_STALENESS`` in ``folder``."""
+    out = {}
+    for seed in STALENESS_SEEDS:
+        path = os.path.join(folder or "", f"{EQUIV_ARM}-s{MAX_STALENESS}-{seed}.json")
+        if folder and os.path.exists(path):
+            with open(path) as f:
+                out[seed] = json.load(f)["eval_reward"]
+    return out
+
+
+def equivalence(runs: list[dict], staleness: dict[int, float] | None = None) -> dict | None:
     """Pre-registration 18's analysis (``RULES_18``): ``EQUIV_ARM`` - ``REFERENCE`` at ``EQUIV_SIGMA`` on the family
     seeds both ran (TOST at ``EQUIV_MARGIN``, paired t, sign-flip), the seeds whose initial scores differ (rule 2),
-    the held-out mean difference and the decision (rule 4). None before any pair exists."""
+    the held-out mean difference, rule 5 on ``staleness`` (:func:`staleness_rewards`) and the decision (rule 4).
+    None before any pair exists."""
     from benchmarks import stats
 
     def at(arm, seeds):
@@ -388,8 +428,10 @@ def equivalence(runs: list[dict]) -> dict | None:
         mean = statistics.fmean(diffs)
         out["held_out"] = dict(seeds=held, diffs=diffs, mean=mean,
                                confirmed=len(held) == len(HELD_OUT) and abs(mean) < EQUIV_MARGIN)
+    out["staleness"] = staleness_check(staleness or {})
     out["change_default"] = bool(out["equivalent"] and out["held_out"] and out["held_out"]["confirmed"]
-                                 and not out["initial_mismatch"])
+                                 and not out["initial_mismatch"] and out["staleness"] is not None
+                                 and not out["staleness"]["blocks"])
     return out
 
 
@@ -435,12 +477,12 @@ def import_results(path: str, out: str) -> int:
     return written
 
 
-def report(out: str) -> str:
+def report(out: str, staleness_dir: str | None = None) -> str:
     """analysis.md of ``out`` (and analysis.json, results.csv): pre-registration 17's and 18's rows, verdicts and the
     regime."""
     runs = load_runs(out)
     write_results(runs, os.path.join(out, "results.csv"))
-    a = analyse(runs)
+    a = analyse(runs, staleness_rewards(staleness_dir))
     lines = ["# S4: TRL's asynchronous trainer, T = 257, a dense gap in vLLM (pre-registration 17)", "",
              "```", RULES, "```", "",
              "| comparison | seeds | mean (arm) | mean (ref) | arm - ref, paired 95% CI | p t (Holm) | "
@@ -477,6 +519,11 @@ def report(out: str) -> str:
             lines.append(f"Held out (seeds {h['seeds'][0]}-{h['seeds'][-1]}): mean {h['mean']:+.3f} (per seed "
                          f"{', '.join(f'{d:+.3f}' for d in h['diffs'])}): "
                          f"{'confirmed' if h['confirmed'] else 'not confirmed'}.")
+        c = e["staleness"]
+        if c is not None:
+            lines.append(f"Rule 5 (async_staleness.py, T <= 9, max_staleness {MAX_STALENESS}, seeds 0-4): "
+                         f"{EQUIV_ARM} - {REFERENCE} {c['diff']:+.3f} [{c['diff_lo']:+.3f}, {c['diff_hi']:+.3f}], "
+                         f"p t {c['p']:.2g}: {'blocks' if c['blocks'] else 'does not block'} the change.")
         lines.append(f"Decision (rule 4): the asynchronous default "
                      f"{'becomes trl_default' if e['change_default'] else 'stays ppo_is_bypass'}.")
     lines += ["", "TRL's kl is k3 of its ratio: pi_theta / pi_rollout in trl_as_is, pi_theta / pi_prox (= 0) in this "
@@ -505,6 +552,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base_dir", default=None, help="the folder whose base/ holds mismatch_train's base_n256_s400.pt "
                    "and its warm-ups (default: OUT)")
     p.add_argument("--report_only", action="store_true", help="write OUT/analysis.md from OUT/runs; runs nothing")
+    p.add_argument("--staleness_dir", default=None, help="async_staleness.py's output folder holding the "
+                   "trl_default runs of pre-registration 18's rule 5 (read by the analysis)")
     p.add_argument("--import_results", default=None, metavar="CSV", help="first add a committed results CSV's runs "
                    "to OUT/runs (pre-registration 18 pairs with pre-registration 17's sigma-0 runs)")
     p.add_argument("--smoke", action="store_true", help="the suite's version: a tiny model, T = 11, 2 steps")
@@ -513,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.import_results:
         print(f"{import_results(a.import_results, a.out)} runs imported from {a.import_results}", flush=True)
     if a.report_only:
-        print(report(a.out))
+        print(report(a.out, a.staleness_dir))
         return
     sz, steps = (smoke_size(), SMOKE_STEPS) if a.smoke else (size(), STEPS)
     base = mt.base_model_path(a.base_dir or a.out, sz["n_digits"], sz["base_steps"])  # .../base/base_n256_s400.pt
@@ -555,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = json.load(open(out))
                 print(f"{arm:20s} sigma={a.sigma:g} seed={seed} score={r['score']:.3f} lag={r['lag_mean']:.2f} "
                       f"kl={r['kl']:.2e} trl_kl={r['trl_kl']:.2e} {r['seconds']:.0f}s", flush=True)
-    print(report(a.out))
+    print(report(a.out, a.staleness_dir))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ ASYNC_VARIANTS = {
     "trl_as_is": None,
     "ppo_is_bypass": dict(rollout_correction_preset="ppo_is_bypass"),  # TRL's loss (same gradient, tested) + metrics
     "decoupled_token_is": dict(rollout_correction_preset="decoupled_token_is"),
+    "trl_default": dict(rollout_correction_preset="trl_default"),  # pre-registration 18's rule 5 (async_mismatch.py)
     "pg_is": dict(rollout_correction_preset="pg_is"),
     "icepop": dict(rollout_correction_preset="icepop"),  # decoupled, token IS, token RS [0.5, 2]
     "bypass_ppo_token_rs": dict(rollout_correction_preset="ppo_is_bypass", rollout_rs="token",

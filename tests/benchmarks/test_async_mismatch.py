@@ -197,8 +197,19 @@ def test_pre_registration_18_decides_by_tost_then_the_held_out_mean():
     e = am.equivalence(_equiv_runs(small))
     assert e["equivalent"] and not e["different"] and 1e-7 < e["tost_p"] < 1e-6 and e["held_out"] is None
     assert not e["change_default"]  # the held-out seeds are still to run
-    e = am.equivalence(_equiv_runs({**small, **{s: 0.01 for s in am.HELD_OUT}}))
-    assert e["held_out"]["confirmed"] and e["change_default"]
+    confirmed = _equiv_runs({**small, **{s: 0.01 for s in am.HELD_OUT}})
+    e = am.equivalence(confirmed)
+    assert e["held_out"]["confirmed"] and e["staleness"] is None and not e["change_default"]  # rule 5 not run
+    # rule 5 against the committed trl_as_is rewards (seeds 0-4: 0.836651 0.701441 0.781570 0.755443 0.608344)
+    ref = dict(zip(am.STALENESS_SEEDS, (0.836651, 0.701441, 0.781570, 0.755443, 0.608344)))
+    level = {s: r + 0.01 * (-1) ** s for s, r in ref.items()}  # mean +0.002: no block
+    e = am.equivalence(confirmed, level)
+    assert e["staleness"]["diff"] == pytest.approx(0.002) and not e["staleness"]["blocks"] and e["change_default"]
+    # -0.1 +- 0.01: d = (-0.09, -0.11, -0.09, -0.11, -0.09), mean -0.098, sd 0.01095, t = -20.0 on 4 df, p ~ 4e-5
+    worse5 = {s: r - 0.1 + 0.01 * (-1) ** s for s, r in ref.items()}
+    e = am.equivalence(confirmed, worse5)
+    assert e["staleness"]["blocks"] and 1e-5 < e["staleness"]["p"] < 1e-4 and not e["change_default"]
+    assert am.equivalence(confirmed, {0: 0.9})["staleness"] is None  # a seed missing: not run
     e = am.equivalence(_equiv_runs({**small, **{s: 0.03 for s in am.HELD_OUT}}))
     assert not e["held_out"]["confirmed"] and not e["change_default"]
     e = am.equivalence(_equiv_runs({**small, **{s: 0.01 for s in am.HELD_OUT}}, initial_shift={186: 1e-3}))
