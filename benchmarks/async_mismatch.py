@@ -66,8 +66,9 @@ HELD_OUT = tuple(range(195, 200))  # run only if the family row is significant; 
 FAMILY_ARMS = ("trl_as_is", "trl_default")  # run seed by seed (a partial run leaves whole paired seeds)
 
 # ------------------------------------------------------------------------------------------------ pre-registration 18
-# Fixed 2026-11-27 (11:55 UTC) before any run of trl_default at sigma 0: pre-registration 17's rule 4 ("a later
-# experiment"). Pre-registration 17's (1)-(3) are met (committed results): this decides the asynchronous default.
+# Fixed 2026-11-27 (11:42 UTC, commit 60e92fd) before any run of trl_default at sigma 0: pre-registration 17's rule 4
+# ("a later experiment"). Pre-registration 17's (1)-(3) are met (committed results): this decides the asynchronous
+# default. Rule 5 added at 11:46 UTC (commit dfd9a26), before any run of this experiment.
 RULES_18 = """Pre-registration 18 (S4 without the gap: does trl_default cost anything where TRL's loss needs no help?).
 1. trl_default at sigma 0 on seeds 185-194, paired with trl_as_is at sigma 0 (pre-registration 17's cost-check runs,
    the same server, warm-ups, schedule and score). Equivalent iff TOST within +-0.02 gives p < 0.05 (the paired 90%
@@ -81,7 +82,7 @@ RULES_18 = """Pre-registration 18 (S4 without the gap: does trl_default cost any
 4. Decision: RolloutCorrAsyncGRPOConfig's default preset becomes trl_default iff (1) is equivalent, (3) confirms it
    and (5) does not block it. Otherwise it stays ppo_is_bypass (TRL's own loss) and the docs report the interval; the
    README and the monitor keep pointing asynchronous runs with a lag-0 gap at trl_default (pre-registration 17).
-5. "Not worse anywhere measured" (amended 12:00 UTC, before any run of this experiment: the asynchronous trainer's
+5. "Not worse anywhere measured" (added before any run of this experiment: the asynchronous trainer's
    other measured regime, where decoupled_token_is trained below TRL's trainer): only if (3) confirms, trl_default in
    benchmarks/async_staleness.py's committed 5-seed setting (reverse-digits toy, T <= 9, max_staleness 4, 100 steps,
    seeds 0-4, eval_every 10), paired by seed with the committed trl_as_is row's per-seed rewards
