@@ -90,6 +90,22 @@ RULES_18 = """Pre-registration 18 (S4 without the gap: does trl_default cost any
    the sign-flip p cannot fall below 0.0625; blocking on one test is the cautious side)."""
 STALENESS_CSV = "benchmarks/results/async_staleness_results.csv"  # rule 5's reference: trl_as_is at max_staleness 4
 STALENESS_SEEDS = (0, 1, 2, 3, 4)
+
+# ------------------------------------------------------------------------------------------------ pre-registration 19
+# Fixed 2026-11-27 12:31 UTC after pre-registration 18's result (trl_default - trl_as_is at sigma 0: -0.038
+# [-0.093, +0.016], not shown equivalent: the default stays), before any run at sigma 0.8.
+RULES_19 = """Pre-registration 19 (S4 at the monitor's bound: is trl_default above TRL's trainer at a smaller gap?).
+1. trl_default - trl_as_is at sigma LADDER_SIGMA = 0.8 (experiment E's noise: 2.05e-3 per token at step 0 by E_PILOT,
+   the monitor's LAG0_CAUTION_KL) on seeds 185-194, run seed by seed, paired; significant iff the sign-flip and the
+   paired t p are both < 0.05 (a family of one). TOST at +-0.02 reported.
+2. Held out: only if (1) is significant, both arms on seeds 195-199; survives iff the mean difference keeps its sign.
+3. Deadline: runs not finished by 13:40 UTC are cut; the analysis uses the seeds both arms ran (fewer than 10: said).
+4. Decisions: significant above 0 and surviving: the monitor's ASYNC_S4_FOUND and the docs say the asynchronous
+   trainer itself was measured at the bound too. Otherwise the docs and ASYNC_S4_FOUND say that at the bound's gap
+   the asynchronous trainer showed no significant difference (or a negative one), so the evidence for trl_default in
+   the asynchronous trainer is S4's sigma 1.0 (lag-0 gap 1.3e-3-5.3e-3 per run)."""
+LADDER_SIGMA = 0.8
+LADDER_DEADLINE_UTC = "13:40"
 EQUIV_ARM = "trl_default"
 EQUIV_SIGMA = COST_SIGMA  # 0: the asynchronous trainer's staleness only
 EQUIV_MARGIN = mt.TOST_MARGIN  # 0.02 reward units, as every "no cost" of mismatch_train
@@ -352,8 +368,9 @@ def analyse(runs: list[dict], staleness: dict[int, float] | None = None) -> dict
         out["cost"] = dict(seeds=paired, costs=row["diff"] < 0 and row["p"] < mt.ALPHA
                            and row["p_sign_flip"] < mt.ALPHA, **row)
     out["equivalence"] = equivalence(runs, staleness)
+    out["ladder"] = ladder(runs)
     for arm in dict.fromkeys([REFERENCE, *ARMS]):
-        for sigma in (SIGMA, COST_SIGMA):
+        for sigma in (SIGMA, LADDER_SIGMA, COST_SIGMA):
             rs = [r for r in runs if r["arm"] == arm and r["sigma"] == sigma]
             if not rs:
                 continue
@@ -398,6 +415,29 @@ def staleness_rewards(folder: str | None) -> dict[int, float]:
         if folder and os.path.exists(path):
             with open(path) as f:
                 out[seed] = json.load(f)["eval_reward"]
+    return out
+
+
+def ladder(runs: list[dict], sigma: float = LADDER_SIGMA) -> dict | None:
+    """Pre-registration 19's analysis (``RULES_19``): trl_default - trl_as_is at ``sigma`` on the family seeds both
+    ran (paired t, sign-flip, TOST at ``EQUIV_MARGIN``), significant iff both p < ``mt.ALPHA``; the held-out mean and
+    whether its sign holds. None before two paired seeds exist."""
+    from benchmarks import stats
+
+    x, ref = scores(runs, EQUIV_ARM, sigma, SEEDS), scores(runs, REFERENCE, sigma, SEEDS)
+    paired = sorted(set(x) & set(ref))
+    if len(paired) < 2:
+        return None
+    row = stats.compare_paired([x[s] for s in paired], [ref[s] for s in paired], margin=EQUIV_MARGIN)
+    out = dict(sigma=sigma, seeds=paired, **row, significant=row["p"] < mt.ALPHA and row["p_sign_flip"] < mt.ALPHA)
+    hx, href = scores(runs, EQUIV_ARM, sigma, HELD_OUT), scores(runs, REFERENCE, sigma, HELD_OUT)
+    held = sorted(set(hx) & set(href))
+    out["held_out"] = None
+    if held:
+        diffs = [hx[s] - href[s] for s in held]
+        mean = statistics.fmean(diffs)
+        out["held_out"] = dict(seeds=held, diffs=diffs, mean=mean, survives=len(held) == len(HELD_OUT)
+                               and out["significant"] and math.copysign(1, mean) == math.copysign(1, out["diff"]))
     return out
 
 
@@ -527,6 +567,21 @@ def report(out: str, staleness_dir: str | None = None) -> str:
                          f"p t {c['p']:.2g}: {'blocks' if c['blocks'] else 'does not block'} the change.")
         lines.append(f"Decision (rule 4): the asynchronous default "
                      f"{'becomes trl_default' if e['change_default'] else 'stays ppo_is_bypass'}.")
+    g = a["ladder"]
+    lines += ["", "## Pre-registration 19: the smaller gap (sigma 0.8)", "", "```", RULES_19, "```", ""]
+    if g is None:
+        lines.append("Not run.")
+    else:
+        lines.append(
+            f"{EQUIV_ARM} - {REFERENCE} at sigma {g['sigma']:g}, seeds {g['seeds'][0]}-{g['seeds'][-1]} "
+            f"({len(g['seeds'])}): {g['mean']:.3f} vs {g['ref_mean']:.3f}, {g['diff']:+.3f} [{g['diff_lo']:+.3f}, "
+            f"{g['diff_hi']:+.3f}], p t {g['p']:.2g}, p sign-flip {g['p_sign_flip']:.2g}: "
+            f"{'significant' if g['significant'] else 'not significant'}; TOST +-{EQUIV_MARGIN:g} p {g['tost_p']:.2g}.")
+        h = g["held_out"]
+        if h:
+            lines.append(f"Held out (seeds {h['seeds'][0]}-{h['seeds'][-1]}): mean {h['mean']:+.3f} (per seed "
+                         f"{', '.join(f'{d:+.3f}' for d in h['diffs'])}): "
+                         f"{'survives' if h['survives'] else 'does not survive'}.")
     lines += ["", "TRL's kl is k3 of its ratio: pi_theta / pi_rollout in trl_as_is, pi_theta / pi_prox (= 0) in this "
               "package's decoupled arms, whose gap is rollout_corr/kl (k1 of KL(pi_rollout || pi_theta)).", "",
               "| arm | runs | score (mean, sd) | TRL kl at step 1 (lag 0) | TRL kl (run mean) | rollout_corr/kl | "

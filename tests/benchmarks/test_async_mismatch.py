@@ -233,3 +233,30 @@ def test_import_results_pairs_a_later_run_with_the_committed_csv(tmp_path):
     assert (tmp_path / "runs" / "S4__trl_as_is__sigma0__seed185.json").exists()
     am.report(str(tmp_path))
     assert (tmp_path / "results.csv").read_text() == csv.read_text()
+
+
+def test_pre_registration_19_needs_both_tests_and_a_held_out_sign():
+    """Rule 1: significant iff sign-flip and paired t p < 0.05 on the paired family seeds; rule 2: the held-out mean
+    keeps the sign. All ten diffs +0.05 +- 0.01: sign-flip p = 2/1024 and t ~ 15 on 9 df."""
+    def runs(diffs, held=None):
+        out = []
+        for seed in (*am.SEEDS, *am.HELD_OUT):
+            d = diffs.get(seed, (held or {}).get(seed))
+            if d is None:
+                continue
+            out.append(dict(arm=am.REFERENCE, seed=seed, sigma=am.LADDER_SIGMA, score=0.8, initial=0.8))
+            out.append(dict(arm=am.EQUIV_ARM, seed=seed, sigma=am.LADDER_SIGMA, score=0.8 + d, initial=0.8))
+        return out
+
+    up = {s: 0.05 + 0.01 * (-1) ** s for s in am.SEEDS}
+    assert am.ladder([]) is None
+    g = am.ladder(runs(up))
+    assert g["significant"] and g["p_sign_flip"] == pytest.approx(2 / 1024) and g["held_out"] is None
+    g = am.ladder(runs(up, {s: 0.02 for s in am.HELD_OUT}))
+    assert g["held_out"]["survives"]
+    g = am.ladder(runs(up, {s: -0.02 for s in am.HELD_OUT}))
+    assert not g["held_out"]["survives"]
+    outlier = {s: 0.5 if s == 194 else 0.01 for s in am.SEEDS}  # every sign +: sign-flip p 2/1024; t p 0.26
+    g = am.ladder(runs(outlier))
+    assert g["p_sign_flip"] < 0.05 < g["p"] and not g["significant"]
+    assert am.ladder(runs(up), sigma=am.SIGMA) is None  # only the sigma asked for
