@@ -158,7 +158,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.core.metric_names import metric
-    from trl_rollout_corr.testing.async_trainers import build_async_trainer
+    from benchmarks.async_trainers import build_async_trainer
     from trl_rollout_corr.testing.psum_task import psum_prompts
 
     torch.set_num_threads(1)

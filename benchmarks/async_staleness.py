@@ -62,7 +62,7 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
-    from trl_rollout_corr.testing.async_trainers import build_async_trainer
+    from benchmarks.async_trainers import build_async_trainer
     from trl_rollout_corr.testing.harness import (HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder,
                                                  warmed_up_policy)
     from trl_rollout_corr.testing.toy_task import build_model, reverse_chat_reward, reverse_prompts

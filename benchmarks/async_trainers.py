@@ -1,6 +1,5 @@
 """TRL's asynchronous trainer itself, or this package's, against one running ``vllm-serve-async`` server on CPU: the
-construction the asynchronous benchmarks (``benchmarks/async_mismatch.py``, ``benchmarks/async_staleness.py``) share.
-"""
+construction the asynchronous benchmarks (``async_mismatch.py``, ``async_staleness.py``) share."""
 
 from __future__ import annotations
 
@@ -20,14 +19,14 @@ def build_async_trainer(correction: dict | None, *, url: str, output_dir: str, c
     if correction is None:
         from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-        from ..async_grpo import CPUFileWeightTransfer, install_cpu_support
-        from ..vllm.security import find_token
+        from trl_rollout_corr.async_grpo import CPUFileWeightTransfer, install_cpu_support
+        from trl_rollout_corr.vllm.security import find_token
 
         install_cpu_support()
         transfer = CPUFileWeightTransfer(url, find_token(int(url.rsplit(":", 1)[1])))
         return AsyncGRPOTrainer(args=AsyncGRPOConfig(output_dir=output_dir, **config), weight_transfer=transfer,
                                 **trainer_kwargs)
-    from .. import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
+    from trl_rollout_corr import RolloutCorrAsyncGRPOConfig, RolloutCorrAsyncGRPOTrainer
 
     args = RolloutCorrAsyncGRPOConfig(output_dir=output_dir, **correction, **config)
     return RolloutCorrAsyncGRPOTrainer(args=args, **trainer_kwargs)
