@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -167,11 +168,27 @@ def test_the_committed_s4_results_give_the_documented_numbers_and_the_monitors_t
     text = advice.ASYNC_S4_FOUND
     assert family in text and "sign-flip p 0.002" in text and "+0.067 on 5 held-out seeds (above on 4)" in text
     assert "lag-0 gap of 1.3e-3-5.3e-3" in text and "per-token KL 3.1e-3-6.7e-3" in text
+    ladder, equiv = a["ladder"], a["equivalence"]  # pre-registrations 19 and 18, quoted beside the advice
+    assert ladder["seeds"] == list(am.SEEDS) and not ladder["significant"] and ladder["held_out"] is None
+    at_bound = f"{ladder['diff']:+.3f} [{ladder['diff_lo']:+.3f}, {ladder['diff_hi']:+.3f}]"
+    lag0_mean = statistics.fmean(r["lag0_kl"] for r in runs
+                                 if r["arm"] == am.EQUIV_ARM and r["sigma"] == am.LADDER_SIGMA)
+    lag0_text = f"{lag0_mean:.1e}".replace("e-0", "e-")
+    assert f"{at_bound}, not significant" in text and f"lag-0 gap {lag0_text} on average" in text
+    assert equiv["seeds"] == list(am.SEEDS) and not equiv["equivalent"] and not equiv["change_default"]
+    assert not equiv["initial_mismatch"] and equiv["held_out"] is None and equiv["staleness"] is None
+    without = f"{equiv['diff']:+.3f} [{equiv['diff_lo']:+.3f}, {equiv['diff_hi']:+.3f}]"
+    assert f"without a gap {without}" in text and f"{equiv['tost_p']:.2f}" == "0.77"
+    from trl_rollout_corr import RolloutCorrAsyncGRPOConfig
+
+    assert RolloutCorrAsyncGRPOConfig._RC_DEFAULT_PRESET == "ppo_is_bypass"  # rule 4 of pre-registration 18
     cost = a["cost"]  # rule 3: TRL's trainer with the gap minus without it, the family seeds
     assert cost["seeds"] == list(am.SEEDS) and cost["costs"] and f"{cost['p_sign_flip']:.2g}" == "0.002"
     cost_text = f"{cost['diff']:.3f} [{cost['diff_lo']:.3f}, {cost['diff_hi']:.3f}]".replace("-", "−")
     assert cost_text == "−0.102 [−0.167, −0.036]"
     docs = (root / "docs/benchmarks.md").read_text()
+    for quoted in (at_bound, without):
+        assert quoted.replace("-", "−") in docs
     assert "**+0.110 [+0.046, +0.174]**" in docs and "+0.067 [−0.016, +0.149]" in docs
     assert f"**the gap costs TRL's trainer {cost_text}**" in docs
 
@@ -228,7 +245,7 @@ def test_import_results_pairs_a_later_run_with_the_committed_csv(tmp_path):
     from pathlib import Path
 
     csv = Path(__file__).resolve().parents[2] / "benchmarks/results/async_mismatch_s4_results.csv"
-    assert am.import_results(str(csv), str(tmp_path)) == 40
+    assert am.import_results(str(csv), str(tmp_path)) == len(csv.read_text().splitlines()) - 1  # every run once
     assert am.import_results(str(csv), str(tmp_path)) == 0  # never overwrites a run
     assert (tmp_path / "runs" / "S4__trl_as_is__sigma0__seed185.json").exists()
     am.report(str(tmp_path))
