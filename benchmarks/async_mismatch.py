@@ -335,6 +335,38 @@ def scores(runs: list[dict], arm: str, sigma: float, seeds) -> dict[int, float]:
     return {r["seed"]: r["score"] for r in runs if r["arm"] == arm and r["sigma"] == sigma and r["seed"] in seeds}
 
 
+def held_out_diffs(x: dict[int, float], ref: dict[int, float]) -> dict | None:
+    """The held-out seeds both arms ran (``x``, ``ref``: seed -> score), their differences x - ref and mean; None when
+    there are none. ``complete``: every seed of ``HELD_OUT`` ran. The verdict is each pre-registration's own."""
+    held = sorted(set(x) & set(ref))
+    if not held:
+        return None
+    diffs = [x[s] - ref[s] for s in held]
+    return dict(seeds=held, diffs=diffs, mean=statistics.fmean(diffs), complete=len(held) == len(HELD_OUT))
+
+
+def same_sign(held: dict, row: dict) -> bool:
+    """A significant ``row`` whose complete held-out mean keeps its sign (pre-registrations 17 and 19)."""
+    return held["complete"] and row["significant"] and math.copysign(1, held["mean"]) == math.copysign(1, row["diff"])
+
+
+def paired_text(row: dict, sigma: float) -> str:
+    """"trl_default - trl_as_is at sigma S, seeds a-b (n): mean vs mean, diff [95% CI]" of a paired ``row``."""
+    return (f"{EQUIV_ARM} - {REFERENCE} at sigma {sigma:g}, seeds {row['seeds'][0]}-{row['seeds'][-1]} "
+            f"({len(row['seeds'])}): {row['mean']:.3f} vs {row['ref_mean']:.3f}, {row['diff']:+.3f} "
+            f"[{row['diff_lo']:+.3f}, {row['diff_hi']:+.3f}]")
+
+
+def section(title: str, rules: str, row: dict | None) -> list[str]:
+    """A pre-registration's heading and rules in analysis.md, then "Not run." when it has no paired row."""
+    return ["", f"## {title}", "", "```", rules, "```", ""] + (["Not run."] if row is None else [])
+
+
+def held_out_line(held: dict, verdict: str) -> str:
+    return (f"Held out (seeds {held['seeds'][0]}-{held['seeds'][-1]}): mean {held['mean']:+.3f} (per seed "
+            f"{', '.join(f'{d:+.3f}' for d in held['diffs'])}): {verdict}.")
+
+
 def analyse(runs: list[dict], staleness: dict[int, float] | None = None) -> dict:
     """Pre-registration 17's analysis (``RULES``) of ``runs``: the family row on the family seeds that have both
     arms, its Holm p (over ``FAMILY``), the verdict; the held-out mean difference; the cost check; per arm the regime
@@ -353,14 +385,9 @@ def analyse(runs: list[dict], staleness: dict[int, float] | None = None) -> dict
     stats.add_holm(out["family"], "p_sign_flip")
     for row in out["family"]:
         row["significant"] = row["p_holm"] < mt.ALPHA and row["p_sign_flip_holm"] < mt.ALPHA
-        x, ref = scores(runs, row["arm"], SIGMA, HELD_OUT), scores(runs, REFERENCE, SIGMA, HELD_OUT)
-        held = sorted(set(x) & set(ref))
+        held = held_out_diffs(scores(runs, row["arm"], SIGMA, HELD_OUT), scores(runs, REFERENCE, SIGMA, HELD_OUT))
         if held:
-            diffs = [x[s] - ref[s] for s in held]
-            mean = statistics.fmean(diffs)
-            out["held_out"][row["arm"]] = dict(seeds=held, diffs=diffs, mean=mean,
-                                               confirmed=len(held) == len(HELD_OUT) and row["significant"]
-                                               and math.copysign(1, mean) == math.copysign(1, row["diff"]))
+            out["held_out"][row["arm"]] = dict(held, confirmed=same_sign(held, row))
     gap, clean = scores(runs, REFERENCE, SIGMA, SEEDS), scores(runs, REFERENCE, COST_SIGMA, SEEDS)
     paired = sorted(set(gap) & set(clean))
     if len(paired) >= 2:
@@ -430,14 +457,8 @@ def ladder(runs: list[dict], sigma: float = LADDER_SIGMA) -> dict | None:
         return None
     row = stats.compare_paired([x[s] for s in paired], [ref[s] for s in paired], margin=EQUIV_MARGIN)
     out = dict(sigma=sigma, seeds=paired, **row, significant=row["p"] < mt.ALPHA and row["p_sign_flip"] < mt.ALPHA)
-    hx, href = scores(runs, EQUIV_ARM, sigma, HELD_OUT), scores(runs, REFERENCE, sigma, HELD_OUT)
-    held = sorted(set(hx) & set(href))
-    out["held_out"] = None
-    if held:
-        diffs = [hx[s] - href[s] for s in held]
-        mean = statistics.fmean(diffs)
-        out["held_out"] = dict(seeds=held, diffs=diffs, mean=mean, survives=len(held) == len(HELD_OUT)
-                               and out["significant"] and math.copysign(1, mean) == math.copysign(1, out["diff"]))
+    held = held_out_diffs(scores(runs, EQUIV_ARM, sigma, HELD_OUT), scores(runs, REFERENCE, sigma, HELD_OUT))
+    out["held_out"] = held and dict(held, survives=same_sign(held, out))
     return out
 
 
@@ -462,13 +483,8 @@ def equivalence(runs: list[dict], staleness: dict[int, float] | None = None) -> 
                different=row["p"] < mt.ALPHA and row["p_sign_flip"] < mt.ALPHA,
                initial_mismatch=[s for s in sorted(set(every_x) & set(every_ref))
                                  if every_x[s]["initial"] != every_ref[s]["initial"]])
-    held = sorted(set(hx) & set(href))
-    out["held_out"] = None
-    if held:
-        diffs = [hx[s]["score"] - href[s]["score"] for s in held]
-        mean = statistics.fmean(diffs)
-        out["held_out"] = dict(seeds=held, diffs=diffs, mean=mean,
-                               confirmed=len(held) == len(HELD_OUT) and abs(mean) < EQUIV_MARGIN)
+    held = held_out_diffs({s: r["score"] for s, r in hx.items()}, {s: r["score"] for s, r in href.items()})
+    out["held_out"] = held and dict(held, confirmed=held["complete"] and abs(held["mean"]) < EQUIV_MARGIN)
     out["staleness"] = staleness_check(staleness or {})
     out["change_default"] = bool(out["equivalent"] and out["held_out"] and out["held_out"]["confirmed"]
                                  and not out["initial_mismatch"] and out["staleness"] is not None
@@ -534,32 +550,25 @@ def report(out: str, staleness_dir: str | None = None) -> str:
                      f"{r['p']:.2g} ({r['p_holm']:.2g}) | {r['p_sign_flip']:.2g} ({r['p_sign_flip_holm']:.2g}) | "
                      f"{r['tost_p']:.2g} | {'yes' if r['significant'] else 'no'} |")
     for arm, h in a["held_out"].items():
-        lines.append(f"\nHeld out ({arm} - {REFERENCE}, seeds {h['seeds'][0]}-{h['seeds'][-1]}): mean {h['mean']:+.3f}"
-                     f" (per seed {', '.join(f'{d:+.3f}' for d in h['diffs'])}): "
-                     f"{'confirmed' if h['confirmed'] else 'not confirmed'}.")
+        lines.append(f"\n({arm} - {REFERENCE}) " + held_out_line(h, "confirmed" if h["confirmed"] else "not confirmed"))
     c = a["cost"]
     lines.append("\nCost check (trl_as_is sigma 1 - sigma 0): " + (
         "not run." if c is None else f"{c['diff']:+.3f} [{c['diff_lo']:+.3f}, {c['diff_hi']:+.3f}], p t {c['p']:.2g}, "
         f"p sign-flip {c['p_sign_flip']:.2g} on {len(c['seeds'])} seeds: the gap "
         f"{'costs' if c['costs'] else 'shows no significant cost'}."))
     e = a["equivalence"]
-    lines += ["", "## Pre-registration 18: trl_default without the gap", "", "```", RULES_18, "```", ""]
-    if e is None:
-        lines.append("Not run.")
-    else:
+    lines += section("Pre-registration 18: trl_default without the gap", RULES_18, e)
+    if e is not None:
         lines.append(
-            f"{EQUIV_ARM} - {REFERENCE} at sigma {EQUIV_SIGMA:g}, seeds {e['seeds'][0]}-{e['seeds'][-1]} "
-            f"({len(e['seeds'])}): {e['mean']:.3f} vs {e['ref_mean']:.3f}, {e['diff']:+.3f} [{e['diff_lo']:+.3f}, "
-            f"{e['diff_hi']:+.3f}] (95%), 90% [{e['tost_lo']:+.3f}, {e['tost_hi']:+.3f}], TOST +-{EQUIV_MARGIN:g} p "
-            f"{e['tost_p']:.2g}: {'equivalent' if e['equivalent'] else 'not shown equivalent'}; p t {e['p']:.2g}, "
+            f"{paired_text(e, EQUIV_SIGMA)} (95%), 90% [{e['tost_lo']:+.3f}, {e['tost_hi']:+.3f}], TOST "
+            f"+-{EQUIV_MARGIN:g} p {e['tost_p']:.2g}: {'equivalent' if e['equivalent'] else 'not shown equivalent'}; "
+            f"p t {e['p']:.2g}, "
             f"p sign-flip {e['p_sign_flip']:.2g}{' (different by both tests)' if e['different'] else ''}.")
         if e["initial_mismatch"]:
             lines.append(f"Initial scores differ from the reference's on seeds {e['initial_mismatch']} (rule 2).")
         h = e["held_out"]
         if h:
-            lines.append(f"Held out (seeds {h['seeds'][0]}-{h['seeds'][-1]}): mean {h['mean']:+.3f} (per seed "
-                         f"{', '.join(f'{d:+.3f}' for d in h['diffs'])}): "
-                         f"{'confirmed' if h['confirmed'] else 'not confirmed'}.")
+            lines.append(held_out_line(h, "confirmed" if h["confirmed"] else "not confirmed"))
         c = e["staleness"]
         if c is not None:
             lines.append(f"Rule 5 (async_staleness.py, T <= 9, max_staleness {MAX_STALENESS}, seeds 0-4): "
@@ -568,20 +577,14 @@ def report(out: str, staleness_dir: str | None = None) -> str:
         lines.append(f"Decision (rule 4): the asynchronous default "
                      f"{'becomes trl_default' if e['change_default'] else 'stays ppo_is_bypass'}.")
     g = a["ladder"]
-    lines += ["", "## Pre-registration 19: the smaller gap (sigma 0.8)", "", "```", RULES_19, "```", ""]
-    if g is None:
-        lines.append("Not run.")
-    else:
+    lines += section("Pre-registration 19: the smaller gap (sigma 0.8)", RULES_19, g)
+    if g is not None:
         lines.append(
-            f"{EQUIV_ARM} - {REFERENCE} at sigma {g['sigma']:g}, seeds {g['seeds'][0]}-{g['seeds'][-1]} "
-            f"({len(g['seeds'])}): {g['mean']:.3f} vs {g['ref_mean']:.3f}, {g['diff']:+.3f} [{g['diff_lo']:+.3f}, "
-            f"{g['diff_hi']:+.3f}], p t {g['p']:.2g}, p sign-flip {g['p_sign_flip']:.2g}: "
+            f"{paired_text(g, g['sigma'])}, p t {g['p']:.2g}, p sign-flip {g['p_sign_flip']:.2g}: "
             f"{'significant' if g['significant'] else 'not significant'}; TOST +-{EQUIV_MARGIN:g} p {g['tost_p']:.2g}.")
         h = g["held_out"]
         if h:
-            lines.append(f"Held out (seeds {h['seeds'][0]}-{h['seeds'][-1]}): mean {h['mean']:+.3f} (per seed "
-                         f"{', '.join(f'{d:+.3f}' for d in h['diffs'])}): "
-                         f"{'survives' if h['survives'] else 'does not survive'}.")
+            lines.append(held_out_line(h, "survives" if h["survives"] else "does not survive"))
     lines += ["", "TRL's kl is k3 of its ratio: pi_theta / pi_rollout in trl_as_is, pi_theta / pi_prox (= 0) in this "
               "package's decoupled arms, whose gap is rollout_corr/kl (k1 of KL(pi_rollout || pi_theta)).", "",
               "| arm | runs | score (mean, sd) | TRL kl at step 1 (lag 0) | TRL kl (run mean) | rollout_corr/kl | "
