@@ -1,0 +1,357 @@
+"""S3 of issue 36 on the REAL vLLM engine: truncated sampling (top-p) in training, every arm sampled by vLLM's CPU
+engine colocated in the trainer's process, TRL's default run by TRL's unmodified ``GRPOTrainer`` on its own vLLM
+path (pre-registration 20 below).
+
+Experiment P (``mismatch_train.py --experiment P``) ran S3 on a stand-in engine (the policy sampled at top_p 0.8 by
+the benchmark's own sampler, log-probs renormalized as vLLM's processed log-probs are). This runs the same task,
+model, schedule, seeds' recipe and arms with vLLM itself generating:
+
+* **Engine**: TRL's colocated vLLM engine (``use_vllm=True, vllm_mode="colocate"``), built by TRL's
+  ``VLLMGeneration`` for TRL's trainer and this package's alike, in vLLM's "auto" dtype (TRL passes none: on this CPU
+  vLLM runs the float32 checkpoint in bfloat16, as a user's engine is bf16), eager, in-process, its KV cache sized
+  by this package's CPU setup (``trl_rollout_corr.vllm.engine.vllm_engine_setup`` around each trainer's
+  construction, the same for every arm: vLLM's CPU fix that lets a weight sync reach the engine, eager mode, the
+  KV-cache size; nothing of TRL's trainer or loss is changed). The engine samples at top_p ``TOP_P`` and returns
+  its processed (renormalized) log-probs, which TRL 1.16 asks for. Weights are synced at every optimizer step (TRL's
+  own colocated sync for TRL's trainer, this package's default schedule for its own).
+* **Task and schedule**: experiment P's (``mismatch_train.py``): running prefix sums of 48 digits (T = 49), the
+  465k-parameter Qwen2-style model from the shared base checkpoint after each seed's warm-up, served as an
+  equivalent Llama whose attention heads are zero-padded to vLLM's CPU head size 32 (``async_mismatch.served_model``:
+  the same function, the same trained parameters), 8 prompts x 8 completions per generation, two optimizer steps per
+  generation (the PPO clip against pi_old is live), lr ``mismatch_train.LR``, 30 steps; score = the policy's own
+  held-out reward (64 fixed prompts, full distribution, no engine) averaged over the evaluations in the last 30%.
+* **Regime, measured for every arm the same way**: at each evaluation the exact per-token KL(top-p(pi) || pi) of the
+  current policy on the held-out prompts (the stand-in's computation: per position -log M, M the kept mass), so the
+  run's per-token KL and T*KL are comparable with P's (8.6e-3, 0.42). TRL's own ``sampling/sampling_logp_difference``
+  (TRL's arms) and this package's ``rollout_corr/kept_mass_mean`` (its arms) are kept beside it.
+
+    python benchmarks/vllm_truncation.py --arms on_policy,M0 --seeds 220-229 --out DIR --jobs 2   # the cost check
+    python benchmarks/vllm_truncation.py --arms M1,M1p,M3,M2 --seeds 220-229 --out DIR --jobs 2   # the family
+    python benchmarks/vllm_truncation.py --report_only --out DIR                                 # the analysis
+    python benchmarks/vllm_truncation.py --smoke --out /tmp/s3v_smoke                             # the suite's
+
+Each run is its own process (``--jobs`` at a time); a finished run is one JSON that a re-run skips. The base model
+and the warm-ups are ``mismatch_train.py``'s (built in ``OUT/base`` on the first run: 200 supervised steps, ~1 min
+on one quiet core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if not __package__:  # run as a script: this checkout's root first, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks import mismatch_train as mt  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------ pre-registration 20
+# Written and committed 2026-11-27 (~14:45 UTC) BEFORE any run on SEEDS or HELD_OUT. The analysis reads only these.
+# One timing pilot (disclosed, not analysed): seed 99 (outside both), M1 and M0, two at a time on the quiet 2-core
+# CPU, 23 s each; TRL's bf16 engine at top_p 0.8 (the weight sync reaching it: TRL's logged
+# sampling_logp_difference stayed 6.6e-3-1.5e-2 over the 30 steps). PILOT = arm: (per-token KL, T*KL, TRL's
+# sampling_logp_difference, kept_mass_mean, score).
+SCENARIO = "S3V"
+TOP_P = mt.S3_TOP_P  # 0.8: experiment P's level, so this replicates P on the real engine
+STEPS = mt.S3_STEPS  # 30
+ARMS = {  # arm -> (trainer, its correction fields, the engine's top_p, the engine's dtype (None: TRL's "auto"))
+    "on_policy": ("ours", dict(rollout_correction_preset="disabled"), 1.0, "float32"),  # the ceiling
+    "M0": ("ours", dict(rollout_correction_preset="disabled"), TOP_P, None),  # no correction
+    "M1": ("trl", mt.METHODS["M1"][1], TOP_P, None),  # TRL's default (sequence_mask, C=3) by TRL's GRPOTrainer
+    "M1p": ("ours", dict(rollout_correction_preset="trl_default"), TOP_P, None),  # + truncated-support correction
+    "M2": ("trl", mt.METHODS["M2"][1], TOP_P, None),  # TRL's token_truncate (C=3) by TRL's GRPOTrainer
+    "M3": ("ours", dict(rollout_correction_preset="ppo_is_bypass"), TOP_P, None),
+}
+SEEDS = tuple(range(220, 230))  # fresh: never run in any experiment (mismatch_train's last were 200-214)
+HELD_OUT = tuple(range(230, 235))
+COST_ARMS = ("on_policy", "M0")
+FAMILY_ARMS = ("M1", "M1p", "M3", "M2")
+FAMILY = ((SCENARIO, "M1p"), (SCENARIO, "M3"), (SCENARIO, "M2"), (SCENARIO, "M0"))  # each - M1, Holm over 4
+DEADLINE_UTC = "16:40"
+PILOT = {"M1": (9.10e-3, 0.45, 8.72e-3, None, 0.654), "M0": (1.03e-2, 0.50, None, 0.991, 0.638)}
+RULES_20 = """Pre-registration 20 (S3 on the real vLLM engine: does any correction help under top-p sampling?).
+1. Cost check first: on_policy (a float32 engine at top_p 1: the policy samples itself) and M0 (no correction, the
+   bf16 engine at top_p 0.8, as every family arm) on seeds 220-229. The mismatch counts iff on_policy - M0 > 0 with
+   paired t p < 0.05 AND exact sign-flip p < 0.05. If it does not count, no family arm runs: the result is "top-p
+   0.8 on the real engine cost nothing measurable here", reported with TOST (+-0.02) of on_policy - M0.
+2. Only if (1) counts: M1, M1p, M3, M2 on seeds 220-229, seed by seed. Family {M1p, M3, M2, M0} - M1 (TRL's default
+   by TRL's GRPOTrainer), Holm over the 4 (exact sign-flip p's; the paired-t p's adjusted the same way beside them);
+   a method is CONFIRMED iff its difference is positive with both Holm p < 0.05.
+3. Held out, only if (1) counts: on_policy and M0 on seeds 230-234 (the cost is confirmed iff its mean
+   keeps its sign; experiment P's did not); and, only for a confirmed row (the largest), that method and M1 on
+   230-234 (it survives iff its mean difference keeps its sign). With 5 seeds the two-sided sign-flip p cannot go
+   below 0.0625: the sign is the test.
+4. Reported, not deciding: per-token KL(top-p(pi) || pi) and T*KL of every run (measured the same way for every arm,
+   beside experiment P's stand-in values 8.6e-3 and 0.42: the stand-in's fidelity), TRL's logged
+   sampling_logp_difference, this package's kept_mass_mean, collapses (Fisher vs M1), Fieller gap closed where the
+   gap counts.
+5. Decisions: a confirmed and surviving method becomes the README's and the monitor's advice for truncated sampling
+   at this regime (per-token KL, T*KL stated); otherwise the docs keep saying that no correction helps under top-p
+   and the experiment-P text gains this real-engine row. The package default is not changed by this experiment.
+Order: (1), then (2) seed by seed, then (3); two runs at a time; whatever the deadline (16:40 UTC) cuts is reported
+as not run."""
+
+
+def size() -> dict:
+    """Experiment P's CPU size (``mismatch_train.full_size``: T = 49)."""
+    return mt.full_size()
+
+
+def smoke_size() -> dict:
+    """The suite's size: a model vLLM's CPU attention can serve (hidden 64, 2 heads of 32: the padding is a no-op),
+    T = 7, 2 steps."""
+    return {**mt.SMOKE, "hidden": 64, "heads": 2, "n_digits": 6, "base_steps": 2, "warmup_steps": 1, "n_eval": 4,
+            "eval_every": 1}
+
+
+SMOKE_STEPS = 2
+
+
+def run_path(out: str, arm: str, seed: int) -> str:
+    return os.path.join(out, "runs", f"{SCENARIO}__{arm}__seed{seed}.json")
+
+
+def truncation_kl(model, tok, prompts, n_digits: int, top_p: float, seed: int = 4321) -> tuple[float, float, float]:
+    """The exact per-token KL(top-p(pi) || pi) (= -log M per position, M the kept mass) of ``model`` on ``prompts``
+    sampled at ``top_p``, the mean T*KL per sequence and the mean length (mismatch_train's stand-in computation,
+    on its own generator: the training run is untouched)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts], device=model.device)  # (B, P)
+    completions, _, _, kl = mt.sample(model, ids, n_digits + 1, torch.Generator(device=model.device).manual_seed(seed),
+                                      mt.top_p_truncation(top_p))
+    model.train(was_training)
+    mask = torch.zeros_like(kl)  # (B, T)
+    for row, c in enumerate(completions):
+        mask[row, : len(c)] = 1
+    return float((kl * mask).sum() / mask.sum()), float((kl * mask).sum(-1).mean()), float(mask.sum(-1).mean())
+
+
+def reward(prompts, completions, completion_ids=None, **_) -> list[float]:
+    """``psum_reward`` read from the completion's token ids (TRL decodes with ``skip_special_tokens``: no EOS)."""
+    from trl_rollout_corr.testing.psum_task import VOCAB, psum_reward
+
+    texts = [" ".join(VOCAB[i] for i in ids) for ids in completion_ids]
+    return psum_reward(prompts, texts)
+
+
+def build_trainer(arm: str, model_dir: str, tok, dataset, fields: dict, callbacks):
+    """TRL's unmodified ``GRPOTrainer`` (M1, M2) or this package's trainer, each on TRL's colocated vLLM engine."""
+    kind, settings, top_p, dtype = ARMS[arm]
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.02, top_p=top_p)
+    if kind == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+
+        from trl_rollout_corr.vllm.engine import vllm_engine_setup
+
+        args = GRPOConfig(**{**fields, **engine}, vllm_importance_sampling_correction=True, **settings)
+        with vllm_engine_setup(args):  # the same CPU engine build as this package's trainer (see the docstring)
+            return GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
+                               processing_class=tok, callbacks=callbacks)
+    from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+
+    args = RolloutCorrGRPOConfig(**{**fields, **engine}, vllm_dtype=dtype, **settings)
+    return RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
+                                  processing_class=tok, callbacks=callbacks)
+
+
+def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int) -> dict:
+    """Train one (arm, seed) on the colocated vLLM engine and write its JSON."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+
+    from benchmarks.async_mismatch import freeze_added_bias, served_model
+    from trl_rollout_corr.core.metric_names import metric
+    from trl_rollout_corr.testing.psum_task import psum_prompts
+
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    t0 = time.time()
+    n_digits = sz["n_digits"]
+    tok = mt.task_tokenizer(sz)
+    model = served_model(mt.warm_model(mt.task_model(sz, n_digits), tok, base, sz, seed))
+    held_out = psum_prompts(sz["n_eval"], n_digits, seed=777_777)  # mismatch_train's held-out prompts
+    evaluator = served_model(mt.task_model(sz, n_digits)).eval()
+    curve = [(0, mt.policy_reward(model, tok, held_out, n_digits))]
+    regime: list[tuple[int, float, float, float]] = []
+    logs: list[dict] = []
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            tail_step = step >= (1 - mt.TAIL) * steps and step % mt.TAIL_EVAL_EVERY == 0
+            if step % sz["eval_every"] == 0 or tail_step or step == steps:
+                evaluator.load_state_dict(model.state_dict())
+                curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
+                regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P)))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                rows.append({"step": state.global_step,
+                             **{k: v for k, v in logs.items() if isinstance(v, (int, float)) and
+                                not isinstance(v, bool)}})
+
+    rows = logs
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        model.save_pretrained(model_dir)  # TRL's colocated engine loads this; the trainer loads the same weights
+        tok.save_pretrained(model_dir)
+        dataset = Dataset.from_dict({"prompt": psum_prompts(steps * mt.GEN_PROMPTS + 64, n_digits, seed=seed)})
+        fields = mt.grpo_fields(os.path.join(tmp, "out"), steps, n_digits, mt.LR, seed)
+        trainer = build_trainer(arm, model_dir, tok, dataset, fields, [Recorder()])
+        freeze_added_bias(trainer.model)
+        trainer.train()
+        engine_dtype = str(trainer.vllm_generation.llm.llm_engine.vllm_config.model_config.dtype)
+
+    def mean(key):
+        values = [row[key] for row in logs if key in row and math.isfinite(row[key])]
+        return statistics.fmean(values) if values else math.nan
+
+    tail = [r for s, r in curve if s >= (1 - mt.TAIL) * steps and s > 0]
+    kl_token = statistics.fmean(k for _, k, _, _ in regime)
+    length = statistics.fmean(n for _, _, _, n in regime)
+    result = dict(scenario=SCENARIO, method=arm, seed=seed, pool=SCENARIO, trainer=ARMS[arm][0], top_p=ARMS[arm][2],
+                  engine_dtype=engine_dtype, steps=steps, lr=mt.LR, n_digits=n_digits, score=statistics.fmean(tail),
+                  curve=curve, initial=curve[0][1], final=curve[-1][1],
+                  collapsed=curve[-1][1] < mt.COLLAPSE_FRACTION * curve[0][1],
+                  kl_token=kl_token, t_kl=statistics.fmean(t for _, _, t, _ in regime), length=length,
+                  generations=[dict(step=s, kl_token=k, t_kl=t, length=n) for s, k, t, n in regime],
+                  trl_logp_diff=mean("sampling/sampling_logp_difference/mean"),
+                  trl_is_ratio_mean=mean("sampling/importance_sampling_ratio/mean"),
+                  kept_mass_mean=mean(metric("kept_mass_mean")), rollout_kl=mean(metric("kl")),
+                  k3_kl=mean(metric("k3_kl")), completion_length=mean("completions/mean_length"),
+                  logs=logs, seconds=time.time() - t0)
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out_path + ".tmp", out_path)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ the analysis
+def load_runs(out: str) -> list[dict]:
+    folder = os.path.join(out, "runs")
+    runs = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                runs.append(json.load(f))
+    return runs
+
+
+def report(out: str) -> str:
+    """The pre-registered analysis of ``OUT/runs`` (rules 1-4), written to ``OUT/analysis.md``."""
+    runs = load_runs(out)
+    st = mt._stats()
+    text, result = mt.analyse_family(runs, list(SEEDS), SCENARIO, FAMILY,
+                                     "S3 on the real vLLM engine (pre-registration 20)")
+    lines = [RULES_20, "", text]
+    common, o, u = mt.paired(mt.score_table(runs), SCENARIO, "on_policy", "M0", list(SEEDS))
+    if len(common) >= 2 and not result["counts"]:
+        tost = st.tost_paired([a - b for a, b in zip(o, u)], mt.TOST_MARGIN)
+        lines.append(f"\nRule 1: the cost does not count; TOST (+-{mt.TOST_MARGIN}) of on_policy - M0: p "
+                     f"{tost.p:.3g} ({'equivalent' if tost.p < mt.ALPHA else 'not shown equivalent'}).")
+    held = [s for s in HELD_OUT if any(r["seed"] == s for r in runs)]
+    if held:
+        common, o, u = mt.paired(mt.score_table(runs), SCENARIO, "on_policy", "M0", held)
+        if len(common) >= 2:
+            row = st.compare_paired(o, u)
+            lines.append(f"\nHeld-out seeds {held[0]}-{held[-1]}: on_policy - M0 {row['diff']:+.4f} "
+                         f"[{row['diff_lo']:+.4f}, {row['diff_hi']:+.4f}] (n {row['n']}, t p {row['p']:.3g}, "
+                         f"sign-flip p {row['p_sign_flip']:.3g}): "
+                         + ("same sign, CONFIRMED." if row["diff"] > 0 else "the sign flips: NOT confirmed."))
+        lines.append(mt.held_out_row_text(runs, result, held, SCENARIO))
+    by_arm: dict[str, list[dict]] = {}
+    for r in runs:
+        by_arm.setdefault(r["method"], []).append(r)
+    lines += ["\n**Regime and engine** (run means; ranges over runs):\n",
+              "| arm | n | engine | per-token KL(top-p(pi)‖pi) | T·KL | TRL's sampling_logp_difference | "
+              "kept_mass_mean | seconds |", "|---|---|---|---|---|---|---|---|"]
+
+    def rng(rs, key, f="{:.2e}"):
+        xs = [r[key] for r in rs if r.get(key) is not None and math.isfinite(r[key])]
+        return "—" if not xs else f"{f.format(min(xs))}–{f.format(max(xs))}"
+
+    for arm in ARMS:
+        rs = by_arm.get(arm, [])
+        if rs:
+            lines.append(f"| {arm} | {len(rs)} | {rs[0]['engine_dtype'].removeprefix('torch.')}, top_p "
+                         f"{rs[0]['top_p']:g} | {rng(rs, 'kl_token')} | {rng(rs, 't_kl', '{:.2f}')} | "
+                         f"{rng(rs, 'trl_logp_diff')} | {rng(rs, 'kept_mass_mean', '{:.3f}')} | "
+                         f"{rng(rs, 'seconds', '{:.0f}')} |")
+    text = "\n".join(lines)
+    with open(os.path.join(out, "analysis.md"), "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default=",".join(COST_ARMS))
+    p.add_argument("--seeds", default="220-229")
+    p.add_argument("--out", default="outputs/vllm_truncation")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--report_only", action="store_true", help="write OUT/analysis.md from OUT/runs; runs nothing")
+    p.add_argument("--smoke", action="store_true", help="the suite's version: a tiny model, T = 7, 2 steps")
+    p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # arm seed out_path
+    a = p.parse_args(argv)
+    if a.report_only:
+        print(report(a.out))
+        return
+    sz, steps = (smoke_size(), SMOKE_STEPS) if a.smoke else (size(), STEPS)
+    base = mt.base_model_path(a.out)
+    if a.worker:
+        arm, seed, out_path = a.worker
+        run_one(arm, int(seed), out_path, base, sz, steps)
+        return
+    mt.in_child(mt.build_base, a.out, sz, base)
+    todo = [(arm, seed) for seed in mt.parse_seeds(a.seeds) for arm in a.arms.split(",")
+            if not os.path.exists(run_path(a.out, arm, seed))]  # seed by seed: whole paired seeds
+    unknown = sorted({arm for arm, _ in todo} - set(ARMS))
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    running: list[tuple[subprocess.Popen, str, int, str]] = []
+
+    def finish(proc, arm, seed, path):
+        proc.wait()
+        if proc.returncode != 0:
+            with open(path + ".log") as f:
+                print(f"{arm} seed {seed} failed ({path}.log):\n{f.read()[-3000:]}", file=sys.stderr, flush=True)
+            return
+        r = json.load(open(path))
+        print(f"{arm:10s} seed={seed} score={r['score']:.3f} kl={r['kl_token']:.2e} t_kl={r['t_kl']:.2f} "
+              f"{r['engine_dtype']} {r['seconds']:.0f}s", flush=True)
+
+    for arm, seed in todo:
+        while len(running) >= a.jobs:
+            for item in list(running):
+                if item[0].poll() is not None:
+                    running.remove(item)
+                    finish(*item)
+            time.sleep(1)
+        path = run_path(a.out, arm, seed)
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, *(["--smoke"] if a.smoke else []),
+               "--worker", arm, str(seed), path]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".log", "w") as log:  # vLLM's and the trainer's output, one file per run
+            running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), arm, seed, path))
+    for item in running:
+        finish(*item)
+    print(report(a.out))
+
+
+if __name__ == "__main__":
+    main()
