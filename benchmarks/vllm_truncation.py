@@ -54,7 +54,8 @@ if not __package__:  # run as a script: this checkout's root first, for benchmar
 from benchmarks import mismatch_train as mt  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ pre-registration 20
-# Written and committed 2026-11-27 (~14:45 UTC) BEFORE any run on SEEDS or HELD_OUT. The analysis reads only these.
+# Written and committed 2026-11-27 (commit ba288ee, 14:27:50 UTC) BEFORE any run on SEEDS or HELD_OUT. The analysis
+# reads only these.
 # One timing pilot (disclosed, not analysed): seed 99 (outside both), M1 and M0, two at a time on the quiet 2-core
 # CPU, 23 s each; TRL's bf16 engine at top_p 0.8 (the weight sync reaching it: TRL's logged
 # sampling_logp_difference stayed 6.6e-3-1.5e-2 over the 30 steps). PILOT = arm: (per-token KL, T*KL, TRL's

