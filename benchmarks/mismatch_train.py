@@ -810,8 +810,9 @@ class Engine:
 
 
 # ------------------------------------------------------------------------------------------------ one run
-def policy_reward(model, tokenizer, prompts, n_digits: int, seed: int = 1234) -> float:
-    """The policy's own mean reward on ``prompts``: sampled at T = 1 with a fixed seed (no mismatch)."""
+def policy_reward(model, tokenizer, prompts, n_digits: int, seed: int = 1234, perturb=None) -> float:
+    """The policy's own mean reward on ``prompts``: sampled at T = 1 with a fixed seed (no mismatch; ``perturb``: the
+    logits processed first, e.g. :func:`top_p_truncation` to score the policy as a top-p sampler serves it)."""
     import torch
 
     from trl_rollout_corr.testing.psum_task import psum_reward
@@ -819,7 +820,8 @@ def policy_reward(model, tokenizer, prompts, n_digits: int, seed: int = 1234) ->
     was_training = model.training
     model.eval()
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(p.split()) for p in prompts], device=model.device)
-    completions, _, _, _ = sample(model, ids, n_digits + 1, torch.Generator(device=model.device).manual_seed(seed))
+    completions, _, _, _ = sample(model, ids, n_digits + 1, torch.Generator(device=model.device).manual_seed(seed),
+                                  perturb)
     model.train(was_training)
     return statistics.fmean(psum_reward(prompts, [" ".join(tokenizer.convert_ids_to_tokens(c))
                                                   for c in completions]))

@@ -70,6 +70,7 @@ ARMS = {  # arm -> (trainer, its correction fields, the engine's top_p, the engi
     "M1p": ("ours", dict(rollout_correction_preset="trl_default"), TOP_P, None),  # + truncated-support correction
     "M2": ("trl", mt.METHODS["M2"][1], TOP_P, None),  # TRL's token_truncate (C=3) by TRL's GRPOTrainer
     "M3": ("ours", dict(rollout_correction_preset="ppo_is_bypass"), TOP_P, None),
+    "full_bf16": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None),  # pre-registration 21
 }
 SEEDS = tuple(range(220, 230))  # fresh: never run in any experiment (mismatch_train's last were 200-214)
 HELD_OUT = tuple(range(230, 235))
@@ -99,6 +100,38 @@ RULES_20 = """Pre-registration 20 (S3 on the real vLLM engine: does any correcti
    and the experiment-P text gains this real-engine row. The package default is not changed by this experiment.
 Order: (1), then (2) seed by seed, then (3); two runs at a time; whatever the deadline (16:40 UTC) cuts is reported
 as not run."""
+
+
+# ------------------------------------------------------------------------------------------------ pre-registration 21
+# Written and committed 2026-11-27 after pre-registration 20's result (the cost of top-p 0.8 counted on seeds 220-229,
+# +0.059, and held on 230-234, +0.079; no correction recovered any of it) and BEFORE any run of the arm below or of
+# the second score. Pre-registration 20's on_policy differs from M0 in two things: top_p (1 vs 0.8) AND the engine's
+# dtype (float32 vs TRL's auto, bf16). Which one costs? And does the cost hold when the policy is served at top-p?
+RULES_21 = """Pre-registration 21 (which part of S3V's cost is the truncation, and does it hold when served at top-p?).
+1. New arm full_bf16: this package's trainer, no correction, the bf16 engine (TRL's auto) at top_p 1 (M0's engine
+   without the truncation). Seeds 220-234 (15), paired with M0.
+2. A second score, score_top_p: the held-out reward of the policy sampled at top_p 0.8 (as a top-p server would
+   serve it; same prompts, seed and evaluations as the score). Recorded for on_policy, M0 and full_bf16, which run
+   again on seeds 220-234 into a new folder: runs are bit-reproducible here (checked on M0 and M1, seed 220: score,
+   curve and last loss equal), so each re-run's score must equal pre-registration 20's committed one; a run that
+   does not is reported and its pre-registration 20 value is kept for the score.
+3. Family, Holm over these 2, each confirmed iff positive with both Holm p < 0.05 (exact sign-flip and paired t):
+   H1: full_bf16 - M0 on the score (the truncation, not the bf16 engine, is the cost);
+   H2: on_policy - M0 on score_top_p (the cost holds when the policy is served at top_p 0.8).
+   A row that is not confirmed is reported with TOST (+-0.02).
+4. Held out: only if H1 is confirmed, full_bf16 and M0 on seeds 235-239 (never run); H1 survives iff the mean keeps
+   its sign.
+5. Reported, not deciding: full_bf16 - on_policy (the bf16 engine alone) with TOST (+-0.02).
+6. Decisions: if H1 is confirmed and survives, the README, docs/engines.md and the trainer's one-time start-up
+   message for a truncating sampler say: training at top_p 0.8 cost this reward here (T = 49, per-token KL ~8e-3,
+   T*KL ~0.4, a 465k-parameter model), no correction recovered any of it, sample training rollouts at top_p 1 when
+   the policy is evaluated or served on the full distribution; and, by H2, whether it also cost when served at
+   top-p (confirmed, or TOST-equivalent, or undecided). If H1 is not confirmed, the advice names neither part.
+Order: (1)-(2) seed by seed, then (4). Deadline 15:40 UTC."""
+SEEDS_21 = tuple(range(220, 235))
+HELD_OUT_21 = tuple(range(235, 240))
+ARMS_21 = ("on_policy", "M0", "full_bf16")
+FAMILY_21 = (("H1", "full_bf16", "M0", "score"), ("H2", "on_policy", "M0", "score_top_p"))  # (name, arm, ref, score)
 
 
 def size() -> dict:
@@ -187,6 +220,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     evaluator = served_model(mt.task_model(sz, n_digits)).eval()
     curve = [(0, mt.policy_reward(model, tok, held_out, n_digits))]
     regime: list[tuple[int, float, float, float]] = []
+    curve_top_p = [(0, mt.policy_reward(model, tok, held_out, n_digits, perturb=mt.top_p_truncation(TOP_P)))]
     logs: list[dict] = []
 
     class Recorder(TrainerCallback):
@@ -197,6 +231,8 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
                 evaluator.load_state_dict(model.state_dict())
                 curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
                 regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P)))
+                curve_top_p.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits,
+                                                           perturb=mt.top_p_truncation(TOP_P))))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -221,11 +257,13 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
         return statistics.fmean(values) if values else math.nan
 
     tail = [r for s, r in curve if s >= (1 - mt.TAIL) * steps and s > 0]
+    tail_top_p = [r for s, r in curve_top_p if s >= (1 - mt.TAIL) * steps and s > 0]
     kl_token = statistics.fmean(k for _, k, _, _ in regime)
     length = statistics.fmean(n for _, _, _, n in regime)
     result = dict(scenario=SCENARIO, method=arm, seed=seed, pool=SCENARIO, trainer=ARMS[arm][0], top_p=ARMS[arm][2],
                   engine_dtype=engine_dtype, steps=steps, lr=mt.LR, n_digits=n_digits, score=statistics.fmean(tail),
-                  curve=curve, initial=curve[0][1], final=curve[-1][1],
+                  curve=curve, initial=curve[0][1], final=curve[-1][1], score_top_p=statistics.fmean(tail_top_p),
+                  curve_top_p=curve_top_p,
                   collapsed=curve[-1][1] < mt.COLLAPSE_FRACTION * curve[0][1],
                   kl_token=kl_token, t_kl=statistics.fmean(t for _, _, t, _ in regime), length=length,
                   generations=[dict(step=s, kl_token=k, t_kl=t, length=n) for s, k, t, n in regime],
@@ -252,9 +290,48 @@ def load_runs(out: str) -> list[dict]:
     return runs
 
 
-def report(out: str) -> str:
-    """The pre-registered analysis of ``OUT/runs`` (rules 1-4), written to ``OUT/analysis.md``."""
-    runs = load_runs(out)
+CSV_COLUMNS = ("scenario", "method", "seed", "trainer", "top_p", "engine_dtype", "steps", "lr", "n_digits", "score",
+               "score_top_p", "initial", "final", "collapsed", "kl_token", "t_kl", "length", "trl_logp_diff",
+               "trl_is_ratio_mean", "kept_mass_mean", "rollout_kl", "k3_kl", "seconds")
+RESULTS = os.path.join(HERE, "results", "vllm_truncation_results.csv")  # the committed runs of pre-registration 20
+RESULTS_21 = os.path.join(HERE, "results", "vllm_truncation_21_results.csv")  # pre-registration 21's runs
+
+
+def write_csv(runs: list[dict], path: str) -> None:
+    """One row per run (the analysis reads it back with :func:`runs_from_csv`)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for r in sorted(runs, key=lambda r: (r["method"], r["seed"])):
+            w.writerow({c: r.get(c, "") for c in CSV_COLUMNS})
+
+
+def runs_from_csv(path: str = RESULTS) -> list[dict]:
+    """The runs of a results CSV as the analysis reads them (numbers as numbers, ``collapsed`` as a bool)."""
+    import csv
+
+    def value(key: str, text: str):
+        if key in ("scenario", "method", "trainer", "engine_dtype"):
+            return text
+        if key == "collapsed":
+            return text == "True"
+        if text == "":  # a column the run predates (score_top_p: pre-registration 21)
+            return math.nan
+        return int(text) if key in ("seed", "steps", "n_digits") else float(text)
+
+    with open(path, newline="") as f:
+        runs = [{k: value(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return [{**r, "pool": SCENARIO, "generations": [{"length": r["length"]}]} for r in runs]  # the mean length
+
+
+def report(out: str, runs: list[dict] | None = None) -> str:
+    """The pre-registered analysis (rules 1-4) of ``runs`` (default: ``OUT/runs``), written to ``OUT/analysis.md``
+    with ``OUT/results.csv``."""
+    runs = load_runs(out) if runs is None else runs
+    os.makedirs(out, exist_ok=True)
+    write_csv(runs, os.path.join(out, "results.csv"))
     st = mt._stats()
     text, result = mt.analyse_family(runs, list(SEEDS), SCENARIO, FAMILY,
                                      "S3 on the real vLLM engine (pre-registration 20)")
@@ -298,6 +375,84 @@ def report(out: str) -> str:
     return text
 
 
+def report_21(out: str, runs: list[dict] | None = None, committed: str = RESULTS) -> tuple[str, dict]:
+    """Pre-registration 21's analysis of ``runs`` (default: ``OUT/runs``; pre-registration 20's committed runs in
+    ``committed`` for the reproduction check), written to ``OUT/analysis_21.md`` with ``OUT/results.csv``."""
+    st = mt._stats()
+    runs = load_runs(out) if runs is None else runs
+    os.makedirs(out, exist_ok=True)
+    write_csv(runs, os.path.join(out, "results.csv"))
+    by = {(r["method"], r["seed"]): r for r in runs}
+    old = {(r["method"], r["seed"]): r for r in runs_from_csv(committed)}
+    repro = [(m, s, by[m, s]["score"], old[m, s]["score"]) for m, s in sorted(by) if (m, s) in old]
+    differ = [(m, s) for m, s, new, was in repro if new != was]
+
+    def value(arm: str, seed: int, key: str) -> float:
+        if key == "score" and (arm, seed) in differ:
+            return old[arm, seed]["score"]  # rule 2: pre-registration 20's value is kept
+        return by[arm, seed][key]
+
+    def compare(arm: str, ref: str, key: str, seeds) -> dict | None:
+        common = [s for s in seeds if (arm, s) in by and (ref, s) in by]
+        if len(common) < 2:
+            return None
+        x, y = [value(arm, s, key) for s in common], [value(ref, s, key) for s in common]
+        return st.compare_paired(x, y, margin=mt.TOST_MARGIN)
+
+    fmt = "{:+.4f} [{:+.4f}, {:+.4f}]".format
+    lines = [RULES_21, "", "### Which part of S3V's cost is the truncation (pre-registration 21)\n",
+             f"Reproduction (rule 2): {len(repro)} re-runs of pre-registration 20's runs; "
+             + (f"{len(differ)} differ in the score: {differ} (their pre-registration 20 value is kept)."
+                if differ else "every score equal to the committed one, bit for bit."), "",
+             "| arm | n | score (full distribution) | score_top_p (served at top_p 0.8) |", "|---|---|---|---|"]
+    for arm in ARMS_21:
+        seeds = [s for s in SEEDS_21 if (arm, s) in by]
+        if seeds:
+            lines.append(f"| {arm} | {len(seeds)} | {statistics.fmean(value(arm, s, 'score') for s in seeds):.4f} | "
+                         f"{statistics.fmean(by[arm, s]['score_top_p'] for s in seeds):.4f} |")
+    rows = []
+    for name, arm, ref, key in FAMILY_21:
+        row = compare(arm, ref, key, SEEDS_21)
+        if row is not None:
+            rows.append({**row, "name": name, "arm": arm, "ref": ref, "key": key})
+    st.add_holm(rows, "p_sign_flip")
+    st.add_holm(rows, "p")
+    lines += ["\nFamily (Holm over 2; confirmed iff positive with both Holm p < 0.05):\n",
+              "| | comparison | score | n | difference, 95% CI | p sign-flip (Holm) | p t (Holm) | TOST ±0.02 p | "
+              "confirmed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        r["confirmed"] = bool(r["diff"] > 0 and r["p_sign_flip_holm"] < mt.ALPHA and r["p_holm"] < mt.ALPHA)
+        lines.append(f"| {r['name']} | {r['arm']} − {r['ref']} | {r['key']} | {r['n']} | "
+                     f"{fmt(r['diff'], r['diff_lo'], r['diff_hi'])} | {r['p_sign_flip']:.3g} "
+                     f"({r['p_sign_flip_holm']:.3g}) | {r['p']:.3g} ({r['p_holm']:.3g}) | {r['tost_p']:.3g} | "
+                     f"{'yes' if r['confirmed'] else 'no'} |")
+    result = {"rows": rows, "differ": differ, "reproduced": len(repro)}
+    h1 = next((r for r in rows if r["name"] == "H1"), None)
+    if h1 is not None and h1["confirmed"]:
+        held = compare("full_bf16", "M0", "score", HELD_OUT_21)
+        if held is None:
+            lines.append(f"\nHeld out (rule 4): full_bf16 and M0 on seeds {HELD_OUT_21[0]}-{HELD_OUT_21[-1]} not run "
+                         "yet.")
+        else:
+            held["survives"] = held["diff"] > 0
+            result["held_out"] = held
+            lines.append(f"\nHeld out (rule 4), seeds {HELD_OUT_21[0]}-{HELD_OUT_21[-1]}: full_bf16 − M0 "
+                         f"{fmt(held['diff'], held['diff_lo'], held['diff_hi'])} (n {held['n']}, t p {held['p']:.3g}, "
+                         f"sign-flip p {held['p_sign_flip']:.3g}): "
+                         + ("the same sign: H1 SURVIVES." if held["survives"] else "the sign flips: H1 does NOT "
+                                                                                  "survive."))
+    bf16 = compare("full_bf16", "on_policy", "score", SEEDS_21)
+    if bf16 is not None:
+        result["bf16_alone"] = bf16
+        lines.append(f"\nReported (rule 5): full_bf16 − on_policy (the bf16 engine alone) "
+                     f"{fmt(bf16['diff'], bf16['diff_lo'], bf16['diff_hi'])} (n {bf16['n']}, t p {bf16['p']:.3g}, "
+                     f"TOST ±{mt.TOST_MARGIN} p {bf16['tost_p']:.3g}).")
+    text = "\n".join(lines)
+    with open(os.path.join(out, "analysis_21.md"), "w") as f:
+        f.write(text + "\n")
+    return text, result
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(COST_ARMS))
@@ -305,11 +460,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="outputs/vllm_truncation")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--report_only", action="store_true", help="write OUT/analysis.md from OUT/runs; runs nothing")
+    p.add_argument("--results", default=None, metavar="CSV", help="with --report_only: analyse a results CSV (the "
+                   f"committed one: {os.path.relpath(RESULTS, os.path.dirname(HERE))}) instead of OUT/runs")
+    p.add_argument("--experiment", choices=("20", "21"), default="20", help="the pre-registration whose analysis "
+                   "--report_only and the end of a run write (20: OUT/analysis.md, 21: OUT/analysis_21.md)")
     p.add_argument("--smoke", action="store_true", help="the suite's version: a tiny model, T = 7, 2 steps")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # arm seed out_path
     a = p.parse_args(argv)
     if a.report_only:
-        print(report(a.out))
+        runs = runs_from_csv(a.results) if a.results else None
+        print(report_21(a.out, runs)[0] if a.experiment == "21" else report(a.out, runs))
         return
     sz, steps = (smoke_size(), SMOKE_STEPS) if a.smoke else (size(), STEPS)
     base = mt.base_model_path(a.out)
@@ -351,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
             running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), arm, seed, path))
     for item in running:
         finish(*item)
-    print(report(a.out))
+    print(report_21(a.out)[0] if a.experiment == "21" else report(a.out))
 
 
 if __name__ == "__main__":
