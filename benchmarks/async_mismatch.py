@@ -56,6 +56,10 @@ ARMS = {  # arm -> this package's correction fields (None: TRL's AsyncGRPOTraine
     "trl_as_is": None,  # TRL's default in S4 (its loss is bypass PPO: ppo_is_bypass's gradient, tested)
     "trl_default": dict(rollout_correction_preset="trl_default"),  # TRL's synchronous default (sequence_mask, C=3)
     "decoupled_token_is": dict(rollout_correction_preset="decoupled_token_is"),  # runnable, not in the family
+    # pre-registration 22's candidate: TRL's bypass PPO (the trust region against pi_rollout) plus TRL's synchronous
+    # default's one-sided sequence mask (prod_t pi_theta / pi_rollout > 3 leaves the loss; lower bound 1e-300: none)
+    "bypass_seq_mask": dict(rollout_correction_preset="ppo_is_bypass", rollout_rs="sequence", rollout_rs_threshold=3.0,
+                            rollout_rs_threshold_lower=1e-300),
 }
 REFERENCE = "trl_as_is"
 FAMILY = (("S4", "trl_default"),)  # trl_default - trl_as_is; Holm over this one
@@ -104,6 +108,32 @@ RULES_19 = """Pre-registration 19 (S4 at the monitor's bound: is trl_default abo
    trainer itself was measured at the bound too. Otherwise the docs and ASYNC_S4_FOUND say that at the bound's gap
    the asynchronous trainer showed no significant difference (or a negative one), so the evidence for trl_default in
    the asynchronous trainer is S4's sigma 1.0 (lag-0 gap 1.3e-3-5.3e-3 per run)."""
+# ------------------------------------------------------------------------------------------------ pre-registration 22
+# Fixed 2026-11-27 (~14:58 UTC) before any run of the candidate arm. The base model and the warm-ups are
+# pre-registration 18's (rebuilt from the recipe that session, reproduced exactly); the reference runs are
+# pre-registration 17's committed trl_as_is runs (benchmarks/results/async_mismatch_s4_results.csv, --import_results).
+RULES_22 = """Pre-registration 22 (S4: TRL's trust region plus TRL's sequence mask, a candidate for asynchronous runs).
+Hypothesis, post hoc (from 17-19, stated as such): in the asynchronous trainer a decoupled preset's PPO ratio is
+against pi_prox = pi_theta detached (1), so trl_default there is an IS-weighted policy gradient with no trust region,
+while TRL's own loss (bypass) clips pi_theta / pi_rollout against the sampling policy; trl_default helped with a gap
+(+0.110 held out at sigma 1.0) and was not shown harmless without one (-0.038 at sigma 0). The candidate
+bypass_seq_mask keeps TRL's bypass PPO (ppo_is_bypass) and adds trl_default's one-sided sequence mask: a sequence whose
+prod_t pi_theta / pi_rollout exceeds 3 leaves the loss (rollout_rs="sequence", upper 3, lower 1e-300; its tokens leave
+the loss's count, where TRL's mask keeps them at weight 0).
+1. bypass_seq_mask - trl_as_is at sigma 1.0 on seeds 185-194, paired with pre-registration 17's committed trl_as_is
+   runs; significant iff the difference is positive with the exact sign-flip AND the paired t p < 0.05. Run first.
+2. bypass_seq_mask - trl_as_is at sigma 0 on seeds 185-194 (17's committed cost-check runs): equivalent iff TOST
+   +-0.02 p < 0.05; the paired t and sign-flip p reported beside it. Run second.
+3. Held out, only if (1) is significant: bypass_seq_mask at sigma 1.0 on seeds 195-199, paired with 17's committed
+   held-out trl_as_is runs; survives iff the mean difference keeps its sign. Run third.
+4. Reproduction: each run's initial score must equal the committed trl_as_is run's for its seed (else reported).
+5. Decision: (1) significant, (3) surviving and (2) equivalent: the README, docs/async.md and the monitor's
+   asynchronous advice name bypass_seq_mask's settings for an asynchronous run with a lag-0 gap (in place of
+   trl_default, which was not shown harmless without a gap); the default changes only after a later experiment in
+   async_staleness.py's setting. Anything else: nothing changes, the docs report the intervals.
+One run at a time on a quiet machine (nothing else running); runs not finished by 16:30 UTC are cut."""
+CANDIDATE_22 = "bypass_seq_mask"
+DEADLINE_22_UTC = "16:30"
 LADDER_SIGMA = 0.8
 LADDER_DEADLINE_UTC = "13:40"
 EQUIV_ARM = "trl_default"
@@ -396,6 +426,7 @@ def analyse(runs: list[dict], staleness: dict[int, float] | None = None) -> dict
                            and row["p_sign_flip"] < mt.ALPHA, **row)
     out["equivalence"] = equivalence(runs, staleness)
     out["ladder"] = ladder(runs)
+    out["candidate_22"] = candidate_22(runs)
     for arm in dict.fromkeys([REFERENCE, *ARMS]):
         for sigma in (SIGMA, LADDER_SIGMA, COST_SIGMA):
             rs = [r for r in runs if r["arm"] == arm and r["sigma"] == sigma]
@@ -459,6 +490,41 @@ def ladder(runs: list[dict], sigma: float = LADDER_SIGMA) -> dict | None:
     out = dict(sigma=sigma, seeds=paired, **row, significant=row["p"] < mt.ALPHA and row["p_sign_flip"] < mt.ALPHA)
     held = held_out_diffs(scores(runs, EQUIV_ARM, sigma, HELD_OUT), scores(runs, REFERENCE, sigma, HELD_OUT))
     out["held_out"] = held and dict(held, survives=same_sign(held, out))
+    return out
+
+
+def candidate_22(runs: list[dict]) -> dict | None:
+    """Pre-registration 22's analysis (``RULES_22``): ``CANDIDATE_22`` - ``REFERENCE`` at ``SIGMA`` (significant iff
+    positive with both p < ``mt.ALPHA``) and at ``COST_SIGMA`` (TOST at ``EQUIV_MARGIN``), the held-out mean at
+    ``SIGMA`` (survives iff it keeps the sign), the seeds whose initial score differs from the reference's (rule 4)
+    and the decision (rule 5). None before any pair exists."""
+    from benchmarks import stats
+
+    def at(arm, sigma, seeds):
+        return {r["seed"]: r for r in runs if r["arm"] == arm and r["sigma"] == sigma and r["seed"] in seeds}
+
+    out: dict = {}
+    for key, sigma in (("gap", SIGMA), ("no_gap", COST_SIGMA)):
+        x, ref = at(CANDIDATE_22, sigma, SEEDS), at(REFERENCE, sigma, SEEDS)
+        paired = sorted(set(x) & set(ref))
+        if len(paired) >= 2:
+            row = stats.compare_paired([x[s]["score"] for s in paired], [ref[s]["score"] for s in paired],
+                                       margin=EQUIV_MARGIN)
+            out[key] = dict(sigma=sigma, seeds=paired, **row,
+                            significant=row["diff"] > 0 and row["p"] < mt.ALPHA and row["p_sign_flip"] < mt.ALPHA,
+                            equivalent=row["tost_p"] < mt.ALPHA and len(paired) == len(SEEDS))
+    if not out:
+        return None
+    mismatch = []
+    for sigma in (SIGMA, COST_SIGMA):
+        x, ref = at(CANDIDATE_22, sigma, SEEDS + HELD_OUT), at(REFERENCE, sigma, SEEDS + HELD_OUT)
+        mismatch += [(sigma, s) for s in sorted(set(x) & set(ref)) if x[s]["initial"] != ref[s]["initial"]]
+    out["initial_mismatch"] = mismatch
+    gap = out.get("gap")
+    held = held_out_diffs(scores(runs, CANDIDATE_22, SIGMA, HELD_OUT), scores(runs, REFERENCE, SIGMA, HELD_OUT))
+    out["held_out"] = held and gap and dict(held, survives=same_sign(held, gap))
+    out["advise"] = bool(gap and gap["significant"] and out["held_out"] and out["held_out"]["survives"]
+                         and out.get("no_gap") and out["no_gap"]["equivalent"])
     return out
 
 
@@ -585,6 +651,28 @@ def report(out: str, staleness_dir: str | None = None) -> str:
         h = g["held_out"]
         if h:
             lines.append(held_out_line(h, "survives" if h["survives"] else "does not survive"))
+    c22 = a["candidate_22"]
+    lines += section("Pre-registration 22: TRL's trust region plus TRL's sequence mask", RULES_22, c22)
+    if c22 is not None:
+        for key in ("gap", "no_gap"):
+            r = c22.get(key)
+            if r is None:
+                lines.append(f"sigma {SIGMA if key == 'gap' else COST_SIGMA:g}: not run.")
+                continue
+            lines.append(
+                f"{CANDIDATE_22} - {REFERENCE} at sigma {r['sigma']:g}, seeds {r['seeds'][0]}-{r['seeds'][-1]} "
+                f"({len(r['seeds'])}): {r['mean']:.3f} vs {r['ref_mean']:.3f}, {r['diff']:+.3f} [{r['diff_lo']:+.3f}, "
+                f"{r['diff_hi']:+.3f}], p t {r['p']:.2g}, p sign-flip {r['p_sign_flip']:.2g}, TOST +-{EQUIV_MARGIN:g} "
+                f"p {r['tost_p']:.2g}: " + ("significant" if r["significant"] else "not significant") + ", "
+                + ("equivalent" if r["equivalent"] else "not shown equivalent") + ".")
+        if c22["initial_mismatch"]:
+            lines.append(f"Initial scores differ from the reference's at (sigma, seed) {c22['initial_mismatch']} "
+                         "(rule 4).")
+        if c22["held_out"]:
+            lines.append(held_out_line(c22["held_out"], "survives" if c22["held_out"]["survives"] else
+                                       "does not survive"))
+        lines.append("Decision (rule 5): " + ("the asynchronous advice names bypass_seq_mask's settings."
+                                              if c22["advise"] else "nothing changes."))
     lines += ["", "TRL's kl is k3 of its ratio: pi_theta / pi_rollout in trl_as_is, pi_theta / pi_prox (= 0) in this "
               "package's decoupled arms, whose gap is rollout_corr/kl (k1 of KL(pi_rollout || pi_theta)).", "",
               "| arm | runs | score (mean, sd) | TRL kl at step 1 (lag 0) | TRL kl (run mean) | rollout_corr/kl | "

@@ -277,3 +277,32 @@ def test_pre_registration_19_needs_both_tests_and_a_held_out_sign():
     g = am.ladder(runs(outlier))
     assert g["p_sign_flip"] < 0.05 < g["p"] and not g["significant"]
     assert am.ladder(runs(up), sigma=am.SIGMA) is None  # only the sigma asked for
+
+
+def test_pre_registration_22_needs_the_gap_row_its_held_out_sign_and_tost_without_the_gap():
+    """Rules 1-5 on hand-made runs: with the gap +0.05 +- 0.01 (sign-flip 2/1024), held out +0.02, without the gap
+    +-0.005 around 0 (TOST within +-0.02): advise. Any one missing or failing: nothing changes."""
+    assert am.ARMS[am.CANDIDATE_22] == dict(rollout_correction_preset="ppo_is_bypass", rollout_rs="sequence",
+                                            rollout_rs_threshold=3.0, rollout_rs_threshold_lower=1e-300)
+
+    def runs(gap, no_gap=None, held=None, initial=0.8):
+        out = []
+        for sigma, diffs in ((am.SIGMA, {**gap, **(held or {})}), (am.COST_SIGMA, no_gap or {})):
+            for seed, d in diffs.items():
+                out.append(dict(arm=am.REFERENCE, seed=seed, sigma=sigma, score=0.8, initial=0.8))
+                out.append(dict(arm=am.CANDIDATE_22, seed=seed, sigma=sigma, score=0.8 + d, initial=initial))
+        return out
+
+    up = {s: 0.05 + 0.01 * (-1) ** s for s in am.SEEDS}
+    flat = {s: 0.005 * (-1) ** s for s in am.SEEDS}
+    held = {s: 0.02 for s in am.HELD_OUT}
+    assert am.candidate_22([]) is None
+    c = am.candidate_22(runs(up, flat, held))
+    assert c["gap"]["significant"] and c["gap"]["p_sign_flip"] == pytest.approx(2 / 1024)
+    assert c["no_gap"]["equivalent"] and c["held_out"]["survives"] and c["advise"] and not c["initial_mismatch"]
+    assert not am.candidate_22(runs(up, flat))["advise"]  # no held-out seeds yet
+    assert not am.candidate_22(runs(up, flat, {s: -0.02 for s in am.HELD_OUT}))["advise"]  # the sign flips
+    assert not am.candidate_22(runs(up, {s: 0.03 + d for s, d in flat.items()}, held))["advise"]  # a cost, no gap
+    down = {s: -d for s, d in up.items()}
+    assert not am.candidate_22(runs(down, flat, held))["gap"]["significant"]  # below TRL's trainer
+    assert am.candidate_22(runs(up, flat, held, initial=0.7))["initial_mismatch"][0] == (am.SIGMA, 185)
