@@ -58,12 +58,14 @@ def test_reward_reads_the_completion_ids():
 
 def test_the_registered_rules_are_what_the_code_runs():
     assert vt.FAMILY == (("S3V", "M1p"), ("S3V", "M3"), ("S3V", "M2"), ("S3V", "M0"))
-    assert set(vt.COST_ARMS) | set(vt.FAMILY_ARMS) == set(vt.ARMS)
+    assert set(vt.COST_ARMS) | set(vt.FAMILY_ARMS) | set(vt.ARMS_21) == set(vt.ARMS)
     assert {arm for arm, (kind, *_) in vt.ARMS.items() if kind == "trl"} == {"M1", "M2"}
     assert vt.ARMS["M1"][1] == dict(vllm_importance_sampling_mode="sequence_mask",
                                     vllm_importance_sampling_clip_max=3.0)
     assert vt.ARMS["on_policy"][2:] == (1.0, "float32")  # the ceiling samples the policy itself
-    assert all(top_p == 0.8 and dtype is None for arm, (_, _, top_p, dtype) in vt.ARMS.items() if arm != "on_policy")
+    assert vt.ARMS["full_bf16"][2:] == (1.0, None)  # pre-registration 21: M0's bf16 engine without the truncation
+    assert all(top_p == 0.8 and dtype is None for arm, (_, _, top_p, dtype) in vt.ARMS.items()
+               if arm not in ("on_policy", "full_bf16"))
     used = set(mt.P_SEEDS) | set(mt.P_HELD_OUT) | set(mt.F_SEEDS) | set(mt.F_HELD_OUT) | set(am.SEEDS) | set(
         am.HELD_OUT)
     assert not used & (set(vt.SEEDS) | set(vt.HELD_OUT)) and len(vt.SEEDS) == 10 and len(vt.HELD_OUT) == 5
@@ -125,3 +127,26 @@ def test_smoke_trains_trls_trainer_and_this_packages_on_the_real_vllm_engine(tmp
     assert runs["M1"]["trl_logp_diff"] > 0 and math.isnan(runs["M1"]["kept_mass_mean"])  # TRL's own metric
     assert 0 < runs["M1p"]["kept_mass_mean"] < 1 and math.isnan(runs["M1p"]["trl_logp_diff"])  # the package's
     assert "S3 on the real vLLM engine" in open(os.path.join(out, "analysis.md")).read()
+
+
+def test_the_committed_results_of_pre_registration_20_and_what_the_docs_say():
+    """Recomputed from benchmarks/results/vllm_truncation_results.csv: top-p's cost counts on 220-229 and keeps its
+    sign on 230-234; nothing is above TRL's default after Holm; the docs quote these numbers."""
+    runs = vt.runs_from_csv()
+    assert len(runs) == 70 and {r["engine_dtype"] for r in runs if r["method"] != "on_policy"} == {"torch.bfloat16"}
+    _, result = mt.analyse_family(runs, list(vt.SEEDS), "S3V", vt.FAMILY, "S3V")
+    gap = result["gap"]
+    assert result["counts"] and result["confirmed"] == [] and len(result["family"]) == 4
+    assert (gap["n"], round(gap["diff"], 3), round(gap["diff_lo"], 3), round(gap["diff_hi"], 3)) == (
+        10, .059, .014, .104)
+    assert all(row["p_sign_flip_holm"] == 1 for row in result["family"])
+    common, o, u = mt.paired(mt.score_table(runs), "S3V", "on_policy", "M0", list(vt.HELD_OUT))
+    held = mt._stats().compare_paired(o, u)
+    assert len(common) == 5 and all(a > b for a, b in zip(o, u))
+    assert (round(held["diff"], 3), round(held["diff_lo"], 3), round(held["diff_hi"], 3)) == (.079, .020, .137)
+    m0 = [r for r in runs if r["method"] == "M0" and r["seed"] in vt.SEEDS]
+    assert f"{sum(r['kl_token'] for r in m0) / 10:.1e}" == "8.3e-03" and round(sum(r["t_kl"] for r in m0) / 10, 2) == .41
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    for text in ("+0.059 [+0.014, +0.104]", "+0.079 [+0.020, +0.137]", "8.3e-3, 0.41"):
+        assert text in doc, text
