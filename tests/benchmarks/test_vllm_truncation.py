@@ -145,8 +145,55 @@ def test_the_committed_results_of_pre_registration_20_and_what_the_docs_say():
     assert len(common) == 5 and all(a > b for a, b in zip(o, u))
     assert (round(held["diff"], 3), round(held["diff_lo"], 3), round(held["diff_hi"], 3)) == (.079, .020, .137)
     m0 = [r for r in runs if r["method"] == "M0" and r["seed"] in vt.SEEDS]
-    assert f"{sum(r['kl_token'] for r in m0) / 10:.1e}" == "8.3e-03" and round(sum(r["t_kl"] for r in m0) / 10, 2) == .41
+    assert f"{sum(r['kl_token'] for r in m0) / 10:.1e}" == "8.3e-03"
+    assert round(sum(r["t_kl"] for r in m0) / 10, 2) == .41
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
     for text in ("+0.059 [+0.014, +0.104]", "+0.079 [+0.020, +0.137]", "8.3e-3, 0.41"):
         assert text in doc, text
+
+
+def test_pre_registration_21_committed_results_and_the_advice_they_carry(tmp_path):
+    """Recomputed from the committed CSVs: the truncation, not the bf16 engine, costs (H1, held out) and the cost holds
+    when served at top_p 0.8 (H2); the trainer's start-up advice (monitor.advice.TRUNCATION_FOUND) and the docs quote
+    exactly these numbers."""
+    from trl_rollout_corr.monitor import advice
+
+    _, result = vt.report_21(str(tmp_path), vt.runs_from_csv(vt.RESULTS_21))
+    rows = {r["name"]: r for r in result["rows"]}
+    assert result["differ"] == [] and result["reproduced"] == 30
+    h1, h2 = rows["H1"], rows["H2"]
+    assert h1["confirmed"] and h2["confirmed"] and h1["n"] == h2["n"] == 15
+    assert (round(h1["diff"], 3), round(h1["diff_lo"], 3), round(h1["diff_hi"], 3)) == (.055, .017, .092)
+    assert (round(h2["diff"], 3), round(h2["diff_lo"], 3), round(h2["diff_hi"], 3)) == (.054, .022, .086)
+    assert f"{h1['p_sign_flip_holm']:.2g}" == "0.0093" and result["held_out"]["survives"]
+    assert round(result["held_out"]["diff"], 3) == .039
+    for quoted in ("+0.055 [+0.017, +0.092]", "Holm p 0.0093", "+0.039, the same sign", "+0.054 [+0.022, +0.086]"):
+        assert quoted in advice.TRUNCATION_FOUND, quoted
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    for quoted in ("+0.055 [+0.017, +0.092]", "+0.054 [+0.022, +0.086]", "+0.039 [−0.052, +0.130]"):
+        assert quoted in doc, quoted
+
+
+def test_truncation_advice_speaks_for_a_truncating_sampler_only():
+    from trl_rollout_corr.monitor.advice import truncation_advice
+
+    assert truncation_advice(0, 1.0, None) is None and truncation_advice(0, 1.0, 0.0) is None
+    said = truncation_advice(0, 0.8, None)
+    assert "top_p=0.8" in said and "Sample training rollouts at top_p=1" in said and "not measured" not in said
+    said = truncation_advice(50, 1.0, 0.1)
+    assert "top_k=50, min_p=0.1" in said and "top_k=50, min_p=0.1: not measured" in said
+
+
+def test_the_trainer_says_it_once_at_start_for_top_p_and_not_otherwise(tmp_path, caplog):
+    import logging
+
+    from tests.support.trainer_utils import make_trainer
+
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
+        make_trainer(tmp_path / "full")
+    assert "The sampler truncates" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
+        make_trainer(tmp_path / "top_p", top_p=0.9)
+    assert caplog.text.count("The sampler truncates (top_p=0.9)") == 1

@@ -40,6 +40,7 @@ from ..training.resume import resolve_checkpoint, restore_rollout_state, save_ro
 from ..rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from ..rollout.logprobs import check_rollout_logprobs
 from ..rollout.support import KeptMassProbe
+from ..monitor.advice import truncation_advice
 from ..trl_hooks import TrlInternalsChanged
 from ..trl_hooks import grpo as trl_grpo
 from ..trl_hooks.grpo import KEPT_TOKEN_NORMALIZER_LOSSES, checkpoint_dir, forward_input_names, trl_runs_pi_old_forward
@@ -139,6 +140,9 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         self._rc_rewards = None  # TRL's rewards of the batch being scored (rollout_rs_exclude_from_baseline)
         if self.accelerator.is_main_process:
             logger.info("Rollout correction: %s", self.correction_plan.describe())
+            if self._rc_truncation is not None:  # measured: benchmarks/vllm_truncation.py (pre-registration 21)
+                t = self._rc_truncation
+                logger.warning(truncation_advice(t.top_k, t.top_p, t.min_p))
         if self.use_vllm:  # engine dtype log, vllm_sync_interval, CPU server sync (trl_rollout_corr.vllm.engine)
             from ..vllm.engine import finish_vllm_setup
 

@@ -148,10 +148,36 @@ ASYNC_S4_FOUND = ("in TRL's asynchronous trainer itself (benchmarks/async_mismat
                   "lasts: rollout_correction_preset=trl_default")
 
 
-# Truncated sampling (top-k / top-p / min-p): experiment P of benchmarks/mismatch_train.py (scenario S3) found a cost
-# of truncation on seeds 40-49 (on_policy - M0 +0.055, p 0.0022) that no correction recovered, but its held-out seeds
-# 50-54 did not confirm the cost (-0.010 [-0.082, +0.061]): so the monitor and the trainer advise nothing for a
-# truncating sampler (tests/benchmarks/test_mismatch_benchmark.py holds this to the committed CSV).
+# Truncated sampling (top-k / top-p / min-p): experiment P of benchmarks/mismatch_train.py (scenario S3, a stand-in
+# engine) found a cost of truncation on seeds 40-49 (on_policy - M0 +0.055, p 0.0022) that no correction recovered,
+# but its held-out seeds 50-54 did not confirm it (-0.010 [-0.082, +0.061]). On the real vLLM engine
+# (benchmarks/vllm_truncation.py, pre-registrations 20 and 21) the cost is confirmed on held-out seeds and is the
+# truncation's, not the bf16 engine's; no correction recovered any of it. Pre-registration 21's rule 6: the trainer
+# says TRUNCATION_FOUND once at start when its sampler truncates (tests/benchmarks/test_vllm_truncation.py holds the
+# numbers to the committed CSVs).
+TRUNCATION_FOUND = (
+    "measured (benchmarks/vllm_truncation.py, docs/benchmarks.md S3V: vLLM bf16, T = 49, per-token KL of the "
+    "truncation 7.5e-3-9.9e-3, T * KL 0.37-0.48, a 465k-parameter model, 30 steps on a CPU): training rollouts sampled "
+    "at top_p 0.8 scored +0.055 [+0.017, +0.092] held-out reward below the same bf16 engine at top_p 1 (15 seeds, "
+    "Holm p 0.0093; 5 held-out seeds: +0.039, the same sign), and +0.054 [+0.022, +0.086] below when both policies are "
+    "served at top_p 0.8; no correction (TRL's default, token_truncate, ppo_is_bypass, the truncated-support "
+    "correction) recovered any of it")
+
+
+def truncation_advice(top_k: int, top_p: float, min_p: float | None) -> str | None:
+    """The start-up advice for a sampler that truncates (``top_k`` > 0, ``top_p`` < 1 or ``min_p`` > 0), else None:
+    what top-p truncation cost in training (``TRUNCATION_FOUND``) and to sample training rollouts in full. Measured
+    for top-p only: top-k and min-p are named as unmeasured."""
+    settings = [f"top_k={top_k}" if top_k and top_k > 0 else "", f"top_p={top_p:g}" if top_p < 1 else "",
+                f"min_p={min_p:g}" if min_p else ""]
+    settings = [x for x in settings if x]
+    if not settings:
+        return None
+    unmeasured = [x for x in settings if not x.startswith("top_p")]
+    return (f"The sampler truncates ({', '.join(settings)}): importance sampling cannot correct tokens the sampler "
+            f"never draws, and truncation cost reward in training here -- {TRUNCATION_FOUND}. Sample training rollouts "
+            "at top_p=1, top_k=0 and without min_p (keep the truncation for evaluation or serving if you want it)"
+            + (f"; {', '.join(unmeasured)}: not measured, the same kind of truncation." if unmeasured else "."))
 
 
 def kinds_for(rollout_lag: int | None) -> list[str]:
