@@ -109,7 +109,7 @@ RULES_19 = """Pre-registration 19 (S4 at the monitor's bound: is trl_default abo
    the asynchronous trainer showed no significant difference (or a negative one), so the evidence for trl_default in
    the asynchronous trainer is S4's sigma 1.0 (lag-0 gap 1.3e-3-5.3e-3 per run)."""
 # ------------------------------------------------------------------------------------------------ pre-registration 22
-# Fixed 2026-11-27 (~14:58 UTC) before any run of the candidate arm. The base model and the warm-ups are
+# Fixed 2026-11-27 (commit 393a443, 14:55 UTC) before any run of the candidate arm. The base model and warm-ups are
 # pre-registration 18's (rebuilt from the recipe that session, reproduced exactly); the reference runs are
 # pre-registration 17's committed trl_as_is runs (benchmarks/results/async_mismatch_s4_results.csv, --import_results).
 RULES_22 = """Pre-registration 22 (S4: TRL's trust region plus TRL's sequence mask, a candidate for asynchronous runs).

@@ -306,3 +306,22 @@ def test_pre_registration_22_needs_the_gap_row_its_held_out_sign_and_tost_withou
     down = {s: -d for s, d in up.items()}
     assert not am.candidate_22(runs(down, flat, held))["gap"]["significant"]  # below TRL's trainer
     assert am.candidate_22(runs(up, flat, held, initial=0.7))["initial_mismatch"][0] == (am.SIGMA, 185)
+
+
+def test_the_committed_pre_registration_22_runs_change_nothing_and_the_docs_say_so():
+    """Pre-registration 22 recomputed from the committed CSV: not significant with the gap (so no held-out seeds), not
+    equivalent without it, every initial score the reference's; docs/benchmarks.md and async.md quote the rows."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    runs = am.read_results(str(root / "benchmarks/results/async_mismatch_s4_results.csv"))
+    c = am.candidate_22(runs)
+    gap, no_gap = c["gap"], c["no_gap"]
+    assert gap["seeds"] == no_gap["seeds"] == list(am.SEEDS) and not c["initial_mismatch"]
+    assert not gap["significant"] and not no_gap["equivalent"] and not c["advise"] and c["held_out"] is None
+    quoted = [f"{r['diff']:+.3f} [{r['diff_lo']:+.3f}, {r['diff_hi']:+.3f}]".replace("-", "−") for r in (gap, no_gap)]
+    assert quoted == ["+0.050 [−0.017, +0.117]", "−0.023 [−0.046, +0.001]"]
+    assert (f"{gap['p']:.2g}", f"{no_gap['p']:.2g}", f"{no_gap['p_sign_flip']:.2g}") == ("0.13", "0.054", "0.049")
+    for page in ("docs/benchmarks.md", "docs/async.md"):
+        text = (root / page).read_text()
+        assert all(q in text for q in quoted), page
