@@ -184,7 +184,6 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     size and 30 steps unless given: the suite's smoke run)."""
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.core.metric_names import metric
@@ -203,21 +202,8 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     held_out = psum_prompts(sz["n_eval"], n_digits, seed=777_777)  # mismatch_train's held-out prompts
     curve = [(0, mt.policy_reward(model, tok, held_out, n_digits))]
     logs: list[dict] = []
-
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            step = state.global_step
-            tail_step = step >= (1 - mt.TAIL) * steps and step % mt.TAIL_EVAL_EVERY == 0
-            if step % sz["eval_every"] == 0 or tail_step or step == steps:
-                evaluator.load_state_dict(model.state_dict())
-                curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                rows.append({"step": state.global_step, **numbers})
-
-    rows = logs
+    recorder = mt.eval_recorder(evaluator, steps, sz["eval_every"], lambda step, ev: curve.append(
+        (step, mt.policy_reward(ev, tok, held_out, n_digits))), logs)
     prompts = [[{"role": "user", "content": p}] for p in psum_prompts(steps * PER_STEP * 4 + 256, n_digits, seed=seed)]
     common = dict(per_device_train_batch_size=PER_STEP, num_generations=mt.NUM_GENERATIONS,
                   max_completion_length=n_digits + 1, learning_rate=mt.X_LR, lr_scheduler_type="constant",
@@ -229,7 +215,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     tok.save_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         kwargs = dict(model=model_dir, reward_funcs=psum_chat_reward, processing_class=tok,
-                      train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Recorder()])
+                      train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[recorder])
         trainer = build_async_trainer(ARMS[arm], url=url, output_dir=tmp, config=common, **kwargs)
         freeze_added_bias(trainer.model)
         trainer.train()
@@ -247,11 +233,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
                   trl_kl=mean("kl"), trl_kl_first=logs[0].get("kl", math.nan) if logs else math.nan,
                   dropped=sum(row.get("sample/dropped_stale_total", 0.0) for row in logs),
                   logs=logs, seconds=time.time() - t0)
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out_path + ".tmp", out_path)
-    return result
+    return mt.save_run(result, out_path)
 
 
 SERVED_HEAD_DIM = 32  # vLLM's CPU attention supports head sizes 32, 64, 80, ... (not the task model's 24)
@@ -349,16 +331,7 @@ def psum_chat_reward(prompts, completions, completion_ids=None, **_) -> list[flo
 
 
 # ------------------------------------------------------------------------------------------------ the analysis
-def load_runs(out: str) -> list[dict]:
-    folder = os.path.join(out, "runs")
-    if not os.path.isdir(folder):
-        return []
-    runs = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".json"):
-            with open(os.path.join(folder, name)) as f:
-                runs.append(json.load(f))
-    return runs
+load_runs = mt.load_runs  # OUT/runs/*.json, as mismatch_train writes them
 
 
 def scores(runs: list[dict], arm: str, sigma: float, seeds) -> dict[int, float]:

@@ -1124,11 +1124,16 @@ def run_one(scenario: str, method: str, seed: int, steps: int, out_path: str, ba
                   t_kl=statistics.fmean(g["t_kl"] for g in engine.log),
                   engine_reward=statistics.fmean(g["engine_reward"] for g in engine.log),
                   generations=engine.log, logs=logs, seconds=time.time() - t0, **hurt_summary(logs))
-    if out_path:
-        os.makedirs(os.path.dirname(out_path), exist_ok=True)
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(out_path + ".tmp", out_path)
+    return save_run(result, out_path) if out_path else result
+
+
+def save_run(result: dict, out_path: str) -> dict:
+    """Write one run's JSON atomically (a temporary file, then a rename: a killed run leaves no half file that a
+    resumed command would skip) and return ``result``."""
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out_path + ".tmp", out_path)
     return result
 
 
@@ -1204,6 +1209,29 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float |
             else:
                 print(f"[{done}] {os.path.basename(path)} {time.time() - t0:.0f} s "
                       f"(elapsed {time.time() - t_start:.0f} s)", flush=True)
+
+
+def eval_recorder(evaluator, steps: int, eval_every: int, on_eval, rows: list[dict]):
+    """The evaluation schedule of the benchmarks that train on a served copy (``async_mismatch.py``,
+    ``vllm_truncation.py``), as a ``TrainerCallback``: at every ``eval_every``-th step, every ``TAIL_EVAL_EVERY``-th
+    step of the last ``TAIL`` of ``steps`` and at the last, ``evaluator`` gets the trained model's weights and
+    ``on_eval(step, evaluator)`` runs; every training log's numbers (not its booleans) are appended to ``rows``."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            tail_step = step >= (1 - TAIL) * steps and step % TAIL_EVAL_EVERY == 0
+            if step % eval_every == 0 or tail_step or step == steps:
+                evaluator.load_state_dict(model.state_dict())
+                on_eval(step, evaluator)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                rows.append({"step": state.global_step, **numbers})
+
+    return Recorder()
 
 
 def load_runs(out: str) -> list[dict]:

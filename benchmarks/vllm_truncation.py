@@ -203,7 +203,6 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     """Train one (arm, seed) on the colocated vLLM engine and write its JSON."""
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
     from benchmarks.async_mismatch import freeze_added_bias, served_model
@@ -223,31 +222,20 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     curve_top_p = [(0, mt.policy_reward(model, tok, held_out, n_digits, perturb=mt.top_p_truncation(TOP_P)))]
     logs: list[dict] = []
 
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            step = state.global_step
-            tail_step = step >= (1 - mt.TAIL) * steps and step % mt.TAIL_EVAL_EVERY == 0
-            if step % sz["eval_every"] == 0 or tail_step or step == steps:
-                evaluator.load_state_dict(model.state_dict())
-                curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
-                regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P)))
-                curve_top_p.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits,
-                                                           perturb=mt.top_p_truncation(TOP_P))))
+    def on_eval(step: int, evaluator) -> None:
+        curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
+        regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P)))
+        curve_top_p.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits,
+                                                   perturb=mt.top_p_truncation(TOP_P))))
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                rows.append({"step": state.global_step,
-                             **{k: v for k, v in logs.items() if isinstance(v, (int, float)) and
-                                not isinstance(v, bool)}})
-
-    rows = logs
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         model.save_pretrained(model_dir)  # TRL's colocated engine loads this; the trainer loads the same weights
         tok.save_pretrained(model_dir)
         dataset = Dataset.from_dict({"prompt": psum_prompts(steps * mt.GEN_PROMPTS + 64, n_digits, seed=seed)})
         fields = mt.grpo_fields(os.path.join(tmp, "out"), steps, n_digits, mt.LR, seed)
-        trainer = build_trainer(arm, model_dir, tok, dataset, fields, [Recorder()])
+        trainer = build_trainer(arm, model_dir, tok, dataset, fields,
+                                [mt.eval_recorder(evaluator, steps, sz["eval_every"], on_eval, logs)])
         freeze_added_bias(trainer.model)
         trainer.train()
         engine_dtype = str(trainer.vllm_generation.llm.llm_engine.vllm_config.model_config.dtype)
@@ -272,22 +260,11 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
                   kept_mass_mean=mean(metric("kept_mass_mean")), rollout_kl=mean(metric("kl")),
                   k3_kl=mean(metric("k3_kl")), completion_length=mean("completions/mean_length"),
                   logs=logs, seconds=time.time() - t0)
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out_path + ".tmp", out_path)
-    return result
+    return mt.save_run(result, out_path)
 
 
 # ------------------------------------------------------------------------------------------------ the analysis
-def load_runs(out: str) -> list[dict]:
-    folder = os.path.join(out, "runs")
-    runs = []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(folder, name)) as f:
-                runs.append(json.load(f))
-    return runs
+load_runs = mt.load_runs  # OUT/runs/*.json
 
 
 CSV_COLUMNS = ("scenario", "method", "seed", "trainer", "top_p", "engine_dtype", "steps", "lr", "n_digits", "score",
