@@ -208,6 +208,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     from benchmarks.async_mismatch import freeze_added_bias, served_model
     from trl_rollout_corr.core.metric_names import metric
     from trl_rollout_corr.testing.psum_task import psum_prompts
+    from trl_rollout_corr.trl_hooks.vllm import colocated_llm, vllm_generation
 
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
@@ -238,7 +239,8 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
                                 [mt.eval_recorder(evaluator, steps, sz["eval_every"], on_eval, logs)])
         freeze_added_bias(trainer.model)
         trainer.train()
-        engine_dtype = str(trainer.vllm_generation.llm.llm_engine.vllm_config.model_config.dtype)
+        engine = colocated_llm(vllm_generation(trainer)).llm_engine  # read through the package's checked accessors
+        engine_dtype = str(engine.vllm_config.model_config.dtype)
 
     def mean(key):
         values = [row[key] for row in logs if key in row and math.isfinite(row[key])]

@@ -159,9 +159,9 @@ TRUNCATION_FOUND = (
     "measured (benchmarks/vllm_truncation.py, docs/benchmarks.md S3V: vLLM bf16, T = 49, per-token KL of the "
     "truncation 7.5e-3-9.9e-3, T * KL 0.37-0.48, a 465k-parameter model, 30 steps on a CPU): training rollouts sampled "
     "at top_p 0.8 scored +0.055 [+0.017, +0.092] held-out reward below the same bf16 engine at top_p 1 (15 seeds, "
-    "Holm p 0.0093; 5 held-out seeds: +0.039, the same sign), and +0.054 [+0.022, +0.086] below when both policies are "
-    "served at top_p 0.8; no correction (TRL's default, token_truncate, ppo_is_bypass, the truncated-support "
-    "correction) recovered any of it")
+    "Holm p 0.0093; 5 held-out seeds: +0.039, the same sign), and +0.054 [+0.022, +0.086] below training on the full "
+    "distribution (a float32 engine at top_p 1) when both policies are served at top_p 0.8; no correction (TRL's "
+    "default, token_truncate, ppo_is_bypass, the truncated-support correction) recovered any of it")
 
 
 def truncation_advice(top_k: int, top_p: float, min_p: float | None) -> str | None:
