@@ -13,11 +13,13 @@ the fork ingambe/trl at 02f6a1a2 and c43d0079 (between TRL 1.14.0 and 1.15.0 by 
 against the PyPI wheels), has both bodies unchanged line for line; only TRL's skip mark changed, ``@require_jmespath``
 to ``@require_response_parsing``, which skips neither with transformers 5.17 (docs/testing.md).
 
-Changes from TRL's bodies, all for a CPU: ``use_cpu=True`` (TRL's default ``bf16=True`` needs a GPU otherwise; bf16
-autocast stays on), ``max_steps=3`` where TRL trains 3 epochs (51 and 24 steps), and TRL's fused log-prob scores only
-the completion positions, as it does on a GPU (on a CPU it scores every prompt position too: 5x slower here, same
-values). Each test takes ~10-20 s on the 2-core machine (two 150k-vocabulary models built once per module, then
-trainer construction and 3 steps with a 151,936-row LM head): the reason they are over the usual few seconds.
+Changes from TRL's bodies, all for a CPU (on a CUDA machine there are none: the bodies run as TRL wrote them, TRL's
+defaults and its Triton log-prob kernels included): ``use_cpu=True`` (TRL's default ``bf16=True`` needs a GPU
+otherwise; bf16 autocast stays on), ``max_steps=3`` where TRL trains 3 epochs (51 and 24 steps), and TRL's fused
+log-prob scores only the completion positions, as it does on a GPU (on a CPU it scores every prompt position too:
+5x slower here, same values). Each test takes ~10-20 s on the 2-core machine (two 150k-vocabulary models built once
+per module, then trainer construction and 3 steps with a 151,936-row LM head): the reason they are over the usual few
+seconds.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_rollout_corr import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
 CLASSES = {"trl": (GRPOConfig, GRPOTrainer), "rollout_corr": (RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer)}
-ON_CPU = dict(use_cpu=True, max_steps=3)  # see the module docstring
+# On a CUDA machine TRL's bodies run as TRL wrote them (TRL's defaults: bf16 on the GPU, 3 epochs, TRL's Triton
+# fused log-prob); on a CPU with the changes of the module docstring.
+ON_GPU = torch.cuda.is_available()
+ON_CPU = {} if ON_GPU else dict(use_cpu=True, max_steps=3)
 
 # TRL's mocked completions, with TRL's comments (the text Qwen3's tokenizer decodes them to)
 PAD = 151643
@@ -67,6 +72,8 @@ def hub_standins(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _compact_fused_logprob(monkeypatch):
     """TRL's fused log-prob scores only the completion positions, as on a GPU (``_use_triton`` is its switch)."""
+    if ON_GPU:  # TRL's own choice on a GPU: its Triton kernels
+        return
     import trl.trainer.utils as trl_utils
 
     monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
@@ -225,7 +232,8 @@ def test_train_with_multiple_environments(tmp_path, hub_standins, classes):
     with patch.object(trainer.model, "generate", side_effect=fake_generate):
         trainer.train()
 
-    assert calls == [4, 2] * 3  # not in TRL's test: one regeneration per step, for the two rows that called a tool
+    # not in TRL's test: one regeneration per step, for the two rows that called a tool
+    assert calls == [4, 2] * trainer.state.global_step
     assert trainer.state.log_history[-1]["train_loss"] is not None
     # The tool call from the counter example ran `increment` (defined only on CounterEnvironment) and the one from
     # the echo example ran `shout` (defined only on EchoEnvironment): each rollout dispatched to its own tools.
