@@ -110,3 +110,61 @@ def test_the_preflight_probe_ran_on_the_model(report):
     assert abs(result["k3"]) < 1e-6 < result["k3_before_renormalization"]
     assert 0 < result["kept_mass_mean"] <= 1
     assert set(result["methods"]) == {"this_run", "trl_default", "trl_token_truncate", "decoupled_token_is", "icepop"}
+
+
+def _sci(x: float) -> str:
+    """5.9e-5 as the docs write it (Python writes 5.9e-05)."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _h200_section() -> str:
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    return doc[doc.index("**A third run, on one NVIDIA H200"):doc.index("Read it as (the H100 runs)")]
+
+
+def test_the_h200_runs_cover_every_preset_with_finite_values_and_two_syncs_per_step():
+    """benchmarks/results/gpu_check_h200_2026-11-27_presets.json (the H200's presets call): every preset the package
+    has now, and top-p/top-k, trained with finite values and the package's 2 host syncs per step, none per micro-batch
+    (the sync sites are the generation's capture and the log's reduce)."""
+    from trl_rollout_corr.config.correction import RolloutCorrectionConfig
+
+    report = json.loads((ROOT / "benchmarks/results/gpu_check_h200_2026-11-27_presets.json").read_text())
+    assert report["meta"]["device_name"] == "NVIDIA H200"
+    runs = report["phases"]["presets"]["result"]["runs"]
+    presets = set(RolloutCorrectionConfig.preset_names())
+    assert set(runs) == presets | {"top_p_0.9", "top_k_50"} and len(presets) == 26
+    for name, run in runs.items():
+        assert run["status"] == "ok" and run["finite"] and run["steps"] == 2, name
+        assert run["our_syncs_per_step"] == 2, name
+        assert sum(run["our_sync_sites"].values()) == 4, name  # 2 steps x (capture + log)
+    section = _h200_section()
+    assert "every preset (26) and top-p 0.9 / top-k 50" in section
+    assert f"all callers (transformers' `generate` included): {runs['decoupled_token_is']['all_syncs_per_step']:.0f}" \
+        in section
+
+
+def test_the_h200_step_probe_and_mismatch_rows_are_the_runs():
+    """The H200 rows of docs/benchmarks.md, recomputed from the committed JSON (ratios from the medians)."""
+    phases = json.loads((ROOT / "benchmarks/results/gpu_check_h200_2026-11-27.json").read_text())["phases"]
+    section = _h200_section()
+    order = ("trl_pi_old", "trl_no_old", "decoupled_token_is", "ppo_is_bypass")
+    for length in ("512", "2048"):
+        variants = phases["step_time"]["result"]["by_length"][length]["variants"]
+        ms = [variants[name]["step_ms"] for name in order]
+        ratios = " / ".join(f"{m / ms[0]:.2f}" for m in ms[1:])
+        row = " / ".join(f"{m:.0f}" for m in ms) + f" ms ({ratios}"
+        assert row in section, row
+        assert f"peak {variants['trl_pi_old']['peak_gib']:.1f} GiB for all four" in section
+        assert len({round(v["peak_gib"], 1) for v in variants.values()}) == 1
+    probe = phases["probe_cost"]["result"]["by_hidden"]["896"]
+    trl_forward, trl_backward = probe["trl_fused_logprob_forward"], probe["trl_fused_logprob_forward_backward"]
+    row = (f"{probe['probe_top_p_0.9']['ms']:.0f} / {probe['probe_top_k_50']['ms']:.0f} ms vs "
+           f"{trl_forward['ms']:.1f} / {trl_backward['ms']:.1f} ms")
+    assert row in section, row
+    by_length = phases["mismatch"]["result"]["by_length"]
+    k3 = " / ".join(_sci(by_length[t]["k3"]) for t in ("128", "512", "2048"))
+    t_k3 = " / ".join(f"{by_length[t]['t_times_k3']:.2g}" for t in ("128", "512", "2048"))
+    assert f"k3 KL {k3}" in section and f"T·k3 {t_k3}" in section, (k3, t_k3)
+    preflight = phases["preflight"]["result"]
+    assert f"{preflight['seconds']:.1f} s; k3 {_sci(preflight['k3'])}" in section
