@@ -727,6 +727,19 @@ def top_p_truncation(top_p: float):
     return perturb
 
 
+def top_k_truncation(top_k: int):
+    """Top-k truncation of a batch of logits (B, V) as vLLM's sampler does it: every token outside the ``top_k``
+    largest logits gets -inf (a tie at the k-th logit keeps every tied token, as vLLM's threshold does), so the
+    log-softmax is log p - log M over the kept set and the exact KL(engine || policy) per position is -log M."""
+    import torch
+
+    def perturb(logits, generator):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) the k-th largest logit
+        return logits.masked_fill(logits < kth, float("-inf"))  # (B, V)
+
+    return perturb
+
+
 def heavy_tailed(sigma: float, spike_p: float, spike: float, below: float):
     """S1's perturbation of a batch of logits (B, V): dense N(0, sigma^2) noise on every logit, and at a fraction
     ``spike_p`` of rows a ``+spike`` on one token drawn uniformly among those the unperturbed distribution gives

@@ -63,14 +63,17 @@ from benchmarks import mismatch_train as mt  # noqa: E402
 SCENARIO = "S3V"
 TOP_P = mt.S3_TOP_P  # 0.8: experiment P's level, so this replicates P on the real engine
 STEPS = mt.S3_STEPS  # 30
-ARMS = {  # arm -> (trainer, its correction fields, the engine's top_p, the engine's dtype (None: TRL's "auto"))
-    "on_policy": ("ours", dict(rollout_correction_preset="disabled"), 1.0, "float32"),  # the ceiling
-    "M0": ("ours", dict(rollout_correction_preset="disabled"), TOP_P, None),  # no correction
-    "M1": ("trl", mt.METHODS["M1"][1], TOP_P, None),  # TRL's default (sequence_mask, C=3) by TRL's GRPOTrainer
-    "M1p": ("ours", dict(rollout_correction_preset="trl_default"), TOP_P, None),  # + truncated-support correction
-    "M2": ("trl", mt.METHODS["M2"][1], TOP_P, None),  # TRL's token_truncate (C=3) by TRL's GRPOTrainer
-    "M3": ("ours", dict(rollout_correction_preset="ppo_is_bypass"), TOP_P, None),
-    "full_bf16": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None),  # pre-registration 21
+TOP_K = 2  # pre-registration 23 (its pilot: see there)
+ARMS = {  # arm -> (trainer, its correction fields, the engine's top_p, the engine's dtype (None: TRL's "auto"), top_k)
+    "on_policy": ("ours", dict(rollout_correction_preset="disabled"), 1.0, "float32", 0),  # the ceiling
+    "M0": ("ours", dict(rollout_correction_preset="disabled"), TOP_P, None, 0),  # no correction
+    "M1": ("trl", mt.METHODS["M1"][1], TOP_P, None, 0),  # TRL's default (sequence_mask, C=3) by TRL's GRPOTrainer
+    "M1p": ("ours", dict(rollout_correction_preset="trl_default"), TOP_P, None, 0),  # + truncated-support correction
+    "M2": ("trl", mt.METHODS["M2"][1], TOP_P, None, 0),  # TRL's token_truncate (C=3) by TRL's GRPOTrainer
+    "M3": ("ours", dict(rollout_correction_preset="ppo_is_bypass"), TOP_P, None, 0),
+    "full_bf16": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None, 0),  # pre-registration 21
+    "topk_M0": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None, TOP_K),  # pre-registration 23 (TOP_K)
+    "topk_M1": ("trl", mt.METHODS["M1"][1], 1.0, None, TOP_K),  # pre-registration 23: TRL's default at top_k TOP_K
 }
 SEEDS = tuple(range(220, 230))  # fresh: never run in any experiment (mismatch_train's last were 200-214)
 HELD_OUT = tuple(range(230, 235))
@@ -134,6 +137,46 @@ ARMS_21 = ("on_policy", "M0", "full_bf16")
 FAMILY_21 = (("H1", "full_bf16", "M0", "score"), ("H2", "on_policy", "M0", "score_top_p"))  # (name, arm, ref, score)
 
 
+# ------------------------------------------------------------------------------------------------ pre-registration 23
+# Written and committed 2026-11-27 (before 18:00 UTC; the commit's time is the record) BEFORE any run of the arms
+# below. The trainer's start-up advice for a truncating sampler is measured for top-p only (pre-registrations 20-21)
+# and names top-k as "not measured". Does top-k truncation cost reward in training on the real engine too?
+# Pilot (disclosed, not analysed; no training): seed 99's warm model (outside every seed set), held-out prompts,
+# per-token KL(top-k(pi) || pi) by K: 1: 1.10e-2 (greedy: every completion of a prompt the same, GRPO learns
+# nothing), 2: 2.88e-3, 3: 2.14e-3, 5: 1.56e-3, 10: 1.10e-3; top-p 0.8: 8.19e-3 (T*KL 0.40). TOP_K = 2: the
+# strongest truncation that still samples (its T*KL 0.14, about a third of top-p 0.8's).
+RULES_23 = """Pre-registration 23 (top-k truncation on the real vLLM engine: does it cost; does TRL's default help?).
+1. New arms, on the bf16 engine (TRL's auto) at top_p 1 and top_k 2: topk_M0 (this package's trainer, no
+   correction) and topk_M1 (TRL's default, sequence_mask C=3, by TRL's unmodified GRPOTrainer). Seeds 220-234 (15),
+   seed by seed, two runs at a time.
+2. Reference: full_bf16 (pre-registration 21: the same engine at top_p 1, top_k 0, no correction), its committed
+   runs on 220-239 (benchmarks/results/vllm_truncation_21_results.csv). Runs are bit-reproducible here: full_bf16
+   re-runs on seeds 220 and 221 first; if either score differs from the committed one, full_bf16 re-runs on every
+   seed used and the re-runs are the reference.
+3. Family, Holm over these 2 (exact sign-flip and paired t, each adjusted), each confirmed iff positive with both
+   Holm p < 0.05:
+   K1: full_bf16 - topk_M0 on the score (top-k 2 costs reward in training);
+   K2: topk_M1 - topk_M0 on the score (TRL's default recovers some of it).
+   A row not confirmed is reported with TOST (+-0.02).
+4. Held out: only if K1 is confirmed, topk_M0 on seeds 235-239 against full_bf16's committed runs there; K1
+   survives iff the mean difference keeps its sign. Only if K2 is confirmed, topk_M1 on 235-239 (survives iff
+   topk_M1 - topk_M0 keeps its sign).
+5. Reported, not deciding: per-token KL(top-k(pi) || pi) and T*KL of every run (the same computation as 20-21's
+   top-p regime, with top-k), TRL's sampling_logp_difference (topk_M1), this package's kept_mass_mean (topk_M0).
+6. Decisions: the trainer's start-up advice stops calling top-k "not measured". If K1 is confirmed and survives, it
+   says top-k truncation cost reward here too (the difference, the regime); if not, it says what was measured (the
+   difference and its interval, the regime, TOST) and that a cost was not shown. min_p stays "not measured". If K2 is
+   confirmed and survives, the advice names TRL's default as recovering part of it (with the number); otherwise the
+   advice keeps saying that no correction recovered the cost of truncation. The package default is not changed.
+Order: (2)'s two re-runs, then (1) seed by seed, then (4). Deadline 18:50 UTC; what it cuts is reported as not run."""
+SEEDS_23 = tuple(range(220, 235))
+HELD_OUT_23 = tuple(range(235, 240))
+ARMS_23 = ("topk_M0", "topk_M1")
+REPRO_SEEDS_23 = (220, 221)
+FAMILY_23 = (("K1", "full_bf16", "topk_M0"), ("K2", "topk_M1", "topk_M0"))  # (name, arm, ref): arm - ref on score
+RESULTS_23 = os.path.join(HERE, "results", "vllm_truncation_23_results.csv")  # pre-registration 23's runs
+
+
 def size() -> dict:
     """Experiment P's CPU size (``mismatch_train.full_size``: T = 49)."""
     return mt.full_size()
@@ -153,17 +196,20 @@ def run_path(out: str, arm: str, seed: int) -> str:
     return os.path.join(out, "runs", f"{SCENARIO}__{arm}__seed{seed}.json")
 
 
-def truncation_kl(model, tok, prompts, n_digits: int, top_p: float, seed: int = 4321) -> tuple[float, float, float]:
+def truncation_kl(model, tok, prompts, n_digits: int, top_p: float, seed: int = 4321,
+                  top_k: int = 0) -> tuple[float, float, float]:
     """The exact per-token KL(top-p(pi) || pi) (= -log M per position, M the kept mass) of ``model`` on ``prompts``
-    sampled at ``top_p``, the mean T*KL per sequence and the mean length (mismatch_train's stand-in computation,
-    on its own generator: the training run is untouched)."""
+    sampled at ``top_p`` (at top-k ``top_k`` instead when it is > 0: KL(top-k(pi) || pi)), the mean T*KL per
+    sequence and the mean length (mismatch_train's stand-in computation, on its own generator: the training run is
+    untouched)."""
     import torch
 
     was_training = model.training
     model.eval()
     ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts], device=model.device)  # (B, P)
+    truncation = mt.top_k_truncation(top_k) if top_k > 0 else mt.top_p_truncation(top_p)
     completions, _, _, kl = mt.sample(model, ids, n_digits + 1, torch.Generator(device=model.device).manual_seed(seed),
-                                      mt.top_p_truncation(top_p))
+                                      truncation)
     model.train(was_training)
     mask = torch.zeros_like(kl)  # (B, T)
     for row, c in enumerate(completions):
@@ -181,8 +227,8 @@ def reward(prompts, completions, completion_ids=None, **_) -> list[float]:
 
 def build_trainer(arm: str, model_dir: str, tok, dataset, fields: dict, callbacks):
     """TRL's unmodified ``GRPOTrainer`` (M1, M2) or this package's trainer, each on TRL's colocated vLLM engine."""
-    kind, settings, top_p, dtype = ARMS[arm]
-    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.02, top_p=top_p)
+    kind, settings, top_p, dtype, top_k = ARMS[arm]
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.02, top_p=top_p, top_k=top_k)
     if kind == "trl":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -223,9 +269,11 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     curve_top_p = [(0, mt.policy_reward(model, tok, held_out, n_digits, perturb=mt.top_p_truncation(TOP_P)))]
     logs: list[dict] = []
 
+    top_k = ARMS[arm][4]
+
     def on_eval(step: int, evaluator) -> None:
         curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
-        regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P)))
+        regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P, top_k=top_k)))
         curve_top_p.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits,
                                                    perturb=mt.top_p_truncation(TOP_P))))
 
@@ -251,6 +299,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     kl_token = statistics.fmean(k for _, k, _, _ in regime)
     length = statistics.fmean(n for _, _, _, n in regime)
     result = dict(scenario=SCENARIO, method=arm, seed=seed, pool=SCENARIO, trainer=ARMS[arm][0], top_p=ARMS[arm][2],
+                  top_k=top_k,
                   engine_dtype=engine_dtype, steps=steps, lr=mt.LR, n_digits=n_digits, score=statistics.fmean(tail),
                   curve=curve, initial=curve[0][1], final=curve[-1][1], score_top_p=statistics.fmean(tail_top_p),
                   curve_top_p=curve_top_p,
@@ -269,8 +318,8 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
 load_runs = mt.load_runs  # OUT/runs/*.json
 
 
-CSV_COLUMNS = ("scenario", "method", "seed", "trainer", "top_p", "engine_dtype", "steps", "lr", "n_digits", "score",
-               "score_top_p", "initial", "final", "collapsed", "kl_token", "t_kl", "length", "trl_logp_diff",
+CSV_COLUMNS = ("scenario", "method", "seed", "trainer", "top_p", "top_k", "engine_dtype", "steps", "lr", "n_digits",
+               "score", "score_top_p", "initial", "final", "collapsed", "kl_token", "t_kl", "length", "trl_logp_diff",
                "trl_is_ratio_mean", "kept_mass_mean", "rollout_kl", "k3_kl", "seconds")
 RESULTS = os.path.join(HERE, "results", "vllm_truncation_results.csv")  # the committed runs of pre-registration 20
 RESULTS_21 = os.path.join(HERE, "results", "vllm_truncation_21_results.csv")  # pre-registration 21's runs
@@ -296,9 +345,9 @@ def runs_from_csv(path: str = RESULTS) -> list[dict]:
             return text
         if key == "collapsed":
             return text == "True"
-        if text == "":  # a column the run predates (score_top_p: pre-registration 21)
+        if text == "":  # a column the run predates (score_top_p: pre-registration 21; top_k: 23)
             return math.nan
-        return int(text) if key in ("seed", "steps", "n_digits") else float(text)
+        return int(text) if key in ("seed", "steps", "n_digits", "top_k") else float(text)
 
     with open(path, newline="") as f:
         runs = [{k: value(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
@@ -432,6 +481,86 @@ def report_21(out: str, runs: list[dict] | None = None, committed: str = RESULTS
     return text, result
 
 
+def report_23(out: str, runs: list[dict] | None = None, reference: str = RESULTS_21) -> tuple[str, dict]:
+    """Pre-registration 23's analysis of ``runs`` (default: ``OUT/runs``: topk_M0, topk_M1 and the full_bf16
+    re-runs), against full_bf16's committed runs in ``reference`` (rule 2), written to ``OUT/analysis_23.md`` with
+    ``OUT/results.csv``."""
+    st = mt._stats()
+    runs = load_runs(out) if runs is None else runs
+    os.makedirs(out, exist_ok=True)
+    write_csv(runs, os.path.join(out, "results.csv"))
+    new = {(r["method"], r["seed"]): r for r in runs}
+    committed = {(r["method"], r["seed"]): r for r in runs_from_csv(reference) if r["method"] == "full_bf16"}
+    repro = [(s, new["full_bf16", s]["score"], committed["full_bf16", s]["score"]) for s in REPRO_SEEDS_23
+             if ("full_bf16", s) in new and ("full_bf16", s) in committed]
+    reproduced = len(repro) == len(REPRO_SEEDS_23) and all(a == b for _, a, b in repro)
+    by = {**new, **({k: v for k, v in committed.items() if k not in new} if reproduced else {})}
+
+    def compare(arm: str, ref: str, seeds) -> dict | None:
+        common = [s for s in seeds if (arm, s) in by and (ref, s) in by]
+        if len(common) < 2:
+            return None
+        return st.compare_paired([by[arm, s]["score"] for s in common], [by[ref, s]["score"] for s in common],
+                                 margin=mt.TOST_MARGIN)
+
+    fmt = "{:+.4f} [{:+.4f}, {:+.4f}]".format
+    lines = [RULES_23, "", "### Top-k truncation on the real engine (pre-registration 23)\n",
+             "Reproduction (rule 2): "
+             + ", ".join(f"full_bf16 seed {s} {a:.6f} (committed {b:.6f})" for s, a, b in repro)
+             + (": equal, bit for bit; the committed runs are the reference." if reproduced else
+                ": NOT all equal (or not run): only re-run full_bf16 runs are the reference."), "",
+             "| arm | n | score | per-token KL(top-k(pi)‖pi) | T·KL | TRL's sampling_logp_difference | "
+             "kept_mass_mean |",
+             "|---|---|---|---|---|---|---|"]
+    def mean_of(rs: list[dict], key: str, f: str) -> str:
+        xs = [r[key] for r in rs if r.get(key) is not None and math.isfinite(r[key])]
+        return f.format(statistics.fmean(xs)) if xs else "—"
+
+    for arm in ("full_bf16", *ARMS_23):
+        rs = [by[arm, s] for s in SEEDS_23 if (arm, s) in by]
+        if rs:
+            def m(key, f, rs=rs):
+                return mean_of(rs, key, f)
+
+            regime = (m("kl_token", "{:.2e}"), m("t_kl", "{:.3f}")) if arm != "full_bf16" else ("—", "—")
+            lines.append(f"| {arm} | {len(rs)} | {m('score', '{:.4f}')} | {regime[0]} | {regime[1]} | "
+                         f"{m('trl_logp_diff', '{:.2e}')} | {m('kept_mass_mean', '{:.3f}')} |")
+    rows = []
+    for name, arm, ref in FAMILY_23:
+        row = compare(arm, ref, SEEDS_23)
+        if row is not None:
+            rows.append({**row, "name": name, "arm": arm, "ref": ref})
+    st.add_holm(rows, "p_sign_flip")
+    st.add_holm(rows, "p")
+    lines += ["\nFamily (Holm over 2; confirmed iff positive with both Holm p < 0.05):\n",
+              "| | comparison | n | difference, 95% CI | p sign-flip (Holm) | p t (Holm) | TOST ±0.02 p | confirmed |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        r["confirmed"] = bool(r["diff"] > 0 and r["p_sign_flip_holm"] < mt.ALPHA and r["p_holm"] < mt.ALPHA)
+        lines.append(f"| {r['name']} | {r['arm']} − {r['ref']} | {r['n']} | "
+                     f"{fmt(r['diff'], r['diff_lo'], r['diff_hi'])} | {r['p_sign_flip']:.3g} "
+                     f"({r['p_sign_flip_holm']:.3g}) | {r['p']:.3g} ({r['p_holm']:.3g}) | "
+                     f"{r['tost_p']:.3g} | {'yes' if r['confirmed'] else 'no'} |")
+    result = {"rows": rows, "reproduced": reproduced, "held_out": {}}
+    for r in rows:
+        if not r["confirmed"]:
+            continue
+        held = compare(r["arm"], r["ref"], HELD_OUT_23)
+        if held is None:
+            lines.append(f"\nHeld out (rule 4): {r['name']} on seeds {HELD_OUT_23[0]}-{HELD_OUT_23[-1]} not run yet.")
+            continue
+        held["survives"] = held["diff"] > 0
+        result["held_out"][r["name"]] = held
+        lines.append(f"\nHeld out (rule 4), seeds {HELD_OUT_23[0]}-{HELD_OUT_23[-1]}: {r['arm']} − {r['ref']} "
+                     f"{fmt(held['diff'], held['diff_lo'], held['diff_hi'])} (n {held['n']}, t p {held['p']:.3g}): "
+                     + (f"the same sign: {r['name']} SURVIVES." if held["survives"] else
+                        f"the sign flips: {r['name']} does NOT survive."))
+    text = "\n".join(lines)
+    with open(os.path.join(out, "analysis_23.md"), "w") as f:
+        f.write(text + "\n")
+    return text, result
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(COST_ARMS))
@@ -441,14 +570,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report_only", action="store_true", help="write OUT/analysis.md from OUT/runs; runs nothing")
     p.add_argument("--results", default=None, metavar="CSV", help="with --report_only: analyse a results CSV (the "
                    f"committed one: {os.path.relpath(RESULTS, os.path.dirname(HERE))}) instead of OUT/runs")
-    p.add_argument("--experiment", choices=("20", "21"), default="20", help="the pre-registration whose analysis "
-                   "--report_only and the end of a run write (20: OUT/analysis.md, 21: OUT/analysis_21.md)")
+    p.add_argument("--experiment", choices=("20", "21", "23"), default="20", help="the pre-registration whose "
+                   "analysis --report_only and the end of a run write (20: OUT/analysis.md, 21: OUT/analysis_21.md, "
+                   "23: OUT/analysis_23.md)")
     p.add_argument("--smoke", action="store_true", help="the suite's version: a tiny model, T = 7, 2 steps")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # arm seed out_path
     a = p.parse_args(argv)
     if a.report_only:
         runs = runs_from_csv(a.results) if a.results else None
-        print(report_21(a.out, runs)[0] if a.experiment == "21" else report(a.out, runs))
+        print(REPORTS[a.experiment](a.out, runs))
         return
     sz, steps = (smoke_size(), SMOKE_STEPS) if a.smoke else (size(), STEPS)
     base = mt.base_model_path(a.out)
@@ -490,8 +620,11 @@ def main(argv: list[str] | None = None) -> None:
             running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), arm, seed, path))
     for item in running:
         finish(*item)
-    print(report_21(a.out)[0] if a.experiment == "21" else report(a.out))
+    print(REPORTS[a.experiment](a.out))
 
+
+REPORTS = {"20": report, "21": lambda out, runs=None: report_21(out, runs)[0],
+           "23": lambda out, runs=None: report_23(out, runs)[0]}
 
 if __name__ == "__main__":
     main()

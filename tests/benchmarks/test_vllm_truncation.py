@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 
 import pytest
 import torch
@@ -67,14 +68,14 @@ def test_reward_reads_the_completion_ids():
 
 def test_the_registered_rules_are_what_the_code_runs():
     assert vt.FAMILY == (("S3V", "M1p"), ("S3V", "M3"), ("S3V", "M2"), ("S3V", "M0"))
-    assert set(vt.COST_ARMS) | set(vt.FAMILY_ARMS) | set(vt.ARMS_21) == set(vt.ARMS)
-    assert {arm for arm, (kind, *_) in vt.ARMS.items() if kind == "trl"} == {"M1", "M2"}
+    assert set(vt.COST_ARMS) | set(vt.FAMILY_ARMS) | set(vt.ARMS_21) | set(vt.ARMS_23) == set(vt.ARMS)
+    assert {arm for arm, (kind, *_) in vt.ARMS.items() if kind == "trl"} == {"M1", "M2", "topk_M1"}
     assert vt.ARMS["M1"][1] == dict(vllm_importance_sampling_mode="sequence_mask",
                                     vllm_importance_sampling_clip_max=3.0)
-    assert vt.ARMS["on_policy"][2:] == (1.0, "float32")  # the ceiling samples the policy itself
-    assert vt.ARMS["full_bf16"][2:] == (1.0, None)  # pre-registration 21: M0's bf16 engine without the truncation
-    assert all(top_p == 0.8 and dtype is None for arm, (_, _, top_p, dtype) in vt.ARMS.items()
-               if arm not in ("on_policy", "full_bf16"))
+    assert vt.ARMS["on_policy"][2:] == (1.0, "float32", 0)  # the ceiling samples the policy itself
+    assert vt.ARMS["full_bf16"][2:] == (1.0, None, 0)  # pre-registration 21: M0's bf16 engine without the truncation
+    assert all(top_p == 0.8 and dtype is None and top_k == 0 for arm, (_, _, top_p, dtype, top_k) in vt.ARMS.items()
+               if arm not in ("on_policy", "full_bf16", *vt.ARMS_23))
     used = set(mt.P_SEEDS) | set(mt.P_HELD_OUT) | set(mt.F_SEEDS) | set(mt.F_HELD_OUT) | set(am.SEEDS) | set(
         am.HELD_OUT)
     assert not used & (set(vt.SEEDS) | set(vt.HELD_OUT)) and len(vt.SEEDS) == 10 and len(vt.HELD_OUT) == 5
@@ -120,20 +121,105 @@ def test_held_out_cost_keeps_or_flips_its_sign(tmp_path):
     assert "Held-out seeds 230-234: on_policy - M0 -0.0160" in text and "the sign flips: NOT confirmed." in text
 
 
+def test_top_k_truncation_keeps_the_k_largest_logits_and_their_ties():
+    """Hand cases, and transformers' TopKLogitsWarper (which, as vLLM, keeps every logit tied with the k-th)."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0], [3.0, 3.0, 3.0, 1.0, 0.0]])  # (B, V)
+    kept = torch.isfinite(mt.top_k_truncation(2)(logits.clone(), None))  # (B, V)
+    assert kept.tolist() == [[False, True, True, False, False], [True, True, True, False, False]]  # ties at 3 kept
+    random = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))  # (B, V)
+    for k in (1, 2, 7):
+        ours = mt.top_k_truncation(k)(random.clone(), None)
+        assert torch.equal(torch.isinf(ours), torch.isinf(TopKLogitsWarper(top_k=k)(None, random.clone())))
+        assert torch.equal(ours[torch.isfinite(ours)], random[torch.isfinite(ours)])  # kept logits unchanged
+
+
+def test_truncation_kl_at_top_k_is_the_mean_minus_log_kept_mass_in_float64():
+    """Pre-registration 23's regime: per position KL(top-k(pi) || pi) = -log M over the top-k set, re-derived in
+    float64 with transformers' TopKLogitsWarper choosing the set."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    tok = psum_task.build_tokenizer()
+    model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6)
+    prompts = psum_task.psum_prompts(5, 6, seed=3)
+    kl, t_kl, length = vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11, top_k=2)
+    ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts])
+    completions, _, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(11), mt.top_k_truncation(2))
+    per_sequence = []
+    for p_ids, c_ids in zip(ids.tolist(), completions):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0, len(p_ids) - 1: -1].double()  # (T, V)
+        outside = torch.isinf(TopKLogitsWarper(top_k=2)(None, logits.clone()))  # (T, V)
+        per_sequence.append(-torch.logsumexp(torch.log_softmax(logits, -1).masked_fill(outside, float("-inf")), -1))
+    tokens = torch.cat(per_sequence)
+    assert tokens.mean() > 1e-2  # an untrained model keeps little mass in 2 tokens
+    assert kl == pytest.approx(float(tokens.mean()), rel=1e-4)
+    assert t_kl == pytest.approx(sum(float(s.sum()) for s in per_sequence) / len(prompts), rel=1e-4)
+    assert length == pytest.approx(len(tokens) / len(prompts))
+    assert kl != pytest.approx(vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11)[0], rel=1e-2)  # not top-p's
+
+
+def test_pre_registration_23_rules_are_what_the_code_runs():
+    assert vt.TOP_K == 2 and vt.ARMS["topk_M0"][2:] == (1.0, None, 2) and vt.ARMS["topk_M1"][2:] == (1.0, None, 2)
+    assert vt.ARMS["topk_M0"][:2] == ("ours", dict(rollout_correction_preset="disabled"))
+    assert vt.ARMS["topk_M1"][:2] == ("trl", vt.ARMS["M1"][1])  # TRL's default by TRL's GRPOTrainer
+    assert vt.FAMILY_23 == (("K1", "full_bf16", "topk_M0"), ("K2", "topk_M1", "topk_M0"))
+    assert vt.SEEDS_23 == tuple(range(220, 235)) and vt.HELD_OUT_23 == tuple(range(235, 240))
+    assert vt.REPRO_SEEDS_23 == (220, 221)
+    for needle in ("top_k 2", "Seeds 220-234", "Holm over these 2", "235-239", "seeds 220 and 221", "18:50 UTC"):
+        assert needle in vt.RULES_23
+
+
+def _runs_23(scores: dict, seeds) -> list[dict]:
+    return [dict(scenario="S3V", method=arm, seed=seed, pool="S3V", score=score, kl_token=3e-3, t_kl=0.14,
+                 collapsed=False, engine_dtype="torch.bfloat16", top_p=1.0, top_k=vt.ARMS[arm][4],
+                 trl_logp_diff=math.nan, kept_mass_mean=0.99, seconds=23.0)
+            for arm, values in scores.items() for seed, score in zip(seeds, values)]
+
+
+@pytest.mark.parametrize("reproduced", [True, False])
+def test_pre_registration_23_analysis_on_hand_made_runs(tmp_path, reproduced):
+    """Rule 2: the committed full_bf16 runs are the reference only if the two re-runs equal them; rule 3's family
+    and rule 4's held-out sign. Committed full_bf16 0.80 on 220-239; topk_M0 0.05 lower with a spread (K1 counts),
+    topk_M1 = topk_M0 (K2 not); held out, topk_M0 0.01 above full_bf16 (K1 does not survive)."""
+    committed = str(tmp_path / "committed.csv")
+    vt.write_csv(_runs_23({"full_bf16": [0.8] * 20}, range(220, 240)), committed)
+    spread = [0.75 + 0.002 * i for i in range(15)]
+    runs = _runs_23({"topk_M0": spread, "topk_M1": spread}, vt.SEEDS_23)
+    runs += _runs_23({"topk_M0": [0.81] * 5}, vt.HELD_OUT_23)
+    runs += _runs_23({"full_bf16": [0.8 if reproduced else 0.79] * 2}, vt.REPRO_SEEDS_23)
+    text, result = vt.report_23(str(tmp_path / "out"), runs, reference=committed)
+    assert result["reproduced"] is reproduced
+    k1, k2 = result["rows"]
+    assert (k1["name"], k2["name"]) == ("K1", "K2") and k2["diff"] == 0 and not k2["confirmed"]
+    if reproduced:
+        assert k1["n"] == 15 and k1["diff"] == pytest.approx(0.8 - statistics.fmean(spread)) and k1["confirmed"]
+        assert "the committed runs are the reference" in text
+        assert not result["held_out"]["K1"]["survives"] and "the sign flips: K1 does NOT survive." in text
+    else:  # only the two re-runs: n 2, not confirmed, no held-out
+        assert k1["n"] == 2 and not k1["confirmed"] and not result["held_out"]
+        assert "NOT all equal" in text
+    assert (tmp_path / "out" / "analysis_23.md").read_text().strip() == text.strip()
+
+
 @requires_vllm
 def test_smoke_trains_trls_trainer_and_this_packages_on_the_real_vllm_engine(tmp_path):
-    """Two 2-step runs on the colocated vLLM CPU engine at top_p 0.8 in vLLM's auto dtype: TRL's GRPOTrainer (M1,
+    """Three 2-step runs on the colocated vLLM CPU engine in vLLM's auto dtype: at top_p 0.8, TRL's GRPOTrainer (M1,
     its vLLM importance-sampling path reading the engine's processed log-probs) and this package's trainer (M1p, its
-    truncated-support correction measuring the kept mass)."""
+    truncated-support correction measuring the kept mass); at top_k 2, TRL's GRPOTrainer (pre-registration 23)."""
     out = str(tmp_path / "s3v")
-    vt.main(["--smoke", "--arms", "M1,M1p", "--seeds", "0", "--out", out, "--jobs", "2"])
+    vt.main(["--smoke", "--arms", "M1,M1p,topk_M1", "--seeds", "0", "--out", out, "--jobs", "2"])
     runs = {r["method"]: r for r in vt.load_runs(out)}
-    assert set(runs) == {"M1", "M1p"}
+    assert set(runs) == {"M1", "M1p", "topk_M1"}
     for r in runs.values():
-        assert r["engine_dtype"] == "torch.bfloat16" and r["top_p"] == 0.8 and math.isfinite(r["score"])
+        top_p, top_k = (1.0, 2) if r["method"] == "topk_M1" else (0.8, 0)  # pre-registration 23's arm: top-k 2
+        assert r["engine_dtype"] == "torch.bfloat16" and (r["top_p"], r["top_k"]) == (top_p, top_k)
+        assert math.isfinite(r["score"])
         assert len(r["logs"]) == vt.SMOKE_STEPS and all(math.isfinite(row["loss"]) for row in r["logs"])
         assert r["kl_token"] > 0 and r["t_kl"] > 0
     assert runs["M1"]["trl_logp_diff"] > 0 and math.isnan(runs["M1"]["kept_mass_mean"])  # TRL's own metric
+    assert runs["topk_M1"]["trl_logp_diff"] > 0  # TRL's IS path read the top-k engine's processed log-probs
     assert 0 < runs["M1p"]["kept_mass_mean"] < 1 and math.isnan(runs["M1p"]["trl_logp_diff"])  # the package's
     assert "S3 on the real vLLM engine" in open(os.path.join(out, "analysis.md")).read()
 
