@@ -271,14 +271,52 @@ def test_pre_registration_21_committed_results_and_the_advice_they_carry(tmp_pat
         assert quoted in doc, quoted
 
 
+def test_pre_registration_23_committed_results_and_the_advice_they_carry(tmp_path):
+    """Recomputed from benchmarks/results/vllm_truncation_23_results.csv against pre-registration 21's committed
+    full_bf16 runs: the reference reproduced bit for bit, K1 and K2 not confirmed (K1 not equivalent either), no
+    held-out runs; the regime; the trainer's advice (monitor.advice.TOP_K_FOUND) and the docs quote these numbers."""
+    from trl_rollout_corr.monitor import advice
+
+    runs = vt.runs_from_csv(vt.RESULTS_23)
+    assert len(runs) == 32 and {r["method"] for r in runs} == {"full_bf16", *vt.ARMS_23}
+    assert {r["top_k"] for r in runs if r["method"] in vt.ARMS_23} == {2}
+    text, result = vt.report_23(str(tmp_path), runs)
+    assert result["reproduced"] and not result["held_out"]
+    k1, k2 = result["rows"]
+    assert not k1["confirmed"] and not k2["confirmed"] and k1["n"] == k2["n"] == 15
+    assert (round(k1["diff"], 3), round(k1["diff_lo"], 3), round(k1["diff_hi"], 3)) == (-.004, -.031, .023)
+    assert k1["tost_p"] > 0.05  # not shown equivalent
+    assert (round(k2["diff"], 3), round(k2["diff_lo"], 3), round(k2["diff_hi"], 3)) == (.007, -.008, .023)
+    assert f"{k2['p_sign_flip_holm']:.2g}" == "0.62"
+    topk = [r for r in runs if r["method"] in vt.ARMS_23]
+    kl = (min(r["kl_token"] for r in topk), max(r["kl_token"] for r in topk))
+    t_kl = (min(r["t_kl"] for r in topk), max(r["t_kl"] for r in topk))
+    quoted = [f"per-token KL of the truncation {kl[0]:.1e}-{kl[1]:.1e}".replace("e-03", "e-3"),
+              f"T * KL {t_kl[0]:.2f}-{t_kl[1]:.2f}", "-0.004 [-0.031, +0.023]", "+0.007 [-0.008, +0.023] (Holm p 0.62)"]
+    for q in quoted:
+        assert q in advice.TOP_K_FOUND, q
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    for q in ("−0.004 [−0.031, +0.023]", "+0.007 [−0.008, +0.023]", "pre-registration 23"):
+        assert q in doc, q
+
+
 def test_truncation_advice_speaks_for_a_truncating_sampler_only():
-    from trl_rollout_corr.monitor.advice import truncation_advice
+    from trl_rollout_corr.monitor.advice import TOP_K_FOUND, TRUNCATION_FOUND, truncation_advice
 
     assert truncation_advice(0, 1.0, None) is None and truncation_advice(0, 1.0, 0.0) is None
     said = truncation_advice(0, 0.8, None)
     assert "top_p=0.8" in said and "Sample training rollouts at top_p=1" in said and "not measured" not in said
-    said = truncation_advice(50, 1.0, 0.1)
-    assert "top_k=50, min_p=0.1" in said and "top_k=50, min_p=0.1: not measured" in said
+    assert TOP_K_FOUND not in said
+    said = truncation_advice(50, 1.0, 0.1)  # top-k: pre-registration 23's measurement, no longer "not measured"
+    assert "(top_k=50, min_p=0.1)" in said and "min_p=0.1: not measured" in said and "top_k=50: not" not in said
+    assert f"Top-k was {TOP_K_FOUND}" in said and TRUNCATION_FOUND in said
+    assert said.endswith("sample training rollouts at top_k=0; min_p=0.1: not measured, the same kind of truncation.")
+    assert "-log of rollout_corr/kept_mass_mean, near 8e-3" in said
+    said = truncation_advice(50, 0.9, None)  # with top-p: top-p's advice, top-k's measurement beside it
+    assert "Sample training rollouts at top_p=1, top_k=0" in said and f"top-k was {TOP_K_FOUND}" in said
+    said = truncation_advice(0, 1.0, 0.05)
+    assert "(min_p=0.05)" in said and "min_p=0.05: not measured" in said and TOP_K_FOUND not in said
 
 
 def test_the_trainer_says_it_once_at_start_for_top_p_and_not_otherwise(tmp_path, caplog):
@@ -292,3 +330,7 @@ def test_the_trainer_says_it_once_at_start_for_top_p_and_not_otherwise(tmp_path,
     with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
         make_trainer(tmp_path / "top_p", top_p=0.9)
     assert caplog.text.count("The sampler truncates (top_p=0.9)") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
+        make_trainer(tmp_path / "top_k", top_k=5)
+    assert caplog.text.count("The sampler truncates (top_k=5)") == 1 and "Top-k was measured at top_k 2" in caplog.text

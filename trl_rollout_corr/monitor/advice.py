@@ -164,20 +164,42 @@ TRUNCATION_FOUND = (
     "default, token_truncate, ppo_is_bypass, the truncated-support correction) recovered any of it")
 
 
+# Top-k (pre-registration 23, the same task and engine at top_k 2, the strongest top-k that still samples there): no
+# cost shown and no equivalence; TRL's default did not change it measurably. Its rule 6: the advice says this instead
+# of "not measured", and keeps "no correction recovered" the cost.
+TOP_K_FOUND = (
+    "measured at top_k 2 (benchmarks/vllm_truncation.py, pre-registration 23: the same task, model and bf16 engine; "
+    "per-token KL of the truncation 3.1e-3-3.2e-3, T * KL 0.15-0.16, about a third of top_p 0.8's there): -0.004 "
+    "[-0.031, +0.023] held-out reward against the same engine at top_k 0 (15 seeds), a cost not shown and not shown "
+    "equivalent within +-0.02; TRL's default beside it +0.007 [-0.008, +0.023] (Holm p 0.62)")
+
+
 def truncation_advice(top_k: int, top_p: float, min_p: float | None) -> str | None:
-    """The start-up advice for a sampler that truncates (``top_k`` > 0, ``top_p`` < 1 or ``min_p`` > 0), else None:
-    what top-p truncation cost in training (``TRUNCATION_FOUND``) and to sample training rollouts in full. Measured
-    for top-p only: top-k and min-p are named as unmeasured."""
+    """The start-up advice for a sampler that truncates (``top_k`` > 0, ``top_p`` < 1 or ``min_p`` > 0), else None.
+
+    With top-p: what top-p truncation cost in training (``TRUNCATION_FOUND``) and to sample training rollouts in full.
+    With top-k and no top-p: what top-k 2 measured (``TOP_K_FOUND``: no cost shown at a third of top-p 0.8's KL)
+    beside top-p's cost, and to sample in full where the run's truncation is as strong as top-p 0.8's was (its
+    per-token KL is -log of the logged kept mass). min-p is named as unmeasured."""
     settings = [f"top_k={top_k}" if top_k and top_k > 0 else "", f"top_p={top_p:g}" if top_p < 1 else "",
                 f"min_p={min_p:g}" if min_p else ""]
     settings = [x for x in settings if x]
     if not settings:
         return None
-    unmeasured = [x for x in settings if not x.startswith("top_p")]
-    return (f"The sampler truncates ({', '.join(settings)}): importance sampling cannot correct tokens the sampler "
-            f"never draws, and truncation cost reward in training here -- {TRUNCATION_FOUND}. Sample training rollouts "
-            "at top_p=1, top_k=0 and without min_p (keep the truncation for evaluation or serving if you want it)"
-            + (f"; {', '.join(unmeasured)}: not measured, the same kind of truncation." if unmeasured else "."))
+    lead = (f"The sampler truncates ({', '.join(settings)}): importance sampling cannot correct tokens the sampler "
+            "never draws")
+    tail = f"; min_p={min_p:g}: not measured, the same kind of truncation." if min_p else "."
+    top_k_text = f"top-k was {TOP_K_FOUND}" if top_k and top_k > 0 else ""
+    if top_p < 1:
+        return (f"{lead}, and truncation cost reward in training here -- {TRUNCATION_FOUND}. Sample training rollouts "
+                "at top_p=1, top_k=0 and without min_p (keep the truncation for evaluation or serving if you want it)"
+                + (f"; {top_k_text}" if top_k_text else "") + tail)
+    if top_k_text:
+        return (f"{lead}. T{top_k_text[1:]}. Top-p truncation at about three times that KL cost reward in training -- "
+                f"{TRUNCATION_FOUND}. Where this run's truncation is as strong (per-token KL about -log of "
+                f"{metric('kept_mass_mean')}, near 8e-3), sample training rollouts at top_k=0" + tail)
+    return (f"{lead}; min_p={min_p:g}: not measured. Top-p truncation cost reward in training -- {TRUNCATION_FOUND}. "
+            "Sample training rollouts without min_p where you can (keep it for evaluation or serving if you want it).")
 
 
 def kinds_for(rollout_lag: int | None) -> list[str]:
