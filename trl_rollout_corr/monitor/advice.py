@@ -189,14 +189,14 @@ def truncation_advice(top_k: int, top_p: float, min_p: float | None) -> str | No
     lead = (f"The sampler truncates ({', '.join(settings)}): importance sampling cannot correct tokens the sampler "
             "never draws")
     tail = f"; min_p={min_p:g}: not measured, the same kind of truncation." if min_p else "."
-    top_k_text = f"top-k was {TOP_K_FOUND}" if top_k and top_k > 0 else ""
+    top_k_set = bool(top_k and top_k > 0)
     if top_p < 1:
         return (f"{lead}, and truncation cost reward in training here -- {TRUNCATION_FOUND}. Sample training rollouts "
                 "at top_p=1, top_k=0 and without min_p (keep the truncation for evaluation or serving if you want it)"
-                + (f"; {top_k_text}" if top_k_text else "") + tail)
-    if top_k_text:
-        return (f"{lead}. T{top_k_text[1:]}. Top-p truncation at about three times that KL cost reward in training -- "
-                f"{TRUNCATION_FOUND}. Where this run's truncation is as strong (per-token KL about -log of "
+                + (f"; top-k was {TOP_K_FOUND}" if top_k_set else "") + tail)
+    if top_k_set:
+        return (f"{lead}. Top-k was {TOP_K_FOUND}. Top-p truncation at about three times that KL cost reward in "
+                f"training -- {TRUNCATION_FOUND}. Where this run's truncation is as strong (per-token KL about -log of "
                 f"{metric('kept_mass_mean')}, near 8e-3), sample training rollouts at top_k=0" + tail)
     return (f"{lead}; min_p={min_p:g}: not measured. Top-p truncation cost reward in training -- {TRUNCATION_FOUND}. "
             "Sample training rollouts without min_p where you can (keep it for evaluation or serving if you want it).")
