@@ -91,6 +91,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
@@ -928,11 +929,31 @@ def in_child(fn, *args, fork: bool = True) -> None:
         try:
             fn(*args)
             code = 0
+        except BaseException:  # os._exit below would swallow it: print it first
+            traceback.print_exc()
+            sys.stderr.flush()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its child process (see its traceback above)")
+
+
+def cuda_available_in_child() -> bool:
+    """``torch.cuda.is_available()`` asked in a forked child: asked here it would initialize the CUDA driver
+    (``cudaGetDeviceCount``; torch's "poison fork"), and every forked child of this process (the base model's build,
+    each run) would then fail at its first CUDA call (measured on an H200, 2026-11-27: the base build failed)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import torch
+
+            code = 0 if torch.cuda.is_available() else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def build_base(out: str, size: dict, path: str | None = None) -> str:
@@ -1171,7 +1192,6 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float |
     """Run every missing cell, ``jobs`` at a time, each in its own process: forked from this one after the heavy
     imports (torch, transformers, TRL, this package: ~40 s per process on a loaded 2-core machine), so no run
     shares a process with another run's training, and no run pays the imports."""
-    import traceback
 
     todo, seen = [], set()
     for cell in todo_cells:
@@ -2221,12 +2241,13 @@ def main(argv=None) -> None:
     if a.n_digits is not None:
         size["n_digits"] = a.n_digits
     size["name"] = a.size
-    if size["device"] != "cpu":
+    if size["device"].startswith("cuda"):  # this process forks the base build and the runs: it must not touch CUDA
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # an is_available() in an import: NVML, no cuInit
+    if size["device"].startswith("cuda") and not cuda_available_in_child():
         import torch
 
-        if size["device"].startswith("cuda") and not torch.cuda.is_available():
-            p.error(f"--device {size['device']}: torch.cuda.is_available() is False here (torch {torch.__version__}); "
-                    "run on a machine with a CUDA GPU and a CUDA build of torch, or pass --device cpu")
+        p.error(f"--device {size['device']}: torch.cuda.is_available() is False here (torch {torch.__version__}); "
+                "run on a machine with a CUDA GPU and a CUDA build of torch, or pass --device cpu")
     if a.alarm_pool:
         print(alarm_pool()[0])
         return

@@ -818,3 +818,42 @@ def test_lag0_caution_kl_on_the_committed_results():
     from trl_rollout_corr.monitor import advice
 
     assert mt.lag0_caution_kl() == pytest.approx(2.05e-3) and advice.LAG0_CAUTION_KL == mt.lag0_caution_kl()
+
+
+def test_a_child_that_fails_prints_its_traceback_before_it_exits(capfd):
+    """``in_child`` ends the child with ``os._exit``, which would swallow the exception: the child must print it (on an
+    H200 a base-model build failed with nothing above the parent's "see its traceback above")."""
+    def boom():
+        raise ValueError("the child's own error")
+
+    with pytest.raises(RuntimeError, match="boom failed in its child process"):
+        mt.in_child(boom)
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "ValueError: the child's own error" in err
+
+
+def test_the_cuda_check_runs_in_a_child_so_forked_runs_can_use_cuda(monkeypatch, tmp_path):
+    """``torch.cuda.is_available()`` initializes the CUDA driver (torch's "poison fork"): asked by the driver
+    process, every forked child (base build, runs) fails at its first CUDA call. The check must run in a child."""
+    seen = tmp_path / "pid"
+
+    def is_available():
+        seen.write_text(str(os.getpid()))
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    assert mt.cuda_available_in_child()
+    assert int(seen.read_text()) != os.getpid()  # asked in the child
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not mt.cuda_available_in_child()
+    seen.unlink()
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+
+    def stop(fn, *args, **kwargs):
+        raise SystemExit("stop: past the check")
+
+    monkeypatch.setattr(mt, "in_child", stop)  # the base model's build: the first forked child
+    with pytest.raises(SystemExit, match="stop: past the check"):
+        mt.main(["--size", "gpu", "--scenarios", "S0", "--methods", "M0", "--seeds", "99", "--out", str(tmp_path),
+                 "--without_on_policy"])
+    assert int(seen.read_text()) != os.getpid()  # main asked a child, never torch.cuda in this process
