@@ -84,6 +84,7 @@ evaluation is below ``COLLAPSE_FRACTION`` of its step-0 evaluation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -612,7 +613,8 @@ S2_LAG = 8
 # 151,936: the engine keeps its (B, T, V) log-softmax for the exact KL, 32 x 4096 x 4352 floats = 2.3 GB at T =
 # 4096), trained with bf16 autocast (fp32 master weights, TRL's bf16=True) and sampled under the same autocast;
 # T = n_digits + 1 = 512 (``--n_digits 1023 / 2047 / 4095`` for T = 1024 / 2048 / 4096; S2L's long length 2047).
-# NOT run on a GPU yet (no device in the session that wrote it): its learning rates are placeholders that the
+# No run has finished on a GPU yet (a first try on an H200, 2026-11-27, built the base model: docs/benchmarks.md,
+# "GPU sizes"): its learning rates are placeholders that the
 # LR_PILOT rule must re-tune once on-policy (``--lr``) before a family runs, and its base model's recipe
 # (GPU_BASE_STEPS at GPU_BASE_LR) is untested.
 GPU_VOCAB = 4352
@@ -648,6 +650,22 @@ def autocast(model):
     import torch
 
     return torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=BF16)
+
+
+@contextlib.contextmanager
+def checkpointed(model, size: dict):
+    """Gradient checkpointing (non-reentrant) around a supervised loop off the CPU (``size["checkpointing"]``
+    overrides): measured on an H200 (2026-11-27), the GPU size's base build (batch 64 x 1,026 tokens, no
+    checkpointing) held ~114 GB (nvidia-smi), more than an H100's 80 GB; the GRPO runs check-point through TRL's own
+    ``gradient_checkpointing``. The same update either way (recomputed activations)."""
+    on = size.get("checkpointing", size.get("device", "cpu") != "cpu")
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield model
+    finally:
+        if on:
+            model.gradient_checkpointing_disable()
 
 
 def task_tokenizer(size: dict):
@@ -890,8 +908,6 @@ def pretrain_base(size: dict, init: str | None = None, start: int = 0):
     fresh AdamW, the data stream continued at step ``start``): S2X's longer base (pre-registration 5, deviation 1)."""
     import torch
 
-    from trl_rollout_corr.testing.psum_task import psum_prompts, psum_target
-
     global BF16
     BF16 = size.get("bf16", False)
     n = size["n_digits"]
@@ -901,6 +917,18 @@ def pretrain_base(size: dict, init: str | None = None, start: int = 0):
         model.load_state_dict(torch.load(init, map_location=model.device))
     opt = torch.optim.AdamW(model.parameters(), lr=size.get("base_lr", BASE_LR))
     model.train()
+    with checkpointed(model, size):
+        _teacher_force(model, tok, opt, size, n, start)
+    model.eval()
+    return model
+
+
+def _teacher_force(model, tok, opt, size: dict, n: int, start: int) -> None:
+    """:func:`pretrain_base`'s loop: steps ``start`` .. ``base_steps`` - 1 of teacher forcing."""
+    import torch
+
+    from trl_rollout_corr.testing.psum_task import psum_prompts, psum_target
+
     for step in range(start, size["base_steps"]):
         prompts = psum_prompts(size.get("base_batch", 64), n, seed=10**6 + step)
         ids = torch.tensor([tok.convert_tokens_to_ids((p + " " + " ".join(psum_target(p)) + " <eos>").split())
@@ -913,8 +941,6 @@ def pretrain_base(size: dict, init: str | None = None, start: int = 0):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    model.eval()
-    return model
 
 
 def in_child(fn, *args, fork: bool = True) -> None:
@@ -1057,7 +1083,7 @@ def warm_model(model, tok, base: str, size: dict, seed: int):
         return model
     model.load_state_dict(torch.load(base, map_location=device))
     torch.manual_seed(seed)
-    with autocast(model):
+    with autocast(model), checkpointed(model, size):
         supervised_warmup(model, tok, steps=size["warmup_steps"], lr=size.get("warmup_lr", WARMUP_LR),
                           n_digits=size["n_digits"], seed=seed + 1)
     torch.save(model.state_dict(), f"{warm}.{os.getpid()}.tmp")

@@ -857,3 +857,21 @@ def test_the_cuda_check_runs_in_a_child_so_forked_runs_can_use_cuda(monkeypatch,
         mt.main(["--size", "gpu", "--scenarios", "S0", "--methods", "M0", "--seeds", "99", "--out", str(tmp_path),
                  "--without_on_policy"])
     assert int(seen.read_text()) != os.getpid()  # main asked a child, never torch.cuda in this process
+
+
+def test_the_base_build_checkpoints_on_a_gpu_and_gives_the_same_model():
+    """Off the CPU the base build and the warm-up check-point their activations (the GPU size's base build held ~114
+    GB on an H200 without it): the same update, so the same base model (here on CPU, checkpointing forced on); the
+    model comes back without checkpointing."""
+    size = {**mt.full_size(), **{k: v for k, v in mt.SMOKE.items() if k != "steps"}, "base_steps": 3}
+    plain = mt.pretrain_base({**size, "checkpointing": False})
+    checkpointed = mt.pretrain_base({**size, "checkpointing": True})
+    assert not checkpointed.is_gradient_checkpointing
+    for (name, a), (_, b) in zip(plain.state_dict().items(), checkpointed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    moved = mt.pretrain_base({**size, "checkpointing": False, "base_steps": 0})
+    assert any(not torch.equal(a, b) for a, b in zip(plain.state_dict().values(), moved.state_dict().values()))
+    for device, on in (("cuda", True), ("cpu", False)):  # the default: on off the CPU (no CUDA call is made)
+        with mt.checkpointed(moved, {"device": device}) as model:
+            assert model.is_gradient_checkpointing == on
+        assert not moved.is_gradient_checkpointing
