@@ -759,6 +759,19 @@ def top_k_truncation(top_k: int):
     return perturb
 
 
+def min_p_truncation(min_p: float):
+    """Min-p truncation of a batch of logits (B, V) as vLLM's sampler does it: every token whose probability is below
+    ``min_p`` times the most likely token's gets -inf, so the log-softmax is log p - log M over the kept set and the
+    exact KL(engine || policy) per position is -log M."""
+    import torch
+
+    def perturb(logits, generator):
+        probs = torch.softmax(logits, -1)  # (B, V)
+        return logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))  # (B, V)
+
+    return perturb
+
+
 def heavy_tailed(sigma: float, spike_p: float, spike: float, below: float):
     """S1's perturbation of a batch of logits (B, V): dense N(0, sigma^2) noise on every logit, and at a fraction
     ``spike_p`` of rows a ``+spike`` on one token drawn uniformly among those the unperturbed distribution gives

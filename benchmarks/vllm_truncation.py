@@ -65,16 +65,19 @@ SCENARIO = "S3V"
 TOP_P = mt.S3_TOP_P  # 0.8: experiment P's level, so this replicates P on the real engine
 STEPS = mt.S3_STEPS  # 30
 TOP_K = 2  # pre-registration 23 (its pilot: see there)
-ARMS = {  # arm -> (trainer, its correction fields, the engine's top_p, the engine's dtype (None: TRL's "auto"), top_k)
-    "on_policy": ("ours", dict(rollout_correction_preset="disabled"), 1.0, "float32", 0),  # the ceiling
-    "M0": ("ours", dict(rollout_correction_preset="disabled"), TOP_P, None, 0),  # no correction
-    "M1": ("trl", mt.METHODS["M1"][1], TOP_P, None, 0),  # TRL's default (sequence_mask, C=3) by TRL's GRPOTrainer
-    "M1p": ("ours", dict(rollout_correction_preset="trl_default"), TOP_P, None, 0),  # + truncated-support correction
-    "M2": ("trl", mt.METHODS["M2"][1], TOP_P, None, 0),  # TRL's token_truncate (C=3) by TRL's GRPOTrainer
-    "M3": ("ours", dict(rollout_correction_preset="ppo_is_bypass"), TOP_P, None, 0),
-    "full_bf16": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None, 0),  # pre-registration 21
-    "topk_M0": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None, TOP_K),  # pre-registration 23 (TOP_K)
-    "topk_M1": ("trl", mt.METHODS["M1"][1], 1.0, None, TOP_K),  # pre-registration 23: TRL's default at top_k TOP_K
+MIN_P = 0.2  # pre-registration 24 (its pilot: see there)
+ARMS = {  # arm -> (trainer, its correction fields, the engine's top_p, dtype (None: TRL's "auto"), top_k, min_p)
+    "on_policy": ("ours", dict(rollout_correction_preset="disabled"), 1.0, "float32", 0, None),  # the ceiling
+    "M0": ("ours", dict(rollout_correction_preset="disabled"), TOP_P, None, 0, None),  # no correction
+    "M1": ("trl", mt.METHODS["M1"][1], TOP_P, None, 0, None),  # TRL's default (sequence_mask, C=3), TRL's GRPOTrainer
+    "M1p": ("ours", dict(rollout_correction_preset="trl_default"), TOP_P, None, 0, None),  # + truncated-support fix
+    "M2": ("trl", mt.METHODS["M2"][1], TOP_P, None, 0, None),  # TRL's token_truncate (C=3) by TRL's GRPOTrainer
+    "M3": ("ours", dict(rollout_correction_preset="ppo_is_bypass"), TOP_P, None, 0, None),
+    "full_bf16": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None, 0, None),  # pre-registration 21
+    "topk_M0": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None, TOP_K, None),  # pre-registration 23
+    "topk_M1": ("trl", mt.METHODS["M1"][1], 1.0, None, TOP_K, None),  # pre-registration 23: TRL's default at top_k
+    "minp_M0": ("ours", dict(rollout_correction_preset="disabled"), 1.0, None, 0, MIN_P),  # pre-registration 24
+    "minp_M1": ("trl", mt.METHODS["M1"][1], 1.0, None, 0, MIN_P),  # pre-registration 24: TRL's default at min_p
 }
 SEEDS = tuple(range(220, 230))  # fresh: never run in any experiment (mismatch_train's last were 200-214)
 HELD_OUT = tuple(range(230, 235))
@@ -178,6 +181,42 @@ FAMILY_23 = (("K1", "full_bf16", "topk_M0"), ("K2", "topk_M1", "topk_M0"))  # (n
 RESULTS_23 = os.path.join(HERE, "results", "vllm_truncation_23_results.csv")  # pre-registration 23's runs
 
 
+# ------------------------------------------------------------------------------------------------ pre-registration 24
+# Written and committed 2026-11-27 after pre-registration 23's result (top_k 2, at a third of top_p 0.8's per-token
+# KL, showed no cost) and BEFORE any run of the arms below. Is it the strength of the truncation or its rule? min-p at
+# top_p 0.8's strength answers that, and measures min-p, which the advice calls "not measured".
+# Pilot (disclosed, not analysed; no training): seed 99's warm model, held-out prompts, per-token KL(min-p(pi) || pi)
+# by min_p: 0.01: 5.10e-3, 0.05: 6.48e-3, 0.1: 7.33e-3, 0.2: 7.94e-3, 0.3: 8.54e-3, 0.5: 1.00e-2; top-p 0.8: 8.19e-3.
+# MIN_P = 0.2: the closest to top_p 0.8's (T*KL 0.39 against 0.40).
+RULES_24 = """Pre-registration 24 (min-p at top-p 0.8's strength on the real vLLM engine: does it cost like top-p?).
+1. New arms, on the bf16 engine (TRL's auto) at top_p 1 and min_p 0.2: minp_M0 (this package's trainer, no
+   correction) and minp_M1 (TRL's default, sequence_mask C=3, by TRL's unmodified GRPOTrainer). Seeds 220-234 (15),
+   seed by seed, two runs at a time.
+2. Reference: full_bf16's committed runs (pre-registration 21), re-run bit for bit on seeds 220 and 221 by
+   pre-registration 23; here full_bf16 re-runs on seed 222 first, and if it differs from the committed score,
+   full_bf16 re-runs on every seed used and the re-runs are the reference.
+3. Family, Holm over these 2 (exact sign-flip and paired t, each adjusted), each confirmed iff positive with both
+   Holm p < 0.05:
+   P1: full_bf16 - minp_M0 on the score (min-p 0.2 costs reward in training);
+   P2: minp_M1 - minp_M0 on the score (TRL's default recovers some of it).
+   A row not confirmed is reported with TOST (+-0.02).
+4. Held out: only if P1 is confirmed, minp_M0 on seeds 235-239 against full_bf16's committed runs there; P1 survives
+   iff the mean difference keeps its sign. Only if P2 is confirmed, minp_M1 on 235-239 likewise.
+5. Reported, not deciding: per-token KL(min-p(pi) || pi) and T*KL of every run, TRL's sampling_logp_difference
+   (minp_M1), this package's kept_mass_mean (minp_M0).
+6. Decisions: the trainer's start-up advice stops calling min-p "not measured". If P1 is confirmed and survives, it
+   says min-p truncation cost reward here too (the difference, the regime) and, with top-k's null at a third of the
+   KL, that the truncation's strength (its per-token KL) is what the advice keys on; if not, it says what was
+   measured and that a cost was not shown. P2 as K2 in pre-registration 23. The package default is not changed.
+Order: (2)'s re-run, then (1) seed by seed, then (4). Deadline 19:20 UTC; what it cuts is reported as not run."""
+SEEDS_24 = tuple(range(220, 235))
+HELD_OUT_24 = tuple(range(235, 240))
+ARMS_24 = ("minp_M0", "minp_M1")
+REPRO_SEEDS_24 = (222,)
+FAMILY_24 = (("P1", "full_bf16", "minp_M0"), ("P2", "minp_M1", "minp_M0"))  # (name, arm, ref): arm - ref on score
+RESULTS_24 = os.path.join(HERE, "results", "vllm_truncation_24_results.csv")  # pre-registration 24's runs
+
+
 def size() -> dict:
     """Experiment P's CPU size (``mismatch_train.full_size``: T = 49)."""
     return mt.full_size()
@@ -198,17 +237,18 @@ def run_path(out: str, arm: str, seed: int) -> str:
 
 
 def truncation_kl(model, tok, prompts, n_digits: int, top_p: float, seed: int = 4321,
-                  top_k: int = 0) -> tuple[float, float, float]:
+                  top_k: int = 0, min_p: float | None = None) -> tuple[float, float, float]:
     """The exact per-token KL(top-p(pi) || pi) (= -log M per position, M the kept mass) of ``model`` on ``prompts``
-    sampled at ``top_p`` (at top-k ``top_k`` instead when it is > 0: KL(top-k(pi) || pi)), the mean T*KL per
-    sequence and the mean length (mismatch_train's stand-in computation, on its own generator: the training run is
-    untouched)."""
+    sampled at ``top_p`` (at top-k ``top_k`` instead when it is > 0, at min-p ``min_p`` when it is set: KL(top-k(pi)
+    || pi), KL(min-p(pi) || pi)), the mean T*KL per sequence and the mean length (mismatch_train's stand-in
+    computation, on its own generator: the training run is untouched)."""
     import torch
 
     was_training = model.training
     model.eval()
     ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts], device=model.device)  # (B, P)
-    truncation = mt.top_k_truncation(top_k) if top_k > 0 else mt.top_p_truncation(top_p)
+    truncation = (mt.top_k_truncation(top_k) if top_k > 0 else mt.min_p_truncation(min_p) if min_p
+                  else mt.top_p_truncation(top_p))
     completions, _, _, kl = mt.sample(model, ids, n_digits + 1, torch.Generator(device=model.device).manual_seed(seed),
                                       truncation)
     model.train(was_training)
@@ -228,8 +268,9 @@ def reward(prompts, completions, completion_ids=None, **_) -> list[float]:
 
 def build_trainer(arm: str, model_dir: str, tok, dataset, fields: dict, callbacks):
     """TRL's unmodified ``GRPOTrainer`` (M1, M2) or this package's trainer, each on TRL's colocated vLLM engine."""
-    kind, settings, top_p, dtype, top_k = ARMS[arm]
-    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.02, top_p=top_p, top_k=top_k)
+    kind, settings, top_p, dtype, top_k, min_p = ARMS[arm]
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.02, top_p=top_p, top_k=top_k,
+                  min_p=min_p)
     if kind == "trl":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -270,11 +311,11 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     curve_top_p = [(0, mt.policy_reward(model, tok, held_out, n_digits, perturb=mt.top_p_truncation(TOP_P)))]
     logs: list[dict] = []
 
-    top_k = ARMS[arm][4]
+    top_k, min_p = ARMS[arm][4:]
 
     def on_eval(step: int, evaluator) -> None:
         curve.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits)))
-        regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P, top_k=top_k)))
+        regime.append((step, *truncation_kl(evaluator, tok, held_out, n_digits, TOP_P, top_k=top_k, min_p=min_p)))
         curve_top_p.append((step, mt.policy_reward(evaluator, tok, held_out, n_digits,
                                                    perturb=mt.top_p_truncation(TOP_P))))
 
@@ -300,7 +341,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     kl_token = statistics.fmean(k for _, k, _, _ in regime)
     length = statistics.fmean(n for _, _, _, n in regime)
     result = dict(scenario=SCENARIO, method=arm, seed=seed, pool=SCENARIO, trainer=ARMS[arm][0], top_p=ARMS[arm][2],
-                  top_k=top_k,
+                  top_k=top_k, min_p=min_p,
                   engine_dtype=engine_dtype, steps=steps, lr=mt.LR, n_digits=n_digits, score=statistics.fmean(tail),
                   curve=curve, initial=curve[0][1], final=curve[-1][1], score_top_p=statistics.fmean(tail_top_p),
                   curve_top_p=curve_top_p,
@@ -319,11 +360,17 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
 load_runs = mt.load_runs  # OUT/runs/*.json
 
 
-CSV_COLUMNS = ("scenario", "method", "seed", "trainer", "top_p", "top_k", "engine_dtype", "steps", "lr", "n_digits",
-               "score", "score_top_p", "initial", "final", "collapsed", "kl_token", "t_kl", "length", "trl_logp_diff",
-               "trl_is_ratio_mean", "kept_mass_mean", "rollout_kl", "k3_kl", "seconds")
+CSV_COLUMNS = ("scenario", "method", "seed", "trainer", "top_p", "top_k", "min_p", "engine_dtype", "steps", "lr",
+               "n_digits", "score", "score_top_p", "initial", "final", "collapsed", "kl_token", "t_kl", "length",
+               "trl_logp_diff", "trl_is_ratio_mean", "kept_mass_mean", "rollout_kl", "k3_kl", "seconds")
 RESULTS = os.path.join(HERE, "results", "vllm_truncation_results.csv")  # the committed runs of pre-registration 20
 RESULTS_21 = os.path.join(HERE, "results", "vllm_truncation_21_results.csv")  # pre-registration 21's runs
+EXPERIMENT_23 = dict(rules=RULES_23, arms=ARMS_23, family=FAMILY_23, repro=REPRO_SEEDS_23, seeds=SEEDS_23,
+                     held_out=HELD_OUT_23, title="### Top-k truncation on the real engine (pre-registration 23)\n",
+                     file="analysis_23.md")
+EXPERIMENT_24 = dict(rules=RULES_24, arms=ARMS_24, family=FAMILY_24, repro=REPRO_SEEDS_24, seeds=SEEDS_24,
+                     held_out=HELD_OUT_24, title="### Min-p truncation on the real engine (pre-registration 24)\n",
+                     file="analysis_24.md")
 
 
 def write_csv(runs: list[dict], path: str) -> None:
@@ -346,7 +393,7 @@ def runs_from_csv(path: str = RESULTS) -> list[dict]:
             return text
         if key == "collapsed":
             return text == "True"
-        if text == "":  # a column the run predates (score_top_p: pre-registration 21; top_k: 23)
+        if text == "":  # a column the run predates (score_top_p: pre-registration 21; top_k: 23; min_p: 24)
             return math.nan
         return int(text) if key in ("seed", "steps", "n_digits", "top_k") else float(text)
 
@@ -486,15 +533,26 @@ def report_23(out: str, runs: list[dict] | None = None, reference: str = RESULTS
     """Pre-registration 23's analysis of ``runs`` (default: ``OUT/runs``: topk_M0, topk_M1 and the full_bf16
     re-runs), against full_bf16's committed runs in ``reference`` (rule 2), written to ``OUT/analysis_23.md`` with
     ``OUT/results.csv``."""
+    return _against_full_bf16(out, runs, reference, EXPERIMENT_23)
+
+
+def report_24(out: str, runs: list[dict] | None = None, reference: str = RESULTS_21) -> tuple[str, dict]:
+    """Pre-registration 24's analysis (min-p; the same rules as 23's with its own arms), to ``OUT/analysis_24.md``."""
+    return _against_full_bf16(out, runs, reference, EXPERIMENT_24)
+
+
+def _against_full_bf16(out: str, runs: list[dict] | None, reference: str, exp: dict) -> tuple[str, dict]:
+    """Pre-registrations 23 and 24: a truncating arm and TRL's default at it against full_bf16's committed runs
+    (reproduced first on ``exp["repro"]``), Holm over ``exp["family"]``, held-out seeds for a confirmed row."""
     st = mt._stats()
     runs = load_runs(out) if runs is None else runs
     os.makedirs(out, exist_ok=True)
     write_csv(runs, os.path.join(out, "results.csv"))
     new = {(r["method"], r["seed"]): r for r in runs}
     committed = {(r["method"], r["seed"]): r for r in runs_from_csv(reference) if r["method"] == "full_bf16"}
-    repro = [(s, new["full_bf16", s]["score"], committed["full_bf16", s]["score"]) for s in REPRO_SEEDS_23
+    repro = [(s, new["full_bf16", s]["score"], committed["full_bf16", s]["score"]) for s in exp["repro"]
              if ("full_bf16", s) in new and ("full_bf16", s) in committed]
-    reproduced = len(repro) == len(REPRO_SEEDS_23) and all(a == b for _, a, b in repro)
+    reproduced = len(repro) == len(exp["repro"]) and all(a == b for _, a, b in repro)
     by = {**new, **({k: v for k, v in committed.items() if k not in new} if reproduced else {})}
 
     def compare(arm: str, ref: str, seeds) -> dict | None:
@@ -505,20 +563,20 @@ def report_23(out: str, runs: list[dict] | None = None, reference: str = RESULTS
                                  margin=mt.TOST_MARGIN)
 
     fmt = "{:+.4f} [{:+.4f}, {:+.4f}]".format
-    lines = [RULES_23, "", "### Top-k truncation on the real engine (pre-registration 23)\n",
+    lines = [exp["rules"], "", exp["title"],
              "Reproduction (rule 2): "
              + ", ".join(f"full_bf16 seed {s} {a:.6f} (committed {b:.6f})" for s, a, b in repro)
              + (": equal, bit for bit; the committed runs are the reference." if reproduced else
                 ": NOT all equal (or not run): only re-run full_bf16 runs are the reference."), "",
-             "| arm | n | score | per-token KL(top-k(pi)‖pi) | T·KL | TRL's sampling_logp_difference | "
+             "| arm | n | score | per-token KL of the truncation | T·KL | TRL's sampling_logp_difference | "
              "kept_mass_mean |",
              "|---|---|---|---|---|---|---|"]
     def mean_of(rs: list[dict], key: str, f: str) -> str:
         xs = [r[key] for r in rs if r.get(key) is not None and math.isfinite(r[key])]
         return f.format(statistics.fmean(xs)) if xs else "—"
 
-    for arm in ("full_bf16", *ARMS_23):
-        rs = [by[arm, s] for s in SEEDS_23 if (arm, s) in by]
+    for arm in ("full_bf16", *exp["arms"]):
+        rs = [by[arm, s] for s in exp["seeds"] if (arm, s) in by]
         if rs:
             def m(key, f, rs=rs):
                 return mean_of(rs, key, f)
@@ -527,8 +585,8 @@ def report_23(out: str, runs: list[dict] | None = None, reference: str = RESULTS
             lines.append(f"| {arm} | {len(rs)} | {m('score', '{:.4f}')} | {regime[0]} | {regime[1]} | "
                          f"{m('trl_logp_diff', '{:.2e}')} | {m('kept_mass_mean', '{:.3f}')} |")
     rows = []
-    for name, arm, ref in FAMILY_23:
-        row = compare(arm, ref, SEEDS_23)
+    for name, arm, ref in exp["family"]:
+        row = compare(arm, ref, exp["seeds"])
         if row is not None:
             rows.append({**row, "name": name, "arm": arm, "ref": ref})
     st.add_holm(rows, "p_sign_flip")
@@ -546,18 +604,19 @@ def report_23(out: str, runs: list[dict] | None = None, reference: str = RESULTS
     for r in rows:
         if not r["confirmed"]:
             continue
-        held = compare(r["arm"], r["ref"], HELD_OUT_23)
+        held_seeds = exp["held_out"]
+        held = compare(r["arm"], r["ref"], held_seeds)
         if held is None:
-            lines.append(f"\nHeld out (rule 4): {r['name']} on seeds {HELD_OUT_23[0]}-{HELD_OUT_23[-1]} not run yet.")
+            lines.append(f"\nHeld out (rule 4): {r['name']} on seeds {held_seeds[0]}-{held_seeds[-1]} not run yet.")
             continue
         held["survives"] = held["diff"] > 0
         result["held_out"][r["name"]] = held
-        lines.append(f"\nHeld out (rule 4), seeds {HELD_OUT_23[0]}-{HELD_OUT_23[-1]}: {r['arm']} − {r['ref']} "
+        lines.append(f"\nHeld out (rule 4), seeds {held_seeds[0]}-{held_seeds[-1]}: {r['arm']} − {r['ref']} "
                      f"{fmt(held['diff'], held['diff_lo'], held['diff_hi'])} (n {held['n']}, t p {held['p']:.3g}): "
                      + (f"the same sign: {r['name']} SURVIVES." if held["survives"] else
                         f"the sign flips: {r['name']} does NOT survive."))
     text = "\n".join(lines)
-    with open(os.path.join(out, "analysis_23.md"), "w") as f:
+    with open(os.path.join(out, exp["file"]), "w") as f:
         f.write(text + "\n")
     return text, result
 
@@ -571,9 +630,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report_only", action="store_true", help="write OUT/analysis.md from OUT/runs; runs nothing")
     p.add_argument("--results", default=None, metavar="CSV", help="with --report_only: analyse a results CSV (the "
                    f"committed one: {os.path.relpath(RESULTS, os.path.dirname(HERE))}) instead of OUT/runs")
-    p.add_argument("--experiment", choices=("20", "21", "23"), default="20", help="the pre-registration whose "
-                   "analysis --report_only and the end of a run write (20: OUT/analysis.md, 21: OUT/analysis_21.md, "
-                   "23: OUT/analysis_23.md)")
+    p.add_argument("--experiment", choices=("20", "21", "23", "24"), default="20", help="the pre-registration "
+                   "whose analysis --report_only and the end of a run write (20: OUT/analysis.md, 21: "
+                   "OUT/analysis_21.md, 23: OUT/analysis_23.md, 24: OUT/analysis_24.md)")
     p.add_argument("--smoke", action="store_true", help="the suite's version: a tiny model, T = 7, 2 steps")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # arm seed out_path
     a = p.parse_args(argv)
@@ -625,7 +684,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 REPORTS = {"20": report, "21": lambda out, runs=None: report_21(out, runs)[0],
-           "23": lambda out, runs=None: report_23(out, runs)[0]}
+           "23": lambda out, runs=None: report_23(out, runs)[0], "24": lambda out, runs=None: report_24(out, runs)[0]}
 
 if __name__ == "__main__":
     main()

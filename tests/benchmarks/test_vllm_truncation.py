@@ -68,14 +68,15 @@ def test_reward_reads_the_completion_ids():
 
 def test_the_registered_rules_are_what_the_code_runs():
     assert vt.FAMILY == (("S3V", "M1p"), ("S3V", "M3"), ("S3V", "M2"), ("S3V", "M0"))
-    assert set(vt.COST_ARMS) | set(vt.FAMILY_ARMS) | set(vt.ARMS_21) | set(vt.ARMS_23) == set(vt.ARMS)
-    assert {arm for arm, (kind, *_) in vt.ARMS.items() if kind == "trl"} == {"M1", "M2", "topk_M1"}
+    assert set(vt.COST_ARMS) | set(vt.FAMILY_ARMS) | set(vt.ARMS_21) | set(vt.ARMS_23) | set(vt.ARMS_24) == set(vt.ARMS)
+    assert {arm for arm, (kind, *_) in vt.ARMS.items() if kind == "trl"} == {"M1", "M2", "topk_M1", "minp_M1"}
     assert vt.ARMS["M1"][1] == dict(vllm_importance_sampling_mode="sequence_mask",
                                     vllm_importance_sampling_clip_max=3.0)
-    assert vt.ARMS["on_policy"][2:] == (1.0, "float32", 0)  # the ceiling samples the policy itself
-    assert vt.ARMS["full_bf16"][2:] == (1.0, None, 0)  # pre-registration 21: M0's bf16 engine without the truncation
-    assert all(top_p == 0.8 and dtype is None and top_k == 0 for arm, (_, _, top_p, dtype, top_k) in vt.ARMS.items()
-               if arm not in ("on_policy", "full_bf16", *vt.ARMS_23))
+    assert vt.ARMS["on_policy"][2:] == (1.0, "float32", 0, None)  # the ceiling samples the policy itself
+    assert vt.ARMS["full_bf16"][2:] == (1.0, None, 0, None)  # pre-registration 21: M0's engine without the truncation
+    assert all(top_p == 0.8 and dtype is None and top_k == 0 and min_p is None
+               for arm, (_, _, top_p, dtype, top_k, min_p) in vt.ARMS.items()
+               if arm not in ("on_policy", "full_bf16", *vt.ARMS_23, *vt.ARMS_24))
     used = set(mt.P_SEEDS) | set(mt.P_HELD_OUT) | set(mt.F_SEEDS) | set(mt.F_HELD_OUT) | set(am.SEEDS) | set(
         am.HELD_OUT)
     assert not used & (set(vt.SEEDS) | set(vt.HELD_OUT)) and len(vt.SEEDS) == 10 and len(vt.HELD_OUT) == 5
@@ -161,7 +162,7 @@ def test_truncation_kl_at_top_k_is_the_mean_minus_log_kept_mass_in_float64():
 
 
 def test_pre_registration_23_rules_are_what_the_code_runs():
-    assert vt.TOP_K == 2 and vt.ARMS["topk_M0"][2:] == (1.0, None, 2) and vt.ARMS["topk_M1"][2:] == (1.0, None, 2)
+    assert vt.TOP_K == 2 and vt.ARMS["topk_M0"][2:] == vt.ARMS["topk_M1"][2:] == (1.0, None, 2, None)
     assert vt.ARMS["topk_M0"][:2] == ("ours", dict(rollout_correction_preset="disabled"))
     assert vt.ARMS["topk_M1"][:2] == ("trl", vt.ARMS["M1"][1])  # TRL's default by TRL's GRPOTrainer
     assert vt.FAMILY_23 == (("K1", "full_bf16", "topk_M0"), ("K2", "topk_M1", "topk_M0"))
@@ -171,9 +172,57 @@ def test_pre_registration_23_rules_are_what_the_code_runs():
         assert needle in vt.RULES_23
 
 
+def test_min_p_truncation_is_vllms_rule():
+    """Hand case, and transformers' MinPLogitsWarper (the same rule: keep p >= min_p * p_max)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.09, 0.11], [0.97, 0.01, 0.01, 0.01]]))  # (B, V)
+    kept = torch.isfinite(mt.min_p_truncation(0.2)(logits.clone(), None))  # (B, V) threshold 0.1 and 0.194
+    assert kept.tolist() == [[True, True, False, True], [True, False, False, False]]
+    random = 3 * torch.randn(6, 50, generator=torch.Generator().manual_seed(1))  # (B, V)
+    for m in (0.01, 0.2, 0.5):
+        ours = mt.min_p_truncation(m)(random.clone(), None)
+        assert torch.equal(torch.isinf(ours), torch.isinf(MinPLogitsWarper(min_p=m)(None, random.clone())))
+
+
+def test_truncation_kl_at_min_p_is_the_mean_minus_log_kept_mass_in_float64():
+    """Pre-registration 24's regime, re-derived in float64 with transformers' MinPLogitsWarper choosing the set."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    tok = psum_task.build_tokenizer()
+    model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6)
+    prompts = psum_task.psum_prompts(5, 6, seed=3)
+    kl, t_kl, _ = vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11, min_p=0.9)
+    ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts])
+    completions, _, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(11), mt.min_p_truncation(0.9))
+    per_sequence = []
+    for p_ids, c_ids in zip(ids.tolist(), completions):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0, len(p_ids) - 1: -1].double()  # (T, V)
+        outside = torch.isinf(MinPLogitsWarper(min_p=0.9)(None, logits.clone()))  # (T, V)
+        per_sequence.append(-torch.logsumexp(torch.log_softmax(logits, -1).masked_fill(outside, float("-inf")), -1))
+    tokens = torch.cat(per_sequence)
+    assert tokens.mean() > 1e-3
+    assert kl == pytest.approx(float(tokens.mean()), rel=1e-4)
+    assert t_kl == pytest.approx(sum(float(s.sum()) for s in per_sequence) / len(prompts), rel=1e-4)
+
+
+def test_pre_registration_24_rules_are_what_the_code_runs():
+    assert vt.MIN_P == 0.2 and vt.ARMS["minp_M0"][2:] == vt.ARMS["minp_M1"][2:] == (1.0, None, 0, 0.2)
+    assert vt.ARMS["minp_M0"][:2] == ("ours", dict(rollout_correction_preset="disabled"))
+    assert vt.ARMS["minp_M1"][:2] == ("trl", vt.ARMS["M1"][1])
+    assert vt.FAMILY_24 == (("P1", "full_bf16", "minp_M0"), ("P2", "minp_M1", "minp_M0"))
+    assert vt.SEEDS_24 == tuple(range(220, 235)) and vt.HELD_OUT_24 == tuple(range(235, 240))
+    assert vt.REPRO_SEEDS_24 == (222,) and not set(vt.REPRO_SEEDS_24) & set(vt.REPRO_SEEDS_23)
+    assert vt.EXPERIMENT_24["family"] is vt.FAMILY_24 and vt.EXPERIMENT_24["file"] == "analysis_24.md"
+    for needle in ("min_p 0.2", "Seeds 220-234", "Holm over these 2", "235-239", "seed 222", "19:20 UTC"):
+        assert needle in vt.RULES_24
+
+
 def _runs_23(scores: dict, seeds) -> list[dict]:
     return [dict(scenario="S3V", method=arm, seed=seed, pool="S3V", score=score, kl_token=3e-3, t_kl=0.14,
                  collapsed=False, engine_dtype="torch.bfloat16", top_p=1.0, top_k=vt.ARMS[arm][4],
+                 min_p=vt.ARMS[arm][5],
                  trl_logp_diff=math.nan, kept_mass_mean=0.99, seconds=23.0)
             for arm, values in scores.items() for seed, score in zip(seeds, values)]
 
@@ -207,19 +256,23 @@ def test_pre_registration_23_analysis_on_hand_made_runs(tmp_path, reproduced):
 def test_smoke_trains_trls_trainer_and_this_packages_on_the_real_vllm_engine(tmp_path):
     """Three 2-step runs on the colocated vLLM CPU engine in vLLM's auto dtype: at top_p 0.8, TRL's GRPOTrainer (M1,
     its vLLM importance-sampling path reading the engine's processed log-probs) and this package's trainer (M1p, its
-    truncated-support correction measuring the kept mass); at top_k 2, TRL's GRPOTrainer (pre-registration 23)."""
+    truncated-support correction measuring the kept mass); at top_k 2, TRL's GRPOTrainer (pre-registration 23); at
+    min_p 0.2, this package's trainer (pre-registration 24)."""
     out = str(tmp_path / "s3v")
-    vt.main(["--smoke", "--arms", "M1,M1p,topk_M1", "--seeds", "0", "--out", out, "--jobs", "2"])
+    vt.main(["--smoke", "--arms", "M1,M1p,topk_M1,minp_M0", "--seeds", "0", "--out", out, "--jobs", "2"])
     runs = {r["method"]: r for r in vt.load_runs(out)}
-    assert set(runs) == {"M1", "M1p", "topk_M1"}
+    assert set(runs) == {"M1", "M1p", "topk_M1", "minp_M0"}
+    sampler = {"topk_M1": (1.0, 2, None), "minp_M0": (1.0, 0, 0.2)}  # pre-registrations 23 and 24
     for r in runs.values():
-        top_p, top_k = (1.0, 2) if r["method"] == "topk_M1" else (0.8, 0)  # pre-registration 23's arm: top-k 2
-        assert r["engine_dtype"] == "torch.bfloat16" and (r["top_p"], r["top_k"]) == (top_p, top_k)
+        assert (r["top_p"], r["top_k"], r["min_p"]) == sampler.get(r["method"], (0.8, 0, None))
+        assert r["engine_dtype"] == "torch.bfloat16"
         assert math.isfinite(r["score"])
         assert len(r["logs"]) == vt.SMOKE_STEPS and all(math.isfinite(row["loss"]) for row in r["logs"])
-        assert r["kl_token"] > 0 and r["t_kl"] > 0
+        if r["method"] != "minp_M0":  # min_p 0.2 keeps every token of the smoke's untrained, near-uniform model
+            assert r["kl_token"] > 0 and r["t_kl"] > 0
     assert runs["M1"]["trl_logp_diff"] > 0 and math.isnan(runs["M1"]["kept_mass_mean"])  # TRL's own metric
     assert runs["topk_M1"]["trl_logp_diff"] > 0  # TRL's IS path read the top-k engine's processed log-probs
+    assert 0 < runs["minp_M0"]["kept_mass_mean"] < 1  # the package's probe measured the min-p engine's kept mass
     assert 0 < runs["M1p"]["kept_mass_mean"] < 1 and math.isnan(runs["M1p"]["trl_logp_diff"])  # the package's
     assert "S3 on the real vLLM engine" in open(os.path.join(out, "analysis.md")).read()
 
@@ -334,3 +387,16 @@ def test_the_trainer_says_it_once_at_start_for_top_p_and_not_otherwise(tmp_path,
     with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.grpo.trainer"):
         make_trainer(tmp_path / "top_k", top_k=5)
     assert caplog.text.count("The sampler truncates (top_k=5)") == 1 and "Top-k was measured at top_k 2" in caplog.text
+
+
+def test_pre_registration_24_analysis_reads_its_own_arms_and_reproduction_seed(tmp_path):
+    """report_24 is 23's analysis with 24's arms, family, reproduction seed (222) and file."""
+    committed = str(tmp_path / "committed.csv")
+    vt.write_csv(_runs_23({"full_bf16": [0.8] * 20}, range(220, 240)), committed)
+    runs = _runs_23({"minp_M0": [0.70 + 0.002 * i for i in range(15)], "minp_M1": [0.71] * 15}, vt.SEEDS_24)
+    runs += _runs_23({"full_bf16": [0.8]}, (222,))
+    text, result = vt.report_24(str(tmp_path / "out"), runs, reference=committed)
+    assert result["reproduced"] and [r["name"] for r in result["rows"]] == ["P1", "P2"]
+    assert result["rows"][0]["confirmed"] and "P1 on seeds 235-239 not run yet" in text
+    assert "Min-p truncation on the real engine (pre-registration 24)" in text
+    assert (tmp_path / "out" / "analysis_24.md").read_text().strip() == text.strip()
