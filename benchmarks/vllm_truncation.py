@@ -28,6 +28,7 @@ model, schedule, seeds' recipe and arms with vLLM itself generating:
     python benchmarks/vllm_truncation.py --arms on_policy,M0 --seeds 220-229 --out DIR --jobs 2   # the cost check
     python benchmarks/vllm_truncation.py --arms M1,M1p,M3,M2 --seeds 220-229 --out DIR --jobs 2   # the family
     python benchmarks/vllm_truncation.py --experiment 23 --arms topk_M0,topk_M1 --seeds 220-234 --out DIR  # top-k
+    python benchmarks/vllm_truncation.py --experiment 24 --arms minp_M0,minp_M1 --seeds 220-234 --out DIR  # min-p
     python benchmarks/vllm_truncation.py --report_only --out DIR                                 # the analysis
     python benchmarks/vllm_truncation.py --smoke --out /tmp/s3v_smoke                             # the suite's
 

@@ -354,22 +354,62 @@ def test_pre_registration_23_committed_results_and_the_advice_they_carry(tmp_pat
         assert q in doc, q
 
 
-def test_truncation_advice_speaks_for_a_truncating_sampler_only():
-    from trl_rollout_corr.monitor.advice import TOP_K_FOUND, TRUNCATION_FOUND, truncation_advice
+def test_pre_registration_24_committed_results_and_the_advice_they_carry(tmp_path):
+    """Recomputed from benchmarks/results/vllm_truncation_24_results.csv against pre-registration 21's committed
+    full_bf16 runs: the reference reproduced (seed 222), P1 confirmed and surviving on 235-239, P2 not confirmed and
+    TOST-equivalent; the regime; monitor.advice.MIN_P_FOUND and the docs quote these numbers."""
+    from trl_rollout_corr.monitor import advice
 
+    runs = vt.runs_from_csv(vt.RESULTS_24)
+    assert len(runs) == 36 and {r["method"] for r in runs} == {"full_bf16", *vt.ARMS_24}
+    assert {r["min_p"] for r in runs if r["method"] in vt.ARMS_24} == {0.2}
+    _, result = vt.report_24(str(tmp_path), runs)
+    assert result["reproduced"]
+    p1, p2 = result["rows"]
+    assert p1["confirmed"] and not p2["confirmed"] and p1["n"] == p2["n"] == 15
+    assert (round(p1["diff"], 3), round(p1["diff_lo"], 3), round(p1["diff_hi"], 3)) == (.053, .017, .089)
+    assert f"{p1['p_sign_flip_holm']:.2g}" == "0.017" and p1["p_holm"] < 0.05
+    assert (round(p2["diff"], 3), round(p2["diff_lo"], 3), round(p2["diff_hi"], 3)) == (.004, -.012, .021)
+    assert f"{p2['tost_p']:.2g}" == "0.032"
+    held = result["held_out"]["P1"]
+    assert held["survives"] and held["n"] == 5 and round(held["diff"], 3) == .043
+    minp = [r for r in runs if r["method"] in vt.ARMS_24 and r["seed"] in vt.SEEDS_24]
+    kl = (min(r["kl_token"] for r in minp), max(r["kl_token"] for r in minp))
+    t_kl = (min(r["t_kl"] for r in minp), max(r["t_kl"] for r in minp))
+    quoted = [f"per-token KL of the truncation {kl[0]:.1e}-{kl[1]:.1e}".replace("e-03", "e-3"),
+              f"T * KL {t_kl[0]:.2f}-{t_kl[1]:.2f}", "+0.053 [+0.017, +0.089]", "Holm p 0.017;",
+              "+0.043, the same sign", "+0.004 [-0.012, +0.021]", "(TOST p 0.032)"]
+    for q in quoted:
+        assert q in advice.MIN_P_FOUND, q
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    for q in ("+0.053 [+0.017, +0.089]", "+0.004 [−0.012, +0.021]", "pre-registration 24", "+0.043 [−0.047, +0.133]"):
+        assert q in doc, q
+
+
+def test_truncation_advice_speaks_for_a_truncating_sampler_only():
+    """Quiet without truncation; each rule the sampler uses gets its own measurement (top-p 0.8 and min-p 0.2 cost,
+    top-k 2 showed no cost); top-p or min-p: sample in full; top-k alone: sample in full where as strong as those."""
+    from trl_rollout_corr.monitor.advice import MIN_P_FOUND, TOP_K_FOUND, TRUNCATION_FOUND, truncation_advice
+
+    full = "Sample training rollouts at top_p=1, top_k=0 and without min_p"
     assert truncation_advice(0, 1.0, None) is None and truncation_advice(0, 1.0, 0.0) is None
     said = truncation_advice(0, 0.8, None)
-    assert "top_p=0.8" in said and "Sample training rollouts at top_p=1" in said and "not measured" not in said
-    assert TOP_K_FOUND not in said
-    said = truncation_advice(50, 1.0, 0.1)  # top-k: pre-registration 23's measurement, no longer "not measured"
-    assert "(top_k=50, min_p=0.1)" in said and "min_p=0.1: not measured" in said and "top_k=50: not" not in said
-    assert f"Top-k was {TOP_K_FOUND}" in said and TRUNCATION_FOUND in said
-    assert said.endswith("sample training rollouts at top_k=0; min_p=0.1: not measured, the same kind of truncation.")
-    assert "-log of rollout_corr/kept_mass_mean, near 8e-3" in said
-    said = truncation_advice(50, 0.9, None)  # with top-p: top-p's advice, top-k's measurement beside it
-    assert "Sample training rollouts at top_p=1, top_k=0" in said and f"top-k was {TOP_K_FOUND}" in said
-    said = truncation_advice(0, 1.0, 0.05)
-    assert "(min_p=0.05)" in said and "min_p=0.05: not measured" in said and TOP_K_FOUND not in said
+    assert "(top_p=0.8)" in said and full in said and f"top-p was {TRUNCATION_FOUND}" in said
+    assert TOP_K_FOUND not in said and MIN_P_FOUND not in said and "not measured" not in said
+    said = truncation_advice(0, 1.0, 0.05)  # min-p: pre-registration 24's measured cost
+    assert "(min_p=0.05)" in said and full in said and f"min-p was {MIN_P_FOUND}" in said
+    assert TRUNCATION_FOUND not in said and TOP_K_FOUND not in said and "not measured" not in said
+    said = truncation_advice(50, 1.0, None)  # top-k alone: its null, beside the two costs, conditional advice
+    assert "(top_k=50)" in said and full not in said and said.startswith(
+        f"The sampler truncates (top_k=50): importance sampling cannot correct tokens the sampler never draws. "
+        f"Top-k was {TOP_K_FOUND}.")
+    assert TRUNCATION_FOUND in said and MIN_P_FOUND in said
+    assert said.endswith("(per-token KL about -log of rollout_corr/kept_mass_mean, near 8e-3), sample training "
+                         "rollouts at top_k=0.")
+    said = truncation_advice(50, 0.9, 0.1)  # all three: every measurement, the full-distribution advice
+    assert "(top_k=50, top_p=0.9, min_p=0.1)" in said and full in said
+    assert all(x in said for x in (TRUNCATION_FOUND, MIN_P_FOUND, TOP_K_FOUND)) and "not measured" not in said
 
 
 def test_the_trainer_says_it_once_at_start_for_top_p_and_not_otherwise(tmp_path, caplog):
