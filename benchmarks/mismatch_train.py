@@ -23,7 +23,8 @@ completion) and H (the "does it hurt?" metrics), run as
 (``--report_only --experiment C|L|H|P --seeds ...`` rewrites ``analysis.md`` for one experiment.)
 
 On a GPU, the same command with ``--size gpu`` (Qwen2.5-0.5B's shape, bf16 autocast, T = 512; ``--n_digits 1023``,
-``2047`` or ``4095`` for T up to 4096; ``GPU_SIZE`` below; NOT yet run on a GPU: tune ``--lr`` once on-policy first,
+``2047`` or ``4095`` for T up to 4096; ``GPU_SIZE`` below; no run has finished on a GPU (a first try on an H200 built
+the base model): tune ``--lr`` once on-policy first,
 as ``LR_PILOT`` records for the CPU size):
 
     python benchmarks/mismatch_train.py --size gpu --scenarios S0 --methods M0 --seeds 99 --lr 1e-6 --jobs 1 \
@@ -657,7 +658,8 @@ def checkpointed(model, size: dict):
     """Gradient checkpointing (non-reentrant) around a supervised loop off the CPU (``size["checkpointing"]``
     overrides): measured on an H200 (2026-11-27), the GPU size's base build (batch 64 x 1,026 tokens, no
     checkpointing) held ~114 GB (nvidia-smi), more than an H100's 80 GB; the GRPO runs check-point through TRL's own
-    ``gradient_checkpointing``. The same update either way (recomputed activations)."""
+    ``gradient_checkpointing``. Numerically the same update either way (recomputed activations; equal within float
+    tolerance on CPU)."""
     on = size.get("checkpointing", size.get("device", "cpu") != "cpu")
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -968,6 +970,8 @@ def in_child(fn, *args, fork: bool = True) -> None:
         try:
             fn(*args)
             code = 0
+        except SystemExit as stop:  # a clean exit stays one
+            code = 0 if stop.code in (None, 0) else 1
         except BaseException:  # os._exit below would swallow it: print it first
             traceback.print_exc()
             sys.stderr.flush()
@@ -986,6 +990,7 @@ def cuda_available_in_child() -> bool:
     if pid == 0:
         code = 1
         try:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)  # the real check (cuInit): this child may init CUDA
             import torch
 
             code = 0 if torch.cuda.is_available() else 1
@@ -2244,7 +2249,7 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, in-process: the suite's check (seconds)")
     p.add_argument("--size", default="full", choices=("full", "smoke", "gpu"),
                    help="full: the committed CPU runs (465k parameters, T = 49); gpu: Qwen2.5-0.5B's shape in bf16 at "
-                        "T = 512 (see GPU_SIZE; not yet run on a GPU); smoke: the suite's seconds")
+                        "T = 512 (see GPU_SIZE; no run finished on a GPU yet); smoke: the suite's seconds")
     p.add_argument("--device", default=None, help="cpu (default) or cuda (default at --size gpu)")
     p.add_argument("--n_digits", type=int, default=None,
                    help="the task's length (T = n_digits + 1): 48 at full, 511 at gpu (1023 / 2047 / 4095 for T up to "

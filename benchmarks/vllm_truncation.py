@@ -394,7 +394,7 @@ def runs_from_csv(path: str = RESULTS) -> list[dict]:
             return text
         if key == "collapsed":
             return text == "True"
-        if text == "":  # a column the run predates (score_top_p: pre-registration 21; top_k: 23; min_p: 24)
+        if text in ("", "nan"):  # a column the run predates (score_top_p: 21; top_k: 23; min_p: 24), written back
             return math.nan
         return int(text) if key in ("seed", "steps", "n_digits", "top_k") else float(text)
 

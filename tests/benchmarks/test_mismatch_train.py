@@ -831,6 +831,11 @@ def test_a_child_that_fails_prints_its_traceback_before_it_exits(capfd):
     err = capfd.readouterr().err
     assert "Traceback" in err and "ValueError: the child's own error" in err
 
+    def clean_exit():
+        raise SystemExit(0)
+
+    mt.in_child(clean_exit)  # a clean SystemExit is a success, not a failure
+
 
 def test_the_cuda_check_runs_in_a_child_so_forked_runs_can_use_cuda(monkeypatch, tmp_path):
     """``torch.cuda.is_available()`` initializes the CUDA driver (torch's "poison fork"): asked by the driver
@@ -844,6 +849,13 @@ def test_the_cuda_check_runs_in_a_child_so_forked_runs_can_use_cuda(monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", is_available)
     assert mt.cuda_available_in_child()
     assert int(seen.read_text()) != os.getpid()  # asked in the child
+    nvml = tmp_path / "nvml"
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # the driver's setting ...
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: nvml.write_text(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "unset")) or True)
+    assert mt.cuda_available_in_child() and nvml.read_text() == "unset"  # ... not the child's: the real check
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not mt.cuda_available_in_child()
     seen.unlink()

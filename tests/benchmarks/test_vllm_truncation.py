@@ -345,7 +345,8 @@ def test_pre_registration_23_committed_results_and_the_advice_they_carry(tmp_pat
     kl = (min(r["kl_token"] for r in topk), max(r["kl_token"] for r in topk))
     t_kl = (min(r["t_kl"] for r in topk), max(r["t_kl"] for r in topk))
     quoted = [f"per-token KL of the truncation {kl[0]:.1e}-{kl[1]:.1e}".replace("e-03", "e-3"),
-              f"T * KL {t_kl[0]:.2f}-{t_kl[1]:.2f}", "-0.004 [-0.031, +0.023]", "+0.007 [-0.008, +0.023] (Holm p 0.62)"]
+              f"T * KL {t_kl[0]:.2f}-{t_kl[1]:.2f}", "scored 0.004 more", "its cost -0.004 [-0.031, +0.023]",
+              f"(TOST p {k1['tost_p']:.2g})", "+0.007 [-0.008, +0.023] (Holm p 0.62)"]
     for q in quoted:
         assert q in advice.TOP_K_FOUND, q
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -440,3 +441,14 @@ def test_pre_registration_24_analysis_reads_its_own_arms_and_reproduction_seed(t
     assert result["rows"][0]["confirmed"] and "P1 on seeds 235-239 not run yet" in text
     assert "Min-p truncation on the real engine (pre-registration 24)" in text
     assert (tmp_path / "out" / "analysis_24.md").read_text().strip() == text.strip()
+
+
+def test_a_results_csv_written_back_reads_again(tmp_path):
+    """Pre-registration 20's CSV predates top_k and min_p: read, written back (nan where empty) and read again."""
+    runs = vt.runs_from_csv(vt.RESULTS)
+    path = str(tmp_path / "again.csv")
+    vt.write_csv(runs, path)  # empty top_k / min_p cells
+    vt.write_csv(vt.runs_from_csv(path), path)  # read as nan, written as "nan"
+    again = vt.runs_from_csv(path)
+    assert len(again) == len(runs) and all(math.isnan(r["top_k"]) and math.isnan(r["min_p"]) for r in again)
+    assert [r["score"] for r in again] == [r["score"] for r in sorted(runs, key=lambda r: (r["method"], r["seed"]))]

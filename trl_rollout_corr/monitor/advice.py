@@ -169,9 +169,10 @@ TRUNCATION_FOUND = (
 # of "not measured".
 TOP_K_FOUND = (
     "measured at top_k 2 (benchmarks/vllm_truncation.py, pre-registration 23: the same task, model and bf16 engine; "
-    "per-token KL of the truncation 3.1e-3-3.2e-3, T * KL 0.15-0.16, about a third of top_p 0.8's there): -0.004 "
-    "[-0.031, +0.023] held-out reward against the same engine at top_k 0 (15 seeds), a cost not shown and not shown "
-    "equivalent within +-0.02; TRL's default beside it +0.007 [-0.008, +0.023] (Holm p 0.62)")
+    "per-token KL of the truncation 3.1e-3-3.2e-3, T * KL 0.15-0.16, about a third of top_p 0.8's there): training "
+    "at top_k 2 scored 0.004 more held-out reward than the same engine at top_k 0 (its cost -0.004 [-0.031, +0.023], "
+    "15 seeds): a cost not shown, and not shown equivalent within +-0.02 either (TOST p 0.12); TRL's default beside "
+    "it +0.007 [-0.008, +0.023] (Holm p 0.62)")
 
 
 # Min-p (pre-registration 24, min_p 0.2: calibrated to top_p 0.8's per-token KL): the cost is confirmed (Holm) and
@@ -190,8 +191,10 @@ def truncation_advice(top_k: int, top_p: float, min_p: float | None) -> str | No
 
     What each truncation rule the sampler uses cost in training when measured (top-p 0.8 ``TRUNCATION_FOUND`` and
     min-p 0.2 ``MIN_P_FOUND``, both at per-token KL ~8e-3: a cost; top-k 2 ``TOP_K_FOUND`` at a third of it: none
-    shown). With top-p or min-p: sample training rollouts in full. With top-k alone: sample in full where the run's
-    truncation is as strong as those were (its per-token KL is about -log of the logged kept mass)."""
+    shown). With top-p or min-p: sample training rollouts in full, at any setting (conservative: each rule was measured
+    at one strength). With top-k alone: sample in full where the run's truncation is as strong as the costly ones
+    were (its per-token KL is about -log of the logged kept mass): pre-registration 24's rule 6 keys the advice on
+    the strength, with which the measurements are consistent (top-k at that strength was not run)."""
     settings = [f"top_k={top_k}" if top_k and top_k > 0 else "", f"top_p={top_p:g}" if top_p < 1 else "",
                 f"min_p={min_p:g}" if min_p else ""]
     settings = [x for x in settings if x]
