@@ -452,6 +452,25 @@ def report(out: str, runs: list[dict] | None = None) -> str:
     return text
 
 
+def family_table(rows: list[dict], with_score: bool) -> list[str]:
+    """Holm over ``rows`` (exact sign-flip and paired t, each adjusted), each marked confirmed iff positive with both
+    Holm p < ALPHA (pre-registrations 21, 23, 24), and the family's markdown table."""
+    st = mt._stats()
+    st.add_holm(rows, "p_sign_flip")
+    st.add_holm(rows, "p")
+    fmt = "{:+.4f} [{:+.4f}, {:+.4f}]".format
+    lines = [f"\nFamily (Holm over {len(rows)}; confirmed iff positive with both Holm p < {mt.ALPHA:g}):\n",
+             "| | comparison |" + (" score |" if with_score else "") + " n | difference, 95% CI | p sign-flip (Holm) "
+             "| p t (Holm) | TOST ±0.02 p | confirmed |", "|---|---|" + ("---|" if with_score else "") + "---|" * 6]
+    for r in rows:
+        r["confirmed"] = bool(r["diff"] > 0 and r["p_sign_flip_holm"] < mt.ALPHA and r["p_holm"] < mt.ALPHA)
+        lines.append(f"| {r['name']} | {r['arm']} − {r['ref']} |" + (f" {r['key']} |" if with_score else "")
+                     + f" {r['n']} | {fmt(r['diff'], r['diff_lo'], r['diff_hi'])} | {r['p_sign_flip']:.3g} "
+                     f"({r['p_sign_flip_holm']:.3g}) | {r['p']:.3g} ({r['p_holm']:.3g}) | {r['tost_p']:.3g} | "
+                     f"{'yes' if r['confirmed'] else 'no'} |")
+    return lines
+
+
 def report_21(out: str, runs: list[dict] | None = None, committed: str = RESULTS) -> tuple[str, dict]:
     """Pre-registration 21's analysis of ``runs`` (default: ``OUT/runs``; pre-registration 20's committed runs in
     ``committed`` for the reproduction check), written to ``OUT/analysis_21.md`` with ``OUT/results.csv``."""
@@ -492,17 +511,7 @@ def report_21(out: str, runs: list[dict] | None = None, committed: str = RESULTS
         row = compare(arm, ref, key, SEEDS_21)
         if row is not None:
             rows.append({**row, "name": name, "arm": arm, "ref": ref, "key": key})
-    st.add_holm(rows, "p_sign_flip")
-    st.add_holm(rows, "p")
-    lines += ["\nFamily (Holm over 2; confirmed iff positive with both Holm p < 0.05):\n",
-              "| | comparison | score | n | difference, 95% CI | p sign-flip (Holm) | p t (Holm) | TOST ±0.02 p | "
-              "confirmed |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        r["confirmed"] = bool(r["diff"] > 0 and r["p_sign_flip_holm"] < mt.ALPHA and r["p_holm"] < mt.ALPHA)
-        lines.append(f"| {r['name']} | {r['arm']} − {r['ref']} | {r['key']} | {r['n']} | "
-                     f"{fmt(r['diff'], r['diff_lo'], r['diff_hi'])} | {r['p_sign_flip']:.3g} "
-                     f"({r['p_sign_flip_holm']:.3g}) | {r['p']:.3g} ({r['p_holm']:.3g}) | {r['tost_p']:.3g} | "
-                     f"{'yes' if r['confirmed'] else 'no'} |")
+    lines += family_table(rows, with_score=True)
     result = {"rows": rows, "differ": differ, "reproduced": len(repro)}
     h1 = next((r for r in rows if r["name"] == "H1"), None)
     if h1 is not None and h1["confirmed"]:
@@ -590,17 +599,7 @@ def _against_full_bf16(out: str, runs: list[dict] | None, reference: str, exp: d
         row = compare(arm, ref, exp["seeds"])
         if row is not None:
             rows.append({**row, "name": name, "arm": arm, "ref": ref})
-    st.add_holm(rows, "p_sign_flip")
-    st.add_holm(rows, "p")
-    lines += ["\nFamily (Holm over 2; confirmed iff positive with both Holm p < 0.05):\n",
-              "| | comparison | n | difference, 95% CI | p sign-flip (Holm) | p t (Holm) | TOST ±0.02 p | confirmed |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        r["confirmed"] = bool(r["diff"] > 0 and r["p_sign_flip_holm"] < mt.ALPHA and r["p_holm"] < mt.ALPHA)
-        lines.append(f"| {r['name']} | {r['arm']} − {r['ref']} | {r['n']} | "
-                     f"{fmt(r['diff'], r['diff_lo'], r['diff_hi'])} | {r['p_sign_flip']:.3g} "
-                     f"({r['p_sign_flip_holm']:.3g}) | {r['p']:.3g} ({r['p_holm']:.3g}) | "
-                     f"{r['tost_p']:.3g} | {'yes' if r['confirmed'] else 'no'} |")
+    lines += family_table(rows, with_score=False)
     result = {"rows": rows, "reproduced": reproduced, "held_out": {}}
     for r in rows:
         if not r["confirmed"]:

