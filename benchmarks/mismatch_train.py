@@ -615,7 +615,7 @@ S2_LAG = 8
 # 4096), trained with bf16 autocast (fp32 master weights, TRL's bf16=True) and sampled under the same autocast;
 # T = n_digits + 1 = 512 (``--n_digits 1023 / 2047 / 4095`` for T = 1024 / 2048 / 4096; S2L's long length 2047).
 # No run has finished on a GPU yet (a first try on an H200, 2026-11-27, built the base model: docs/benchmarks.md,
-# "GPU sizes"): its learning rates are placeholders that the
+# "The same command on a GPU"): its learning rates are placeholders that the
 # LR_PILOT rule must re-tune once on-policy (``--lr``) before a family runs, and its base model's recipe
 # (GPU_BASE_STEPS at GPU_BASE_LR) is untested.
 GPU_VOCAB = 4352
