@@ -1,6 +1,12 @@
 """GSM8K-style GRPO with rollout correction on a GPU, sampling with vLLM (colocate).
 
-    accelerate launch examples/gsm8k_vllm.py --preset decoupled_token_is
+    accelerate launch examples/gsm8k_vllm.py                          # TRL's default correction
+    accelerate launch examples/gsm8k_vllm.py --preset ppo_is_bypass   # only where the probe places the run on that row
+
+It runs TRL's default correction (no preset: TRL 1.16's own sequence_mask, C = 3), the verdict table's default row
+(README, docs/evidence.md): no correction was measured to train better there (T 49-257, per-token KL 1e-3-1.3e-2, a
+465k-parameter model on a CPU; not measured on a GPU). Measure your own regime first (``trl-rollout-corr probe``,
+docs/probe.md); ``--preset`` names another preset where the probe's row says so.
 
 vLLM returns each sampled token's processed log-prob; TRL hands them over as ``sampling_per_token_logps``
 and RolloutCorrGRPOTrainer corrects with them. TRL's own vllm_importance_sampling_correction stays off.
@@ -15,7 +21,7 @@ from trl_rollout_corr.cli.rewards import math_answer_reward
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")
-parser.add_argument("--preset", default="decoupled_token_is")
+parser.add_argument("--preset", default=None, help="a rollout correction preset (default: TRL's own correction)")
 parser.add_argument("--output_dir", default="outputs/gsm8k")
 cli = parser.parse_args()
 

@@ -161,11 +161,12 @@ def test_probe_command_end_to_end(tmp_path, capsys):
     main(["probe", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
           "--reward_funcs", "reverse_reward", "--output_dir", str(tmp_path / "out"), "--use_cpu", "true",
           "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
-          "--rollout_engine", "wq4", "--report_to", "none", "--probe_batches", "1"])
+          "--rollout_engine", "wq4", "--report_to", "none", "--probe_samples", "8"])
     out = capsys.readouterr().out
-    assert "per-token KL" in out
+    assert "per-token KL" in out and "Verdict" in out
     saved = json.load(open(tmp_path / "out" / "probe" / "probe.json"))
-    assert saved["tokens"]["count"] > 0 and saved["tokens"]["k3"] > 0
+    assert saved["tokens"]["count"] > 0 and saved["tokens"]["k3"] > 0 and saved["samples"] == 8
+    assert saved["placement"]["rows"] and saved["regime"]["T_times_kl_se"] >= 0
 
 
 def test_the_setup_notes_name_a_sampler_setting_the_trainer_cannot_reproduce(trainer_with):
@@ -210,3 +211,47 @@ def test_a_checkout_finds_the_committed_estimator_map():
     assert committed.is_file() and Path(MAP_CSV).resolve() == committed
     cell = nearest_map_cell({"T": 49, "T_times_kl": 0.4})
     assert cell is not None and cell["csv"] == MAP_CSV and cell["methods"]
+
+
+def test_the_default_sample_is_counted_in_completions_and_the_report_places_the_run(trainer_with):
+    """batches=None: whole generation batches (8 completions here) until ``samples`` are scored; the report carries
+    the standard errors and the verdict placement, and the table prints the row's text from VERDICTS."""
+    from trl_rollout_corr.monitor.verdict import verdict
+
+    trainer = trainer_with("wq4", top_p=0.9)
+    data = collect(trainer, None, split=False, samples=20)
+    assert len(data["batches"]) == 3 and data["mask"].size(0) == 24  # 8 + 8 + 8 >= 20
+    report = probe(trainer, None, ("trl_default",), split=False, samples=16)
+    assert report["samples"] == 16
+    regime = report["regime"]
+    assert regime["per_token_kl_se"] == report["tokens"]["k3_se"] > 0
+    assert regime["T_times_kl_se"] == report["sequences"]["t_kl_se"] > 0
+    place = report["placement"]
+    assert place["truncates"] and not place["stale"] and place["batches"] == 2
+    assert place["rows"][0] == "truncating-sampler" and place["decided"]  # a synchronous engine: keep the default
+    text = format_report(report)
+    assert "Verdict" in text and verdict("truncating-sampler").advice in text
+    assert "+-" in text.split("per-token KL(pi_rollout")[1].split("\n")[0]
+    with pytest.raises(ValueError, match="probe_samples"):
+        collect(trainer, None, samples=0)
+    stale_trainer, _ = make_trainer(trainer.args.output_dir, rollout_sampler=EmulatedRolloutEngine("stale", lag=2))
+    stale = probe(stale_trainer, 1, ("trl_default",), split=False)["placement"]
+    assert stale["stale"] and not stale["truncates"] and [b["quantity"] for b in stale["boundaries"]] == [
+        "per_token_kl", "t_kl"]
+
+
+def test_an_undecided_placement_says_how_many_more_batches_would_decide():
+    from trl_rollout_corr.cli.probe import format_placement, placement
+
+    # a stale engine at T*KL 0.9 +- 0.1 after 2 batches: [0.70, 1.10] straddles 1; (1.96 * 0.1 / 0.1)^2 = 3.84 times
+    # the sample, ceil(2 * 3.84) = 8 batches, 6 more
+    report = {"regime": {"T": 50.0, "per_token_kl": 1e-3, "per_token_kl_se": 1e-4, "T_times_kl": 0.9,
+                         "T_times_kl_se": 0.1}}
+    place = placement(report, 2, truncates=False, stale=True)
+    assert not place["decided"] and place["rows"] == ["stale-engine", "default"] and place["more_batches"] == 6
+    text = "\n".join(format_placement(place))
+    assert "cannot decide" in text and "T*KL straddles 1" in text and "--probe_batches 8 (6 more" in text
+    assert "use ppo_is_bypass" in text and "keep TRL's default correction" in text
+    decided = placement({"regime": {**report["regime"], "T_times_kl": 0.5}}, 2, False, True)
+    assert decided["decided"] and decided["more_batches"] is None
+    assert "cannot decide" not in "\n".join(format_placement(decided))

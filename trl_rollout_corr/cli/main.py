@@ -8,7 +8,7 @@
                                              datasets, --reward_funcs name|module.function, accelerate launch
                                              options), the correction fields, --rollout_corr_monitor true
                                              (see ``train --help``)
-    trl-rollout-corr probe --config run.yaml [--probe_batches 2] [--probe_out DIR]
+    trl-rollout-corr probe --config run.yaml [--probe_samples 256] [--probe_out DIR]
                                              before training: generate and score a few batches of your setup
                                              (same arguments as train) and report the engine/trainer mismatch
     trl-rollout-corr tensors [--preset NAME] the correction on sample tensors

@@ -9,7 +9,9 @@ forward, and reports:
 * on a truncating sampler (top-k/top-p/min-p), the mismatch before and after the trainer renormalizes over the
   sampler's kept set (what the truncation alone contributes), and the kept mass;
 * every correction's effective sample size, masked fractions and weight range computed on these very samples;
-* the regime (T, per-token KL, T*KL) to look up on the benchmark pages, and configuration problems it can see.
+* the regime (T, per-token KL, T*KL) with standard errors (sequences as the units, :mod:`.core.mismatch`), the
+  verdict row(s) it falls on (:func:`trl_rollout_corr.monitor.verdict.place`) or, where its 95% interval straddles a
+  boundary, that its sample cannot decide and how many more batches would; configuration problems it can see.
 
 Output: a terminal table, ``probe.json`` and ``probe.png`` (log rho histogram per length bucket, T*KL
 distribution) in ``--probe_out``.
@@ -35,6 +37,13 @@ DEFAULT_METHODS = ("trl_default", "trl_token_truncate", "trl_token_mask", "trl_s
                    "ppo_is_bypass", "icepop")
 
 
+#: completions the probe scores by default: at a coefficient of variation of a sequence's T*KL of ~1 (the known
+#: engine of tests/cli/test_probe_uncertainty.py: per-token KL 1e-3, T <= 64), the SE of T*KL and of the per-token k3
+#: is ~6.6% of the value at 256 completions (13% at 64, the old default of 2 batches of the recipes' 32), so the 95%
+#: interval decides a verdict boundary unless the estimate is within ~13% of it (docs/probe.md, "How large a sample")
+DEFAULT_SAMPLES = 256
+
+
 def correction_params(name: str):
     """A preset by name, or ``trl_<mode>`` for TRL's ``vllm_importance_sampling_mode`` (C=3, TRL's defaults)."""
     from ..config.correction import RolloutCorrectionConfig
@@ -50,7 +59,17 @@ def correction_params(name: str):
 class ProbeArguments:
     """The probe's own arguments (``trl-rollout-corr probe --config run.yaml --probe_batches 4``)."""
 
-    probe_batches: int = field(default=2, metadata={"help": "Generation batches to generate and score."})
+    probe_batches: int | None = field(default=None, metadata={
+        "help": "Generation batches to generate and score (default: as many as --probe_samples completions need)."})
+    probe_samples: int = field(default=DEFAULT_SAMPLES, metadata={
+        "help": "Completions to generate and score when --probe_batches is not given (whole generation batches, at "
+                "least this many; fewer if the dataset runs out). 256: the 95%% interval of T*KL and of the per-token "
+                "KL is then about +-13%% of the value (docs/probe.md, \"How large a sample\")."})
+    probe_stale: bool | None = field(default=None, metadata={
+        "help": "Whether the engine's weights lag the policy in training (for the verdict row). Default: from the "
+                "run (vllm_sync_interval > 1, a stale emulated engine)."})
+    probe_asynchronous: bool = field(default=False, metadata={
+        "help": "Place the run on the asynchronous trainer's verdict rows (a run with TRL's AsyncGRPOTrainer)."})
     probe_out: str | None = field(default=None, metadata={
         "help": "Directory for probe.json and probe.png (default: <output_dir>/probe)."})
     probe_methods: str = field(default=",".join(DEFAULT_METHODS), metadata={
@@ -65,24 +84,29 @@ class ProbeArguments:
                 "where it fits on the device)."})
 
 
-def collect(trainer: Any, batches: int, split: bool = True, engine_dtype: str | torch.dtype | None = None
-            ) -> dict[str, Any]:
-    """``batches`` generation batches from ``trainer``'s own dataloader, generated and scored as training would.
+def collect(trainer: Any, batches: int | None, split: bool = True, engine_dtype: str | torch.dtype | None = None,
+            samples: int = DEFAULT_SAMPLES) -> dict[str, Any]:
+    """``batches`` generation batches from ``trainer``'s own dataloader, generated and scored as training would
+    (``batches=None``: as many whole batches as ``samples`` completions need, fixed before any is scored by the
+    count alone, so that the stopping rule does not depend on the values measured).
 
     Returns the concatenated (B, T) tensors of :meth:`RolloutCorrGRPOTrainer.score_generation_batch` (padded to the
     longest T with mask 0), on CPU, and under ``batches`` each batch as scored. With ``split``, each batch is also
     re-scored by the trainer's forward in the engine's dtype (``engine_dtype_logps``) and in another batch
     composition (``reshaped_logps``), and ``split`` describes how (:class:`SourceRescorer`).
     """
-    if batches < 1:
+    if batches is not None and batches < 1:
         raise ValueError(f"probe_batches must be >= 1, got {batches}.")
+    if batches is None and samples < 1:
+        raise ValueError(f"probe_samples must be >= 1, got {samples}: the number of completions to score.")
     if trainer.train_dataset is None or len(trainer.train_dataset) == 0:
         raise ValueError("The probe needs prompts: the training dataset is empty (check --dataset_name and "
                          "--dataset_train_split).")
     scored = []
     rescorer = SourceRescorer(trainer, engine_dtype) if split else None
     loader = iter(trainer.get_train_dataloader())
-    for _ in range(batches):
+    count = 0
+    while (len(scored) < batches) if batches is not None else (count < samples):
         try:
             inputs = next(loader)
         except StopIteration:
@@ -94,6 +118,7 @@ def collect(trainer: Any, batches: int, split: bool = True, engine_dtype: str | 
         if rescorer is not None:
             batch.update(rescorer(batch))
         scored.append({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in batch.items()})
+        count += int(batch["mask"].size(0))
     if rescorer is not None:
         rescorer.close()
     width = max(b["mask"].size(1) for b in scored)
@@ -429,8 +454,95 @@ def analyse(data: dict[str, Any], methods: tuple[str, ...] = DEFAULT_METHODS) ->
                                            advantages=data.get("advantages"))
     seqs = report["sequences"]
     report["regime"] = {"T": seqs.get("mean_length"), "per_token_kl": report["tokens"]["k3"],
-                        "T_times_kl": seqs.get("t_kl_mean")}
+                        "per_token_kl_se": report["tokens"]["k3_se"], "T_times_kl": seqs.get("t_kl_mean"),
+                        "T_times_kl_se": seqs.get("t_kl_se", float("nan"))}
     return report
+
+
+def engine_is_stale(trainer: Any) -> bool:
+    """Whether the run's engine lags the policy in training: a colocated vLLM synced every ``vllm_sync_interval`` > 1
+    optimizer steps, or the emulated ``stale`` engine. (The probe itself measures at lag 0.)"""
+    from ..rollout.emulated import EmulatedRolloutEngine
+
+    args = trainer.args
+    if getattr(trainer, "use_vllm", False) and int(getattr(args, "vllm_sync_interval", 1) or 1) > 1:
+        return True
+    sampler = getattr(trainer, "rollout_sampler", None)
+    return isinstance(sampler, EmulatedRolloutEngine) and sampler.kind == "stale"
+
+
+def sampler_truncates(trainer: Any) -> bool:
+    """Whether the training sampler truncates as the truncating-sampler verdict row means it: top_p < 1 or min_p > 0
+    (top-k alone is not that row's: monitor/advice.py)."""
+    top_p = getattr(trainer, "top_p", None)
+    min_p = getattr(trainer, "min_p", None)
+    return (top_p is not None and float(top_p) < 1.0) or (min_p is not None and float(min_p) > 0.0)
+
+
+def placement(report: dict[str, Any], batches: int, truncates: bool, stale: bool, asynchronous: bool = False
+              ) -> dict[str, Any]:
+    """The verdict row(s) the report's regime falls on (:func:`trl_rollout_corr.monitor.verdict.place`) as probe.json
+    keeps it: the rows' keys, ``decided``, each boundary with its 95% interval and side, and ``more_batches`` (how
+    many more generation batches than the ``batches`` scored would decide, from the SE's 1/sqrt(n): None when decided
+    or when no number of batches can be named)."""
+    from ..monitor.verdict import place
+
+    r = report["regime"]
+    p = place(r["T"], r["per_token_kl"], r["per_token_kl_se"], r["T_times_kl"], r["T_times_kl_se"],
+              truncates=truncates, stale=stale, asynchronous=asynchronous)
+    factor = p.sample_factor
+    more = None
+    if factor is not None and math.isfinite(factor):
+        more = max(1, math.ceil(batches * factor) - batches)
+    return {"rows": [row.key for row in p.rows], "decided": p.decided, "sample_factor": factor,
+            "more_batches": more, "batches": batches, "truncates": truncates, "stale": stale,
+            "asynchronous": asynchronous,
+            "boundaries": [{"quantity": b.quantity, "bound": b.bound, "estimate": b.estimate, "se": b.se,
+                            "interval": list(b.interval), "side": b.side} for b in p.boundaries]}
+
+
+_QUANTITY = {"per_token_kl": "per-token KL (lag 0)", "t_kl": "T*KL"}
+
+
+def format_placement(place: dict[str, Any] | None) -> list[str]:
+    """The verdict lines of the terminal table: each row's text quoted from ``VERDICTS``, or that the sample cannot
+    decide between rows and how many more batches would."""
+    if not place:
+        return []
+    from ..monitor.verdict import EVIDENCE_PAGE, verdict
+
+    def quote(key: str) -> str:
+        row = verdict(key)
+        setting = f" ({row.setting})" if row.setting else ""
+        return (f"  [{key}] {row.situation}: {row.advice}{setting}. Measured at T {row.T}, per-token KL "
+                f"{row.per_token_kl}, T*KL {row.t_kl}, {row.model}; {row.confirmation} ({row.evidence}).")
+
+    tested = "; ".join(f"{_QUANTITY[b['quantity']]} {b['estimate']:.3g} [{b['interval'][0]:.3g}, "
+                       f"{b['interval'][1]:.3g}] against {b['bound']:g}" for b in place["boundaries"])
+    engine = ("an asynchronous trainer" if place["asynchronous"] else "a stale engine" if place["stale"]
+              else "a synchronous engine")
+    lines = ["", f"Verdict ({EVIDENCE_PAGE}; {engine}{', a truncating sampler' if place['truncates'] else ''}; "
+             f"95% intervals: {tested}):"]
+    if place["decided"]:
+        lines += [quote(key) for key in place["rows"]]
+    else:
+        undecided = [b for b in place["boundaries"] if b["side"] is None]
+        lines.append("  This sample cannot decide between these rows: the 95% interval of "
+                     + " and of ".join(f"{_QUANTITY[b['quantity']]} straddles {b['bound']:g}" for b in undecided)
+                     + ":")
+        lines += [quote(key) for key in place["rows"]]
+        if place["more_batches"] is not None:
+            total = place["batches"] + place["more_batches"]
+            lines.append(f"  About {place['sample_factor']:.2g} times this sample would decide: --probe_batches "
+                         f"{total} ({place['more_batches']} more generation batches).")
+        elif place["sample_factor"] == math.inf:
+            lines.append("  The estimate sits on the boundary: no sample size decides; the rows on both sides apply.")
+        else:
+            lines.append("  Its standard error is unknown (fewer than 2 sequences): probe more batches.")
+    if place["stale"] and not place["asynchronous"]:
+        lines.append("  The probe measures at lag 0: the stale run's T*KL grows with the lag; watch "
+                     "rollout_corr/k3_kl during training (docs/monitor.md).")
+    return lines
 
 
 def configuration_notes(trainer: Any) -> list[str]:
@@ -449,16 +561,21 @@ def configuration_notes(trainer: Any) -> list[str]:
     return notes
 
 
-def probe(trainer: Any, batches: int = 2, methods: tuple[str, ...] = DEFAULT_METHODS, split: bool = True,
-          engine_dtype: str | torch.dtype | None = None) -> dict[str, Any]:
-    """Generate and score ``batches`` generation batches with ``trainer`` and report the mismatch (a dict); with
-    ``split``, the mismatch by source too (:class:`SourceRescorer`, ``engine_dtype`` as ``--probe_engine_dtype``)."""
+def probe(trainer: Any, batches: int | None = None, methods: tuple[str, ...] = DEFAULT_METHODS, split: bool = True,
+          engine_dtype: str | torch.dtype | None = None, samples: int = DEFAULT_SAMPLES, stale: bool | None = None,
+          asynchronous: bool = False) -> dict[str, Any]:
+    """Generate and score ``batches`` generation batches (None: enough for ``samples`` completions) with ``trainer``
+    and report the mismatch (a dict) and the verdict row(s) it falls on (``placement``; ``stale`` None: from the run,
+    :func:`engine_is_stale`); with ``split``, the mismatch by source too (:class:`SourceRescorer`, ``engine_dtype`` as
+    ``--probe_engine_dtype``)."""
     import time
 
     start = time.perf_counter()
-    data = collect(trainer, batches, split, engine_dtype)
+    data = collect(trainer, batches, split, engine_dtype, samples)
     report = analyse(data, methods)
     report["configuration"] = configuration_notes(trainer)
+    report["placement"] = placement(report, len(data["batches"]), sampler_truncates(trainer),
+                                    engine_is_stale(trainer) if stale is None else stale, asynchronous)
     report["map_cell"] = nearest_map_cell(report["regime"])
     report["seconds"] = time.perf_counter() - start
     report["_log_rho"] = _log_rho_by_bucket(data)
@@ -570,12 +687,15 @@ def format_report(report: dict[str, Any]) -> str:
              f"log-probs), {tok['count']} tokens, {report['seconds']:.1f} s",
              *(f"  setup: {note}" for note in report.get("configuration", [])),
              "",
-             f"per-token KL(pi_rollout || pi_train): k3 {tok['k3']:.3g}, k1 {tok['k1']:.3g}; max |log rho| "
+             f"per-token KL(pi_rollout || pi_train): k3 {tok['k3']:.3g} +- {tok.get('k3_se', math.nan):.2g}, k1 "
+             f"{tok['k1']:.3g} +- {tok.get('k1_se', math.nan):.2g} (+- one standard error, sequences as units); "
+             f"max |log rho| "
              f"{tok['max_abs_log_rho']:.3g}; log rho 0.1%/50%/99.9%: {tok['log_rho_quantiles']['q0.001']:.3g} / "
              f"{tok['log_rho_quantiles']['q0.5']:.3g} / {tok['log_rho_quantiles']['q0.999']:.3g}",
              f"low-probability tokens (pi_train < 1e-3): {tok['low_prob_token_fraction']:.2%} of tokens, "
              f"{tok['low_prob_share_of_k3']:.2%} of the KL",
-             f"sequences: mean T {seq['mean_length']:.0f}, T*KL mean {seq['t_kl_mean']:.3g} (median "
+             f"sequences: mean T {seq['mean_length']:.0f}, T*KL mean {seq['t_kl_mean']:.3g} +- "
+             f"{seq.get('t_kl_se', math.nan):.2g} (median "
              f"{seq['t_kl_quantiles']['q0.5']:.3g}, 99%: {seq['t_kl_quantiles']['q0.99']:.3g}); sequence-weight ESS "
              f"{seq['seq_ess']:.3f} (log-normal prediction exp(-Var sum log rho) = {seq['seq_ess_lognormal']:.3f})"]
     if "truncation" in report:
@@ -600,8 +720,10 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{g('rollout_is_ratio_fraction_high', '.1%'):>11} {g('rejected_token_fraction', '.2%'):>12} "
                      f"{g('rollout_rs_seq_masked_fraction', '.2%'):>12}")
     r = report["regime"]
-    lines += ["", f"Your regime: T ~ {r['T']:.0f} tokens, per-token KL ~ {r['per_token_kl']:.2g}, T*KL ~ "
-              f"{r['T_times_kl']:.2g}."]
+    lines += ["", f"Your regime: T ~ {r['T']:.0f} tokens, per-token KL ~ {r['per_token_kl']:.2g} +- "
+              f"{r.get('per_token_kl_se', math.nan):.2g}, T*KL ~ {r['T_times_kl']:.2g} +- "
+              f"{r.get('T_times_kl_se', math.nan):.2g}."]
+    lines += format_placement(report.get("placement"))
     lines += format_map_cell(report.get("map_cell"))
     return "\n".join(lines)
 
@@ -655,7 +777,8 @@ def main(argv: list[str]) -> None:
         parser.parse_args_and_config(args=argv)
     trainer = build_trainer(script_args, training_args, model_args, monitor_args, dataset_args, monitor=False)
     methods = tuple(m.strip() for m in probe_args.probe_methods.split(",") if m.strip())
-    report = probe(trainer, probe_args.probe_batches, methods, probe_args.probe_split, probe_args.probe_engine_dtype)
+    report = probe(trainer, probe_args.probe_batches, methods, probe_args.probe_split, probe_args.probe_engine_dtype,
+                   probe_args.probe_samples, probe_args.probe_stale, probe_args.probe_asynchronous)
     print(format_report(report))
     out = probe_args.probe_out or os.path.join(training_args.output_dir, "probe")
     for path in write_report(report, out):

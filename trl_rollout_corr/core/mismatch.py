@@ -11,6 +11,13 @@ The tokens are drawn from pi_rollout, so
   exp(-2 T kappa) (Kong 1992's ESS of log-normal weights): T*KL, not KL alone, decides whether sequence-level
   corrections still see a batch (see docs/benchmarks.md, "Estimator map").
 
+Uncertainty: the sequences are the independent units (the tokens of one sequence share its prompt and its prefix, so
+they are not independent). With K_i = sum_t k_t and T_i the token count of sequence i (i = 1..S), the per-token KL is
+the ratio of means R = sum_i K_i / sum_i T_i, and its standard error the delta method's for a ratio of means,
+SE(R) = sqrt(sum_i (K_i - R T_i)^2 / (S (S - 1))) / mean_i T_i (:func:`ratio_se`); T*KL is the mean of K_i (the same
+ratio with every T_i taken as 1), SE = sd_i(K_i) / sqrt(S). Both are large-sample (S >= ~30) approximations;
+tests/cli/test_probe_uncertainty.py checks them against repeated draws from an engine whose exact KL is known.
+
 Everything here is a pure function of (B, T) tensors and returns Python floats: it runs once per probe, not in the
 training step, so the host syncs it makes do not matter.
 """
@@ -45,6 +52,25 @@ def _quantiles(x: torch.Tensor) -> dict[str, float]:
     return {f"q{q:g}": float(v) for q, v in zip(_QUANTILES, qs.tolist())}
 
 
+def ratio_se(numerators: torch.Tensor, denominators: torch.Tensor) -> float:
+    """The delta-method standard error of R = sum_i x_i / sum_i y_i over independent units i (here: sequences).
+
+    SE(R) = sqrt(sum_i (x_i - R y_i)^2 / (S (S - 1))) / mean_i(y_i), S the number of units (Cochran, "Sampling
+    Techniques", 1977, section 6.4, without the finite-population factor). NaN with fewer than 2 units.
+
+    Args:
+        numerators: (S,) x_i, e.g. sum_t k3_t of sequence i.
+        denominators: (S,) y_i > 0 in total, e.g. the token count T_i of sequence i.
+    """
+    s = int(numerators.numel())
+    if s < 2 or float(denominators.sum()) <= 0:
+        return float("nan")
+    x, y = numerators.double(), denominators.double()  # (S,), (S,)
+    r = x.sum() / y.sum()
+    residual = x - r * y  # (S,)
+    return float(torch.sqrt((residual**2).sum() / (s * (s - 1))) / y.mean())
+
+
 def bucket_label(lower: int, upper: int | None) -> str:
     return f"{lower}-{upper - 1}" if upper is not None else f">={lower}"
 
@@ -62,9 +88,11 @@ def mismatch_summary(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mas
         low_prob: the pi_train below which a token counts as low-probability.
 
     Returns:
-        ``tokens``: count, mean log rho, k1 and k3 (per-token KL estimates), max |log rho|, quantiles of log rho,
-        ``low_prob_share_of_k3`` and ``low_prob_token_fraction``; ``sequences``: count, mean length T, mean and
-        quantiles of T*KL (sum_t k3_t per sequence), variance of sum_t log rho_t, the measured effective sample size
+        ``tokens``: count, mean log rho, k1 and k3 (per-token KL estimates) and their standard errors ``k1_se``,
+        ``k3_se`` (sequences as units, :func:`ratio_se`), max |log rho|, quantiles of log rho,
+        ``low_prob_share_of_k3`` and ``low_prob_token_fraction``; ``sequences``: count, mean length T, mean
+        (``t_kl_mean``, its standard error ``t_kl_se``) and quantiles of T*KL (sum_t k3_t per sequence), the per-token
+        k3 of these sequences and its standard error, variance of sum_t log rho_t, the measured effective sample size
         of sequence weights rho_seq = exp(sum_t log rho_t) and its log-normal prediction exp(-Var(sum log rho));
         ``by_length``: the same per length bucket.
     """
@@ -82,7 +110,7 @@ def mismatch_summary(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mas
     lengths = m.sum(1)  # (B,)
     report: dict[str, Any] = {
         "invalid_sequences": int((mask.bool().any(1) & ~valid_rows).sum()),
-        "tokens": _token_summary(log_rho, k3, train, m, low_prob),
+        "tokens": _token_summary(log_rho, k3, train, m, low_prob, valid_rows),
         "sequences": _sequence_summary(log_rho[valid_rows], k3[valid_rows], lengths[valid_rows]),
         "by_length": {},
     }
@@ -92,12 +120,15 @@ def mismatch_summary(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mas
         if rows.any():
             summary = _sequence_summary(log_rho[rows], k3[rows], lengths[rows])
             summary["k3"] = summary.pop("k3_per_token")
+            summary["k3_se"] = summary.pop("k3_per_token_se")
             report["by_length"][bucket_label(lower, upper)] = summary
     return report
 
 
-def _token_summary(log_rho, k3, train, m, low_prob) -> dict[str, Any]:
+def _token_summary(log_rho, k3, train, m, low_prob, rows) -> dict[str, Any]:
+    """log_rho, k3, train, m: (B, T), zero off the mask; rows: (B,) the valid sequences (the SEs' units)."""
     n = int(m.sum())
+    lengths = m[rows].sum(1)  # (S,) T_i
     values = log_rho[m]  # (N,)
     low = m & (train < math.log(low_prob))  # (B, T)
     k3_total = float(k3.sum())
@@ -106,6 +137,8 @@ def _token_summary(log_rho, k3, train, m, low_prob) -> dict[str, Any]:
         "mean_log_rho": float(values.mean()) if n else float("nan"),
         "k1": float(-values.mean()) if n else float("nan"),
         "k3": k3_total / n if n else float("nan"),
+        "k1_se": ratio_se(-log_rho[rows].sum(1), lengths),  # sum_t k1_t = -sum_t log rho_t per sequence
+        "k3_se": ratio_se(k3[rows].sum(1), lengths),
         "max_abs_log_rho": float(values.abs().max()) if n else float("nan"),
         "log_rho_quantiles": _quantiles(values),
         "low_prob_token_fraction": float(low.sum()) / n if n else float("nan"),
@@ -127,7 +160,9 @@ def _sequence_summary(log_rho: torch.Tensor, k3: torch.Tensor, lengths: torch.Te
         "count": s,
         "mean_length": float(lengths.double().mean()),
         "k3_per_token": float(k3.sum() / lengths.sum()),
+        "k3_per_token_se": ratio_se(t_kl, lengths),
         "t_kl_mean": float(t_kl.mean()),
+        "t_kl_se": float(t_kl.std(unbiased=True) / math.sqrt(s)) if s > 1 else float("nan"),
         "t_kl_quantiles": _quantiles(t_kl),
         "seq_log_rho_var": var,
         "seq_ess": ess,

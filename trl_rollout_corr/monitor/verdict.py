@@ -140,3 +140,135 @@ def markdown_table(link_prefix: str = "") -> str:
         link = f"[{row.confirmation}]({link_prefix}evidence.md#{row.key})"
         lines.append(f"| {row.situation} | {row.advice}{setting} | {regime} | {link} |")
     return "\n".join(lines)
+
+
+# ---- placing a probed run on the table (trl-rollout-corr probe) ----
+
+#: the stale-engine row holds for T·KL below this
+STALE_T_KL_BOUND = 1.0
+#: the two-sided 95% normal quantile: a boundary is decided when estimate +- Z * SE lies on one side of it
+Z = 1.959963984540054
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One boundary of the table a placement tests: ``quantity`` (``per_token_kl`` or ``t_kl``) against ``bound``.
+
+    ``side`` is ``"below"``/``"above"`` when the interval ``estimate +- z * se`` lies entirely below ``bound`` /
+    at or above it, ``None`` when it straddles it (the sample cannot decide). ``sample_factor``: how many times the
+    current sample a decision needs, (z * se / |estimate - bound|)^2 (the SE falls like one over the square root of
+    the sample), None when decided, ``inf`` when the estimate sits on the bound, NaN when the SE is unknown.
+    """
+
+    quantity: str
+    bound: float
+    estimate: float
+    se: float
+    side: str | None
+    sample_factor: float | None
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The 95% interval ``estimate +- Z * se`` (NaN when the SE is unknown)."""
+        return self.estimate - Z * self.se, self.estimate + Z * self.se
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a probed run falls on ``VERDICTS``.
+
+    ``rows``: the rows that apply when ``decided`` (the truncating-sampler row first when the sampler truncates,
+    then the row for the engine), else every row the sample leaves possible; ``decided`` is True when the rows left
+    give one advice (two rows that both say "keep TRL's default" decide). ``boundaries``: each boundary tested, with
+    its side or None (:class:`Boundary`). ``sample_factor``: the largest factor among the undecided boundaries (how
+    many times the current sample would decide them all), None when decided.
+    """
+
+    rows: tuple[Verdict, ...]
+    decided: bool
+    boundaries: tuple[Boundary, ...]
+    sample_factor: float | None
+
+
+def _boundary(quantity: str, bound: float, estimate: float, se: float) -> Boundary:
+    """``estimate`` +- Z * ``se`` against ``bound`` (below: the interval's top < bound; above: its bottom >= bound)."""
+    import math
+
+    if not math.isfinite(estimate):
+        raise ValueError(f"place(): {quantity}={estimate!r} must be a finite number (the probe's estimate).")
+    if se != se or se < 0:  # NaN (fewer than 2 sequences) or invalid: the sample cannot say how far it is off
+        return Boundary(quantity, bound, estimate, float("nan"), None, float("nan"))
+    lower, upper = estimate - Z * se, estimate + Z * se
+    if upper < bound:
+        return Boundary(quantity, bound, estimate, se, "below", None)
+    if lower >= bound:
+        return Boundary(quantity, bound, estimate, se, "above", None)
+    gap = abs(estimate - bound)
+    factor = float("inf") if gap == 0 else (Z * se / gap) ** 2
+    return Boundary(quantity, bound, estimate, se, None, factor)
+
+
+def place(T: float, per_token_kl: float, per_token_kl_se: float, t_kl: float, t_kl_se: float, *,
+          truncates: bool = False, stale: bool = False, asynchronous: bool = False) -> Placement:
+    """The ``VERDICTS`` row(s) a probed run falls on, and whether its sample decides between rows.
+
+    The probe measures at lag 0 (the engine synced to the policy), so its per-token KL is the engine's own gap
+    without staleness, the quantity the monitor compares with ``LAG0_CAUTION_KL`` (monitor/advice.py: 2.05e-3, the
+    smallest lag-0 gap at which ppo_is_bypass trained significantly worse than TRL's default and stayed worse on
+    held-out seeds; pre-registration 16, experiment E). The rows:
+
+    - ``truncating-sampler`` whenever ``truncates`` (the sampler's top_p < 1 or min_p > 0), next to the engine's row;
+    - ``asynchronous`` (TRL's AsyncGRPOTrainer): ``async-precision-gap`` when per-token KL >= ``LAG0_CAUTION_KL``,
+      else ``async-default``;
+    - ``stale`` (weights synced every k > 1 optimizer steps): ``precision-gap`` when per-token KL >=
+      ``LAG0_CAUTION_KL`` (ppo_is_bypass trained worse there), else ``stale-engine`` when T·KL <
+      ``STALE_T_KL_BOUND`` and ``default`` when not. A stale run's T·KL grows with the lag beyond the probe's lag-0
+      value: watch ``rollout_corr/k3_kl`` during training (docs/monitor.md);
+    - otherwise (a synchronous engine): ``precision-gap`` when per-token KL >= ``LAG0_CAUTION_KL``, else
+      ``default``; both say to keep TRL's default, so a straddling interval still decides the advice.
+
+    A boundary is decided when the 95% interval ``estimate +- Z * se`` lies on one side of it (:class:`Boundary`).
+    ``T`` is not a boundary of any row (the rows' T ranges are where each was measured); it is checked only to be a
+    positive number.
+
+    Args:
+        T: the mean completion length (tokens).
+        per_token_kl, per_token_kl_se: the probe's per-token KL(pi_rollout || pi_theta) (k3) and its standard error.
+        t_kl, t_kl_se: the mean per-sequence T·KL (sum of k3 over a sequence's tokens) and its standard error.
+        truncates: the training sampler truncates (top_p < 1 or min_p > 0).
+        stale: the engine's weights lag the policy (``vllm_sync_interval`` > 1, a stale sampler).
+        asynchronous: the run uses TRL's AsyncGRPOTrainer (rows measured in RolloutCorrAsyncGRPOTrainer).
+
+    Returns:
+        A :class:`Placement`.
+    """
+    import math
+
+    from .advice import LAG0_CAUTION_KL  # the lag-0 bound the monitor uses (pre-registration 16, experiment E)
+
+    if not (isinstance(T, (int, float)) and math.isfinite(T) and T > 0):
+        raise ValueError(f"place(): T={T!r} must be a positive mean completion length (tokens).")
+    gap = _boundary("per_token_kl", LAG0_CAUTION_KL, per_token_kl, per_token_kl_se)
+    boundaries = [gap]
+    if asynchronous:
+        options = {"above": ["async-precision-gap"], "below": ["async-default"]}[gap.side] if gap.side else \
+            ["async-precision-gap", "async-default"]
+    elif stale:
+        if gap.side == "above":
+            options = ["precision-gap"]
+        else:
+            length = _boundary("t_kl", STALE_T_KL_BOUND, t_kl, t_kl_se)
+            boundaries.append(length)
+            options = {"below": ["stale-engine"], "above": ["default"], None: ["stale-engine", "default"]}[
+                length.side]
+            if gap.side is None:
+                options = [*options, "precision-gap"]
+    else:
+        options = {"above": ["precision-gap"], "below": ["default"], None: ["precision-gap", "default"]}[gap.side]
+    rows = tuple(verdict(key) for key in (["truncating-sampler"] if truncates else []) + options)
+    engine_rows = rows[1:] if truncates else rows
+    decided = len({(row.setting, row.trainer) for row in engine_rows}) == 1
+    open_factors = [b.sample_factor for b in boundaries if b.side is None and b.sample_factor is not None]
+    # NaN (an SE unknown) wins: no multiple of the sample can be named then
+    factor = None if decided else max(open_factors, key=lambda f: math.inf if f != f else f)
+    return Placement(rows, decided, tuple(boundaries), factor)
