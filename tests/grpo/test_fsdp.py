@@ -66,11 +66,16 @@ def run_fsdp_worker(tmp_path: Path, version: int) -> dict:
     launch.write_text((ROOT / "tests" / "data" / f"fsdp{version}_cpu.yaml").read_text())
     out = tmp_path / "out.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_ROLLOUT_CORR_NO_VLLM": "1",
+           "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     accelerate = str(Path(sys.executable).parent / "accelerate")
     cmd = [accelerate, "launch", "--config_file", str(launch), "--main_process_port", str(_free_port()),
            str(ROOT / "tests" / "support" / "fsdp_worker.py"), str(out), "--model", tiny_model_dir(tmp_path / "model"),
            "--modes", ",".join(FSDP_CASES), "--workdir", str(tmp_path / "work")]
+    if version == 2:
+        from tests.support.async_stub import build_model_dir
+
+        cmd += ["--async_model", build_model_dir(str(tmp_path / "async_model"))]
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return torch.load(out)
@@ -117,6 +122,18 @@ def test_fsdp_gives_the_one_process_step(tmp_path, version):
     assert torch.equal(ckpt["saved"], ckpt["straight"])  # save_model's safetensors: the trained weights, gathered
     one = two_step_run(tmp_path / "one_process")
     assert relative_difference(one["straight"] - one["initial"], ckpt["straight"] - ckpt["initial"]) <= TOL
+    if version == 1:  # TRL 1.16's AsyncGRPOTrainer is FSDP2-only (its own comment, async_grpo_trainer.py:1175)
+        assert "async" not in results
+        return
+    # the asynchronous trainer under FSDP2: sharded, the one-process update and metrics
+    two, one = results["async"], async_run(str(tmp_path / "async_model"), tmp_path / "async_one", 8)
+    assert two["distributed_type"] == "FSDP" and two["sharded"] == "DTensor"
+    assert relative_difference(one["final"] - one["initial"], two["final"] - two["initial"]) <= TOL
+    assert len(one["logs"]) == len(two["logs"]) == 2
+    for a, b in zip(one["logs"], two["logs"]):
+        assert a.keys() == b.keys() and len(a) > 20
+        for name, value in a.items():
+            assert b[name] == pytest.approx(value, rel=TOL, abs=1e-7), name
 
 
 def two_step_run(out_dir: Path, optim: str = "adamw_torch") -> dict:
@@ -158,6 +175,26 @@ def two_step_run(out_dir: Path, optim: str = "adamw_torch") -> dict:
     resumed.train(resume_from_checkpoint=str(out_dir / "straight" / "checkpoint-1"))
     result["resumed"] = flat_parameters(resumed)
     return result
+
+
+def async_run(model_dir: str, out_dir: Path, per_device: int) -> dict:
+    """RolloutCorrAsyncGRPOTrainer on the fixed rollout queue of tests/async_grpo (two SGD steps, sequence IS + RS
+    with batch normalization): {"initial", "final"} flat parameters (gathered), the logged losses and metrics."""
+    from tests.grpo.test_invariance import flat_parameters
+    from tests.support.async_stub import build_trainer, make_samples
+    from tests.support.fsdp_cpu import parameters_are_sharded
+
+    samples = make_samples(model_dir, n_groups=6, noise=0.4, seed=11)
+    trainer, _ = build_trainer(model_dir, samples, str(out_dir), max_steps=2, per_device_train_batch_size=per_device,
+                               rollout_correction_preset="decoupled_seq_is_rs", rollout_is_batch_normalize=True,
+                               learning_rate=1e-2, optim="sgd")
+    initial = flat_parameters(trainer)
+    trainer.train()
+    logs = [{k: v for k, v in log.items() if k.startswith("rollout_corr/") or k in ("loss", "grad_norm")}
+            for log in trainer.state.log_history if "loss" in log]
+    return {"initial": initial, "final": flat_parameters(trainer), "logs": logs,
+            "distributed_type": trainer.accelerator.distributed_type.name,
+            "sharded": parameters_are_sharded(trainer.model)}
 
 
 def test_the_cpu_fixtures_are_the_recipes():

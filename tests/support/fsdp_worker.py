@@ -3,7 +3,8 @@
 
 Applies the test-only shim (tests/support/fsdp_cpu.py: accelerate's FSDP for a MULTI_CPU state) before any
 Accelerator exists, then for each mode runs one real ``train()`` step (``one_sgd_step`` of the invariance suite at the
-mode's split), then the two-step checkpoint / resume / save_model run. Rank 0 saves
+mode's split), then the two-step checkpoint / resume / save_model run, and (``--async_model``) the asynchronous
+trainer. Rank 0 saves
 {"modes": {mode: {update, grad_norm, metrics, distributed_type, fsdp_version, sharded, ref_sharded, world_size,
 no_grad_forwards}}, "checkpoint": {...}}.
 """
@@ -47,10 +48,12 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a saved tiny model (the beta > 0 case loads it by path)")
     parser.add_argument("--modes", required=True)
     parser.add_argument("--workdir", required=True, help="output directories, shared by the ranks (checkpoints)")
+    parser.add_argument("--async_model", default=None, help="a tiny model of tests/support/async_stub.py: then the "
+                        "asynchronous trainer runs too (FSDP2)")
     opts = parser.parse_args()
     fsdp_cpu.apply()  # before any Accelerator: the Trainer builds one in its __init__
 
-    from tests.grpo.test_fsdp import FSDP_CASES, FULL_LOADING, KNOWN_BUG, case_kwargs, two_step_run
+    from tests.grpo.test_fsdp import FSDP_CASES, FULL_LOADING, KNOWN_BUG, async_run, case_kwargs, two_step_run
     from tests.grpo.test_invariance import one_sgd_step
     from trl_rollout_corr.cli.probe import SourceRescorer
 
@@ -90,6 +93,8 @@ def main() -> None:
             "probe_precision_note": SourceRescorer(trainer, "bfloat16").precision_note}
         del trainer
     results["checkpoint"] = two_step_run(root / "checkpoint")
+    if opts.async_model:
+        results["async"] = async_run(opts.async_model, root / "async", 4)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, opts.out)
     end_worker()
