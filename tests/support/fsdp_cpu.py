@@ -4,7 +4,7 @@ accelerate 1.16 turns FSDP on only for GPU-type multi-process states: ``Accelera
 ``DistributedType.FSDP`` and keeps the ``fsdp_plugin`` inside ``elif self.distributed_type in [MULTI_GPU, MULTI_MLU,
 ..., MULTI_NEURON]`` (accelerate/state.py:947-977), a list without ``MULTI_CPU``. A CPU process group
 (``cpu=True`` under ``accelerate launch`` / ``torchrun``) is ``MULTI_CPU`` (state.py:769): the plugin is dropped
-without an error and ``prepare`` wraps the model in DDP (accelerator.py:2032). :func:`apply` wraps
+without an error and ``prepare`` wraps the model in DDP (accelerator.py:2031-2032). :func:`apply` wraps
 ``AcceleratorState.__init__`` to do for ``MULTI_CPU`` what those lines do for a GPU state (type FSDP, the plugin's
 mixed precision, keep the plugin), and sets the device to plain ``cpu``: ``set_device`` gives ``cpu:0``
 (state.py:805), which FSDP1 rejects as its ``device_id`` ("Inconsistent compute device and device_id: cpu vs
@@ -13,8 +13,9 @@ config (accelerate raises for ``sync_module_states`` on a CPU, utils/dataclasses
 (``save_model``, a checkpoint) needs :func:`_keep_cpu_flat_param`: accelerate's FSDP1 ``get_state_dict`` always asks for
 ``FullStateDictConfig(offload_to_cpu=True)`` (accelerator.py:3977), and torch's ``FlatParamHandle.to_cpu`` "moves" the
 unsharded flat parameter to the CPU (a no-op there) and then frees it (torch/distributed/fsdp/_flat_param.py:1750-1751):
-``state_dict()`` then clones freed memory (SIGSEGV, measured with torch 2.13.0); and the full optimizer state dict
-without ``offload_to_cpu`` (see :func:`apply`: on a CPU its ``.cpu()`` copy is no copy and Adam's states alias).
+``state_dict()`` then clones freed memory (SIGSEGV, measured with torch 2.13.0). FSDP1's full optimizer state dict
+needs ``offload_to_cpu`` off (see :func:`apply`: on a CPU its ``.cpu()`` copy is no copy, and a parameter's optimizer
+states alias one buffer).
 
 The wrapper checks accelerate's state at run time and raises, naming the installed accelerate version, when it no
 longer looks as described (a signature, an attribute or the ``MULTI_CPU`` outcome changed, or accelerate now runs
