@@ -101,7 +101,12 @@ CASES = {
 
 
 def flat_parameters(trainer) -> torch.Tensor:
-    """All parameters as one flat float32 vector (gathered from their shards under DeepSpeed ZeRO-3 and FSDP2)."""
+    """All parameters as one flat float32 vector (gathered from their shards under DeepSpeed ZeRO-3, FSDP2, FSDP1)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    if isinstance(trainer.model, FSDP1):  # FSDP1: the original parameters, unsharded for the read
+        with FSDP1.summon_full_params(trainer.model, writeback=False):
+            return torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
     params = list(trainer.model.parameters())
     if any(hasattr(p, "full_tensor") for p in params):  # FSDP2: DTensor shards
         return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().clone()
@@ -283,12 +288,12 @@ print(f"TYPE {accelerator.distributed_type.name} {accelerator.num_processes}", f
 """
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU limit; with CUDA the FSDP test below runs")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU limit: with CUDA, accelerate runs FSDP")
 def test_accelerate_leaves_fsdp_off_on_a_cpu(tmp_path):
     """The documented limit, tested: two CPU processes launched with accelerate's FSDP2 settings (the environment
     `accelerate launch --config_file recipes/accelerate/fsdp2.yaml` sets) run as MULTI_CPU without FSDP. (Without
     `use_cpu` they run as two separate DistributedType.NO processes, measured.) When this fails, accelerate runs FSDP
-    on a CPU: the exactness test below can then run here."""
+    on a CPU itself: the test-only shim tests/support/fsdp_cpu.py (which tests/grpo/test_fsdp.py applies) can go."""
     import os
     import subprocess
     import sys
@@ -304,30 +309,3 @@ def test_accelerate_leaves_fsdp_off_on_a_cpu(tmp_path):
     outputs = [proc.communicate(timeout=300)[0] for proc in ranks]
     types = sorted(line for out in outputs for line in out.splitlines() if line.startswith("TYPE"))
     assert types == ["TYPE MULTI_CPU 2"] * 2, [out[-2000:] for out in outputs]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=(
-    "accelerate runs FSDP only on GPU-type devices: without CUDA it sets DistributedType.NO (use_cpu=False) or "
-    "MULTI_CPU without FSDP (use_cpu=True), measured with accelerate 1.15 (accelerate/state.py)"))
-def test_fsdp2_gives_the_one_process_step(tmp_path):
-    """The shipped FSDP2 recipe on two processes (mixed_precision "no"): parameters really sharded, the update,
-    grad_norm and metrics of one process. Needs CUDA (not run on the CPU CI)."""
-    import sys
-    from pathlib import Path
-
-    import yaml
-
-    from tests.grpo.test_distributed import _free_port
-
-    root = Path(__file__).resolve().parents[2]
-    launch = yaml.safe_load((root / "recipes" / "accelerate" / "fsdp2.yaml").read_text())
-    launch.update(num_processes=2, mixed_precision="no")
-    (tmp_path / "launch.yaml").write_text(yaml.safe_dump(launch))
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    case = "token_is_token_rs_dapo"
-    results = run_worker(tmp_path, [accelerate, "launch", "--config_file", str(tmp_path / "launch.yaml"),
-                                    "--main_process_port", str(_free_port())],
-                         ["--cases", case, "--splits", "4x1,2x2", "--engine", "fsdp"])
-    assert all("FSDP" in run["distributed_type"] for run in results[case].values())
-    assert all(run["sharded"] for run in results[case].values())
-    assert_same_step(case, tmp_path, results[case])

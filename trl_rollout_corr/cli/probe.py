@@ -180,8 +180,11 @@ SHARDED_NOTE = "not measured: ZeRO-3/FSDP shards the weights; run the probe with
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s weights are sharded: DeepSpeed ZeRO-3 (parameters carry ``ds_id``) or FSDP2 (DTensors)."""
-    return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in model.parameters())
+    """Whether ``model``'s weights are sharded: DeepSpeed ZeRO-3 (parameters carry ``ds_id``), FSDP2 (DTensors) or
+    FSDP1 (torch marks its FlatParameters, and the original parameters it views with ``use_orig_params``,
+    ``_fsdp_flattened``; ``unwrap_model`` leaves the nested FSDP1 units and their shards in place)."""
+    return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or getattr(p, "_fsdp_flattened", False)
+               for p in model.parameters())
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
