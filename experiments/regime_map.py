@@ -233,3 +233,88 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+_A = "staleness-and-a-dense-gap-together-experiment-a-bypass-the-asynchronous-trainers-loss-trains-worse"
+SECTION = {  # evidence.md section of each experiment (heading anchors)
+    "old": "which-preset-for-which-mismatch-measured",
+    "s1": "training-in-the-regime-of-real-runs",
+    "s2": "training-in-the-regime-of-real-runs",
+    "experiment-c": "confirmation-of-the-s2-lead-on-fresh-seeds-experiment-c",
+    "experiment-l": "the-long-completion-s2l-experiment-l-at-the-edge-of-the-target-regime-no-significant-cost",
+    "experiment-p": "truncated-sampling-s3-experiment-p-no-correction-helps-the-cost-itself-not-confirmed",
+    "s3v": "truncated-sampling-on-the-real-vllm-engine-s3v-pre-registrations-20-21-23-and-24",
+    "experiment-x": "the-target-regime-s2x-experiment-x-the-stale-engine-costs-trls-default-recovers-most-of-it",
+    "experiment-y": "twice-the-lag-s2x-at-lag-16-experiment-y-trls-default-collapses-in-2-of-10-runs-not-confirmed-"
+                    "below-bypass",
+    "experiment-z": "thirty-more-seeds-at-lag-16-experiment-z-the-collapses-do-not-recur-token_truncate-trains-worse",
+    "experiment-q": "a-precision-like-gap-at-257-tokens-experiment-q-no-measurable-cost-no-method-differs",
+    "experiment-d": "a-dense-precision-gap-at-257-tokens-experiment-d-bypass-and-token_truncate-train-worse-than-trls-"
+                    "default",
+    "experiment-a": _A,
+    "experiment-b": _A,
+    "experiment-e": _A,
+    "experiment-f": _A,
+    "s4": "trls-asynchronous-trainer-with-a-gap-inside-vllm-s4-pre-registration-17",
+    "pre-registration-19": "at-the-monitors-bound-pre-registration-19-sigma-08-not-significant",
+    "pre-registration-18": "without-the-gap-pre-registration-18-trl_default-not-shown-to-cost-nothing-so-the-default-"
+                           "stays-trls-loss",
+}
+
+FINDING = {  # what each experiment found, with the numbers its section (and its test) states
+    "old-stale4": "emulated engine 4 steps stale: nothing above TRL's default after Holm (`ppo_is_bypass` 0.896 vs "
+                  "0.559, Holm p 0.054); `decoupled_geo_rs` below it (Holm p 0.0013)",
+    "old-wq3": "3-bit engine: nothing above TRL's default; `ppo_is_bypass` below it (0.184 vs 0.624, Holm p 0.0085)",
+    "old-int8": "INT8 engine: no cost, no method differs (Holm p 1)",
+    "old-vllm-bf16": "vLLM bf16 against a float32 trainer: no cost, no method differs (Holm p 1)",
+    "old-vllm-sync8": "vLLM synced every 8 steps: nothing above TRL's default (`ppo_is_bypass` 0.857 vs 0.701, "
+                      "Holm p 0.38)",
+    "s1": "heavy-tailed precision-like gap: no cost (+0.003 [−0.026, +0.032]), nothing to compare",
+    "s2": "engine 8 steps stale: costs +0.122; nothing significant after Holm (`ppo_is_bypass` +0.099, Holm p 0.47)",
+    "experiment-c": "S2 on 20 fresh seeds: `ppo_is_bypass` +0.065 [+0.032, +0.097] above TRL's default "
+                    "(Holm p 0.00017)",
+    "experiment-l": "engine 16 steps stale at T = 129: cost not significant (+0.027, p 0.095), no method run",
+    "experiment-p": "top_p 0.8 on a stand-in engine: nothing above TRL's default (every Holm p 1); the cost not "
+                    "confirmed on held-out seeds",
+    "s3v": "top_p 0.8 on the real vLLM CPU engine (bf16): nothing above TRL's default (every Holm p 1); the cost, "
+           "held out, is the truncation's (top_p 1: +0.055, Holm p 0.0093)",
+    "experiment-x": "engine 8 steps stale: costs +0.209; `ppo_is_bypass` +0.025 [−0.024, +0.073] (p 0.28)",
+    "experiment-y": "engine 16 steps stale: `ppo_is_bypass` +0.132, `token_truncate` +0.088 (Holm p 0.80); TRL's "
+                    "default collapsed on 2 of 10 seeds",
+    "experiment-z": "Y on 30 fresh seeds: `ppo_is_bypass` −0.004 [−0.024, +0.016]; `token_truncate` −0.060 "
+                    "[−0.090, −0.029] below TRL's default (Holm p 0.00015)",
+    "experiment-q": "heavy-tailed precision-like gap: no cost (+0.012); nothing differs (every Holm p 0.73)",
+    "experiment-d": "dense precision-like gap: no cost; `ppo_is_bypass` −0.166 and `token_truncate` −0.044 below "
+                    "TRL's default (Holm p 0.0059); held out −0.099 and −0.065",
+    "experiment-a": "dense gap on an engine 4 steps stale: `ppo_is_bypass` −0.100 [−0.145, −0.054] (Holm p 0.0059); "
+                    "held out −0.087",
+    "experiment-b": "A with σ 1.0: `ppo_is_bypass` −0.081 [−0.119, −0.043]; held out −0.043 [−0.067, −0.018]",
+    "experiment-e": "A with σ 0.8: `ppo_is_bypass` −0.046 [−0.085, −0.006]; held out −0.025 [−0.037, −0.013]",
+    "experiment-f": "A with σ 0.6: `ppo_is_bypass` −0.012 [−0.049, +0.025] (p 0.48), not shown equal either",
+    "s4": "TRL's AsyncGRPOTrainer, N(0, 1) logit noise in a vLLM CPU server: `trl_default` +0.110 [+0.046, +0.174] "
+          "above TRL's trainer as is; held out +0.067 [−0.016, +0.149]",
+    "pre-registration-19": "S4 at σ 0.8: `trl_default` +0.038 [−0.007, +0.084], not significant",
+    "pre-registration-18": "S4 without noise: `trl_default` −0.038 [−0.093, +0.016], not shown equal (TOST ±0.02 "
+                           "p 0.77)",
+}
+
+
+def _g(x: float) -> str:
+    return f"{x:.2g}" if x < 1e-2 else f"{x:.3g}"
+
+
+def markdown_table() -> str:
+    """The evidence page's table of every experiment: an anchor per row, the model size, T, and the per-token KL
+    and T·KL of the compared arms (their means, lowest to highest), the verdict and what it found."""
+    lines = ["| experiment | model | T | per-token KL | T·KL | verdict | what it found |",
+             "|---|---|---|---|---|---|---|"]
+    for e in EXPERIMENTS:
+        old = e.key.startswith("old-")
+        model = "0.13M" if old else "465k"
+        section = SECTION["old" if old else e.key]
+        kl = _g(e.kl[0]) if e.kl[0] == e.kl[1] else f"{_g(e.kl[0])}–{_g(e.kl[1])}"
+        t_kl = _g(e.t_kl[0]) if e.t_kl[0] == e.t_kl[1] else f"{_g(e.t_kl[0])}–{_g(e.t_kl[1])}"
+        T = f"≤ {e.T}" if old else str(e.T)
+        lines.append(f'| <a id="{e.key}"></a>[{e.label}](#{section}) | {model} | {T} | {kl} | {t_kl} | '
+                     f"{e.verdict} | {FINDING[e.key]} |")
+    return "\n".join(lines)

@@ -57,3 +57,11 @@ def test_the_committed_png_is_drawn(tmp_path):
     out = rm.plot(tmp_path / "map.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (ROOT / "docs" / "img" / "regime_map.png").is_file()
+
+
+def test_the_evidence_page_s_table_is_the_rendering():
+    page = (ROOT / "docs" / "evidence.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- experiments-table -->\n(.*?)\n<!-- /experiments-table -->", page, re.S)
+    assert block and block.group(1).strip() == rm.markdown_table(), (
+        "docs/evidence.md's experiments table differs from experiments/regime_map.py's markdown_table(): paste it")
+    assert len(re.findall(r'<a id="', block.group(1))) == len(rm.EXPERIMENTS)
