@@ -61,7 +61,7 @@ VERDICTS: tuple[Verdict, ...] = (
         advice="keep TRL's default correction (sequence_mask, C = 3): nothing was confirmed better there",
         setting="",
         trainer="RolloutCorrGRPOTrainer",
-        T="49-257", per_token_kl="1.4e-3-1.3e-2", t_kl="0.29-2.2", model=MODEL,
+        T="49–257", per_token_kl="1.4e-3–1.3e-2", t_kl="0.29–2.2", model=MODEL,
         confirmation="no correction confirmed above it in 12 paired experiments (10 seeds each, one of 30) "
                      "outside the stale-engine row",
     ),
@@ -71,7 +71,7 @@ VERDICTS: tuple[Verdict, ...] = (
         advice="sample training rollouts at top_p = 1 and min_p = 0: no correction recovered what truncation cost",
         setting="top_p=1.0",
         trainer="RolloutCorrGRPOTrainer, vLLM colocate (bf16)",
-        T="49", per_token_kl="8.1e-3-8.3e-3", t_kl="0.40-0.41", model=MODEL,
+        T="49", per_token_kl="8.1e-3–8.3e-3", t_kl="0.40–0.41", model=MODEL,
         confirmation="+0.055 [+0.017, +0.092] reward at top_p 1 (15 paired seeds, Holm p 0.0093); "
                      "held out on 5 seeds: +0.039, same sign",
     ),
@@ -82,7 +82,7 @@ VERDICTS: tuple[Verdict, ...] = (
         advice="use ppo_is_bypass; at T = 257 it was not confirmed (keep the default there)",
         setting="rollout_correction_preset=ppo_is_bypass",
         trainer="RolloutCorrGRPOTrainer",
-        T="49", per_token_kl="6.2e-3-1.1e-2", t_kl="0.30-0.52", model=MODEL,
+        T="49", per_token_kl="6.2e-3–1.1e-2", t_kl="0.30–0.52", model=MODEL,
         confirmation="+0.065 [+0.032, +0.097] reward over TRL's default on 20 fresh paired seeds (Holm p 0.00017)",
     ),
     Verdict(
@@ -92,9 +92,9 @@ VERDICTS: tuple[Verdict, ...] = (
         advice="keep TRL's default; not ppo_is_bypass or token_truncate (both trained worse)",
         setting="",
         trainer="RolloutCorrGRPOTrainer",
-        T="257", per_token_kl="1.6e-3-8.8e-3", t_kl="0.40-2.2", model=MODEL,
+        T="257", per_token_kl="1.6e-3–8.8e-3", t_kl="0.40–2.2", model=MODEL,
         confirmation="ppo_is_bypass −0.046 to −0.166, token_truncate −0.044 reward below TRL's default "
-                     "(4 experiments, 10 paired seeds each, p <= 0.016); held out on 5 seeds each, same sign",
+                     "(4 experiments, 10 paired seeds each, p ≤ 0.016); held out on 5 seeds each, same sign",
     ),
     Verdict(
         key="async-precision-gap",
@@ -103,7 +103,7 @@ VERDICTS: tuple[Verdict, ...] = (
         advice="RolloutCorrAsyncGRPOTrainer with TRL's default correction",
         setting="rollout_correction_preset=trl_default",
         trainer="RolloutCorrAsyncGRPOTrainer, vLLM server (CPU)",
-        T="257", per_token_kl="3.1e-3-4.6e-3", t_kl="0.80-1.2", model=MODEL,
+        T="257", per_token_kl="3.1e-3–4.6e-3", t_kl="0.80–1.2", model=MODEL,
         confirmation="+0.110 [+0.046, +0.174] reward over TRL's trainer as is (above on all 10 paired seeds, "
                      "p 0.002); held out on 5 seeds: +0.067, same sign (its interval spans 0)",
     ),
@@ -113,7 +113,7 @@ VERDICTS: tuple[Verdict, ...] = (
         advice="keep the asynchronous trainer's own loss (no preset: ppo_is_bypass, TRL's)",
         setting="",
         trainer="RolloutCorrAsyncGRPOTrainer",
-        T="257", per_token_kl="3.0e-4-4.8e-4", t_kl="0.077-0.12", model=MODEL,
+        T="257", per_token_kl="3.0e-4–4.8e-4", t_kl="0.077–0.12", model=MODEL,
         confirmation="TRL's default there: −0.038 [−0.093, +0.016] (10 paired seeds), not shown to cost nothing "
                      "(not shown within ±0.02)",
     ),
@@ -150,11 +150,11 @@ def markdown_table(link_prefix: str = "") -> str:
     Returns:
         The table's lines joined by newlines (no trailing newline).
     """
-    lines = ["| your situation | what to do | regime measured (T; per-token KL; T·KL; model) | evidence |",
+    lines = ["| your situation | what to do | regime measured (T; per-token KL; T·KL; model) | how it was confirmed |",
              "|---|---|---|---|"]
     for row in VERDICTS:
         setting = f" (`{row.setting}`)" if row.setting else ""
         regime = f"T {row.T}; {row.per_token_kl}; {row.t_kl}; {row.model}"
-        link = f"[{row.confirmation}]({link_prefix}evidence.md#{row.key})"
+        link = f"{row.confirmation} ([evidence]({link_prefix}evidence.md#{row.key}))"
         lines.append(f"| {row.situation} | {row.advice}{setting} | {regime} | {link} |")
     return "\n".join(lines)
