@@ -186,7 +186,7 @@ def test_the_committed_s4_results_give_the_documented_numbers_and_the_monitors_t
     assert cost["seeds"] == list(am.SEEDS) and cost["costs"] and f"{cost['p_sign_flip']:.2g}" == "0.002"
     cost_text = f"{cost['diff']:.3f} [{cost['diff_lo']:.3f}, {cost['diff_hi']:.3f}]".replace("-", "−")
     assert cost_text == "−0.102 [−0.167, −0.036]"
-    docs = (root / "docs/benchmarks.md").read_text()
+    docs = (root / "docs/evidence.md").read_text()
     for quoted in (at_bound, without):
         assert quoted.replace("-", "−") in docs
     assert "**+0.110 [+0.046, +0.174]**" in docs and "+0.067 [−0.016, +0.149]" in docs
@@ -322,6 +322,6 @@ def test_the_committed_pre_registration_22_runs_change_nothing_and_the_docs_say_
     quoted = [f"{r['diff']:+.3f} [{r['diff_lo']:+.3f}, {r['diff_hi']:+.3f}]".replace("-", "−") for r in (gap, no_gap)]
     assert quoted == ["+0.050 [−0.017, +0.117]", "−0.023 [−0.046, +0.001]"]
     assert (f"{gap['p']:.2g}", f"{no_gap['p']:.2g}", f"{no_gap['p_sign_flip']:.2g}") == ("0.13", "0.054", "0.049")
-    for page in ("docs/benchmarks.md", "docs/async.md"):
+    for page in ("docs/evidence.md", "docs/async.md"):
         text = (root / page).read_text()
         assert all(q in text for q in quoted), page

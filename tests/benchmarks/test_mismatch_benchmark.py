@@ -36,8 +36,8 @@ def rows():
 
 def test_docs_table_and_advice_are_generated_from_the_results(rows):
     mb = mismatch_bench
-    assert doc_block("mismatch-table", "docs/benchmarks.md") == mb.markdown(rows)
-    assert doc_block("mismatch-advice", "docs/benchmarks.md") == mb.recommendations(rows)
+    assert doc_block("mismatch-table", "docs/evidence.md") == mb.markdown(rows)
+    assert doc_block("mismatch-advice", "docs/evidence.md") == mb.recommendations(rows)
 
 
 def test_every_scenario_has_trls_default_the_floor_and_the_ceiling_with_five_seeds(rows):
@@ -197,7 +197,7 @@ def test_experiment_x_in_the_target_regime_confirms_nothing_over_trls_default():
     arm = {m: [r for r in runs if (r["scenario"], r["method"]) == ("S2X", m)] for m in ("M0", "M1", "M3")}
     assert {m: (f"{fmean(r['kl_token'] for r in rs):.2e}", round(fmean(r["t_kl"] for r in rs), 2))
             for m, rs in arm.items()} == {"M0": ("5.60e-03", 1.43), "M1": ("1.95e-03", 0.49), "M3": ("1.79e-03", 0.45)}
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
     for text in ("+0.209 [+0.039, +0.379]", "+0.025 [−0.024, +0.073]", "T·KL 1.43", "0.85 [0.00, 0.98]"):
         assert text in doc, text
 
@@ -218,7 +218,7 @@ def test_experiment_y_at_twice_the_lag_confirms_nothing_and_trls_default_collaps
     assert collapsed == {"M0": 2, "M2": 0, "M3": 0} and {c["ref_collapsed"] for c in y["collapse"]} == {2}
     m0 = [r for r in runs if (r["scenario"], r["method"]) == ("S2X", "M0")]
     assert (f"{fmean(r['kl_token'] for r in m0):.2e}", round(fmean(r["t_kl"] for r in m0), 2)) == ("8.68e-03", 2.15)
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
     for text in ("+0.262 [+0.127, +0.397]", "+0.132 [−0.087, +0.351]", "+0.088 [−0.113, +0.288]", "0.36 [−0.55, 1.22]"):
         assert text in doc, text
 
@@ -242,8 +242,8 @@ def test_experiment_z_on_thirty_seeds_confirms_nothing_and_token_truncate_trains
     _, alarm = mt.alarm_analysis(runs, list(mt.Z_SEEDS))
     assert (alarm["collapsed"], alarm["healthy"], alarm["alarmed_healthy"], alarm["adopt"]) == (0, 30, 0, False)
     assert f"{alarm['false_alarm_ci'][1]:.2f}" == "0.12"
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
-    readme = open(os.path.join(os.path.dirname(mt.HERE), "README.md")).read()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
+    readme = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()  # the README's old tables
     for text in ("−0.004 [−0.024, +0.016]", "−0.060 [−0.090, −0.029]", "[0, 0.12]", "collapsed on none of the 30"):
         assert text in doc, text
     for text in ("−0.004 [−0.024, +0.016]", "−0.060 [−0.090, −0.029] (Holm p 0.00015)"):
@@ -411,15 +411,15 @@ def test_the_pooled_alarm_on_the_committed_runs_is_not_adopted_with_one_collapse
     assert result["adopt"] is False
     committed = open(os.path.join(mt.RESULTS, "mismatch_train_alarm_pool_analysis.md")).read()
     assert committed.strip() == text.strip()
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
     assert "1 false alarm in 74" in doc and "pre-registration 14" in doc
 
 
 def assert_quoted(in_docs: tuple, in_readme: str, message: str) -> None:
     """Each of ``in_docs`` is on docs/benchmarks.md, ``in_readme`` in the README and (with ASCII minus signs) in the
     monitor's ``message``."""
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
-    readme = open(os.path.join(os.path.dirname(mt.HERE), "README.md")).read()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
+    readme = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()  # the README's old tables
     for text in in_docs:
         assert text in doc, text
     assert in_readme in readme and in_readme.replace("−", "-") in message
@@ -445,7 +445,7 @@ def test_experiment_p_alone_supports_no_advice_for_a_truncating_sampler():
     assert "vllm_truncation.py" in advice.TRUNCATION_FOUND and "0.055 [+0.026" not in advice.TRUNCATION_FOUND
     m0 = [r for r in runs if (r["scenario"], r["method"], r["seed"] in mt.P_SEEDS) == ("S3", "M0", True)]
     assert f"{fmean(r['kl_token'] for r in m0):.1e}" == "8.6e-03" and round(fmean(r["t_kl"] for r in m0), 2) == 0.42
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
     for text in ("+0.055 [+0.026, +0.084]", "−0.010 [−0.082, +0.061]", "does not confirm"):
         assert text in doc, text
 
@@ -525,5 +525,5 @@ def test_zs_negative_row_keeps_its_sign_on_the_held_out_seeds():
     assert row["n"] == 5 and row["diff"] < 0  # survives the same-sign rule
     assert (round(row["diff"], 3), round(row["diff_lo"], 3), round(row["diff_hi"], 3)) == (-.031, -.294, .232)
     assert [s for s, r in table[("S2X", "M1")].items() if r["collapsed"]] == [122]
-    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
     assert "M2 − M1 −0.031 [−0.294, +0.232] (n 5)" in doc and "collapsed on seed 122" in doc

@@ -285,7 +285,7 @@ def test_the_committed_results_of_pre_registration_20_and_what_the_docs_say():
     assert f"{sum(r['kl_token'] for r in m0) / 10:.1e}" == "8.3e-03"
     assert round(sum(r["t_kl"] for r in m0) / 10, 2) == .41
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(root, "docs", "evidence.md")).read()
     for text in ("+0.059 [+0.014, +0.104]", "+0.079 [+0.020, +0.137]", "8.3e-3, 0.41"):
         assert text in doc, text
 
@@ -308,7 +308,7 @@ def test_pre_registration_21_committed_results_and_the_advice_they_carry(tmp_pat
     for quoted in ("+0.055 [+0.017, +0.092]", "Holm p 0.0093", "+0.039, the same sign", "+0.054 [+0.022, +0.086]"):
         assert quoted in advice.TRUNCATION_FOUND, quoted
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(root, "docs", "evidence.md")).read()
     for quoted in ("+0.055 [+0.017, +0.092]", "+0.054 [+0.022, +0.086]", "+0.039 [−0.052, +0.130]"):
         assert quoted in doc, quoted
 
@@ -323,7 +323,7 @@ def _assert_quoted(arm_runs: list[dict], found: str, found_quotes: list[str], do
     for q in regime + found_quotes:
         assert q in found, q
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(root, "docs", "evidence.md")).read()
     for q in doc_quotes:
         assert q in doc, q
 

@@ -74,7 +74,8 @@ def _anchors(markdown_text: str) -> set[str]:
     from markdown.extensions.toc import slugify  # mkdocs' (Python-Markdown's) heading ids
 
     text = re.sub(r"```.*?```", "", markdown_text, flags=re.S)
-    return {slugify(re.sub(r"[`*]", "", heading), "-") for heading in re.findall(r"^#+ (.+)$", text, re.M)}
+    return ({slugify(re.sub(r"[`*]", "", heading), "-") for heading in re.findall(r"^#+ (.+)$", text, re.M)}
+            | set(re.findall(r'<a id="([\w-]+)"></a>', text)))  # the evidence page's anchors per row
 
 
 def test_the_readme_s_relative_links_resolve():
@@ -318,8 +319,8 @@ def test_documented_alert_thresholds_are_the_monitor_s_defaults():
 
 def test_the_readme_s_decision_table_quotes_the_benchmark():
     """Every held-out reward the README's table quotes (0.xxx, not a p-value: those follow "p ") is a row's."""
-    numbers = re.findall(r"(?<!p )\b0\.\d{3}\b", doc_block("preset-decision", "README.md"))
-    benchmark = doc_block("mismatch-table", "docs/benchmarks.md")
+    numbers = re.findall(r"(?<!p )\b0\.\d{3}\b", doc_block("preset-decision", "docs/evidence.md"))
+    benchmark = doc_block("mismatch-table", "docs/evidence.md")
     assert numbers
     for number in numbers:
         assert f"| {number} ± " in benchmark, f"{number} is not a held-out reward of the mismatch benchmark"
