@@ -206,7 +206,7 @@ def test_a_checkout_finds_the_committed_estimator_map():
     from trl_rollout_corr.cli.probe import MAP_CSV, nearest_map_cell
 
     root = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
-    committed = root / "benchmarks" / "results" / "estimator_map" / "estimator_map.csv"
+    committed = root / "experiments" / "results" / "estimator_map" / "estimator_map.csv"
     assert committed.is_file() and Path(MAP_CSV).resolve() == committed
     cell = nearest_map_cell({"T": 49, "T_times_kl": 0.4})
     assert cell is not None and cell["csv"] == MAP_CSV and cell["methods"]

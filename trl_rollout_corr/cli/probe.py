@@ -485,13 +485,13 @@ def _log_rho_by_bucket(data: dict[str, Any]) -> dict[str, list[float]]:
 
 #: the estimator map's committed results (a checkout of the repository: trl_rollout_corr/cli/probe.py -> the
 #: checkout's root; not in an installed wheel)
-MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "experiments",
                        "results", "estimator_map", "estimator_map.csv")
 
 
 def nearest_map_cell(regime: dict[str, float], path: str = MAP_CSV) -> dict[str, Any] | None:
     """The estimator map's cell nearest to the user's regime: the smallest |log T - log T_u| + |log T*KL - log
-    T*KL_u| over the map's (T, source, level) cells (benchmarks/estimator_map.py; docs/benchmarks.md, "Estimator
+    T*KL_u| over the map's (T, source, level) cells (experiments/estimator_map.py; docs/benchmarks.md, "Estimator
     map"). Returns the cell's regime and each method's row, or None when the map's CSV is not there."""
     import csv
 

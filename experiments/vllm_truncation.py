@@ -25,12 +25,12 @@ model, schedule, seeds' recipe and arms with vLLM itself generating:
   run's per-token KL and T*KL are comparable with P's (8.6e-3, 0.42). TRL's own ``sampling/sampling_logp_difference``
   (TRL's arms) and this package's ``rollout_corr/kept_mass_mean`` (its arms) are kept beside it.
 
-    python benchmarks/vllm_truncation.py --arms on_policy,M0 --seeds 220-229 --out DIR --jobs 2   # the cost check
-    python benchmarks/vllm_truncation.py --arms M1,M1p,M3,M2 --seeds 220-229 --out DIR --jobs 2   # the family
-    python benchmarks/vllm_truncation.py --experiment 23 --arms topk_M0,topk_M1 --seeds 220-234 --out DIR  # top-k
-    python benchmarks/vllm_truncation.py --experiment 24 --arms minp_M0,minp_M1 --seeds 220-234 --out DIR  # min-p
-    python benchmarks/vllm_truncation.py --report_only --out DIR                                 # the analysis
-    python benchmarks/vllm_truncation.py --smoke --out /tmp/s3v_smoke                             # the suite's
+    python experiments/vllm_truncation.py --arms on_policy,M0 --seeds 220-229 --out DIR --jobs 2   # the cost check
+    python experiments/vllm_truncation.py --arms M1,M1p,M3,M2 --seeds 220-229 --out DIR --jobs 2   # the family
+    python experiments/vllm_truncation.py --experiment 23 --arms topk_M0,topk_M1 --seeds 220-234 --out DIR  # top-k
+    python experiments/vllm_truncation.py --experiment 24 --arms minp_M0,minp_M1 --seeds 220-234 --out DIR  # min-p
+    python experiments/vllm_truncation.py --report_only --out DIR                                 # the analysis
+    python experiments/vllm_truncation.py --smoke --out /tmp/s3v_smoke                             # the suite's
 
 Each run is its own process (``--jobs`` at a time); a finished run is one JSON that a re-run skips. The base model
 and the warm-ups are ``mismatch_train.py``'s (built in ``OUT/base`` on the first run: 200 supervised steps, ~1 min
@@ -50,10 +50,10 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as a script: this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script: this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks import mismatch_train as mt  # noqa: E402
+from experiments import mismatch_train as mt  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ pre-registration 20
 # Written and committed 2026-11-27 (commit ba288ee, 14:27:50 UTC) BEFORE any run on SEEDS or HELD_OUT. The analysis
@@ -155,7 +155,7 @@ RULES_23 = """Pre-registration 23 (top-k truncation on the real vLLM engine: doe
    correction) and topk_M1 (TRL's default, sequence_mask C=3, by TRL's unmodified GRPOTrainer). Seeds 220-234 (15),
    seed by seed, two runs at a time.
 2. Reference: full_bf16 (pre-registration 21: the same engine at top_p 1, top_k 0, no correction), its committed
-   runs on 220-239 (benchmarks/results/vllm_truncation_21_results.csv). Runs are bit-reproducible here: full_bf16
+   runs on 220-239 (experiments/results/vllm_truncation_21_results.csv). Runs are bit-reproducible here: full_bf16
    re-runs on seeds 220 and 221 first; if either score differs from the committed one, full_bf16 re-runs on every
    seed used and the re-runs are the reference.
 3. Family, Holm over these 2 (exact sign-flip and paired t, each adjusted), each confirmed iff positive with both
@@ -294,7 +294,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.async_mismatch import freeze_added_bias, served_model
+    from experiments.async_mismatch import freeze_added_bias, served_model
     from trl_rollout_corr.core.metric_names import metric
     from trl_rollout_corr.testing.psum_task import psum_prompts
     from trl_rollout_corr.trl_hooks.vllm import colocated_llm, vllm_generation

@@ -1,7 +1,7 @@
 """Scenarios for RolloutCorrectionMonitor: record per-step traces once, replay them into the monitor offline.
 
-    python benchmarks/monitor_scenarios.py record  --out outputs/monitor_traces --jobs 2     # 6 scenarios x 3 seeds
-    python benchmarks/monitor_scenarios.py replay  --traces outputs/monitor_traces          # docs/monitor.md
+    python experiments/monitor_scenarios.py record  --out outputs/monitor_traces --jobs 2     # 6 scenarios x 3 seeds
+    python experiments/monitor_scenarios.py replay  --traces outputs/monitor_traces          # docs/monitor.md
 
 ``record`` trains the demo's tiny reverse task (64 x 8 completions per step, lr 3e-4, 150 steps) with
 ``logging_steps=1`` and writes every log row (and the policy's own held-out reward every 10 steps) as JSON.
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script (python experiments/x.py): this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trl_rollout_corr.core.metric_names import metric  # noqa: E402
@@ -147,7 +147,7 @@ def load_traces(traces: str, scenarios: list[str], seeds: list[int]) -> dict[str
 
 
 def replay_table(by_scenario: dict[str, list[dict]], every_list: list[int], **monitor_kwargs) -> str:
-    from trl_rollout_corr.monitor.replay import aggregate, replay
+    from experiments.replay import aggregate, replay
 
     lines = ["| scenario | held-out reward (step 0 -> 150, mean) | logging | alerts / 100 steps (per seed) "
              "| first alert step (per seed) | alerts | stopped by (stop_on_alert=True) |",

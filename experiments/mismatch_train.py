@@ -3,21 +3,21 @@ analysed as a pre-registered paired experiment (issue 36, items 2, 3 and 6).
 
 One command, resumable (each finished run is one JSON file that a re-run skips), ``--jobs`` runs at a time:
 
-    python benchmarks/mismatch_train.py --scenarios S1,S2,S0 --methods M0,M1,M2,M3,M4 --seeds 0-9 --steps 30 \\
+    python experiments/mismatch_train.py --scenarios S1,S2,S0 --methods M0,M1,M2,M3,M4 --seeds 0-9 --steps 30 \\
         --out outputs/mismatch_train --jobs 2
-    python benchmarks/mismatch_train.py --held_out --seeds 10-14 --steps 30 --out outputs/mismatch_train  # afterwards
-    python benchmarks/mismatch_train.py --smoke --out /tmp/smoke          # the suite's seconds-long version
+    python experiments/mismatch_train.py --held_out --seeds 10-14 --steps 30 --out outputs/mismatch_train  # afterwards
+    python experiments/mismatch_train.py --smoke --out /tmp/smoke          # the suite's seconds-long version
 
 Pre-registration 2 (below the first): experiment C (the S2 lead on fresh seeds 10-29), L (S2L, a 129-token
 completion) and H (the "does it hurt?" metrics), run as
 
-    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M1,M3,M2 --seeds 10-29 \
+    python experiments/mismatch_train.py --experiment C --scenarios S2 --methods M1,M3,M2 --seeds 10-29 \
         --without_on_policy --out outputs/mismatch_train --jobs 2
-    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M0 --seeds 10-29 \
+    python experiments/mismatch_train.py --experiment C --scenarios S2 --methods M0 --seeds 10-29 \
         --out outputs/mismatch_train --jobs 2                       # + on_policy: the cost re-check, gap closed
-    python benchmarks/mismatch_train.py --experiment H --scenarios S1 --methods M3,M1p --seeds 10-12 \
+    python experiments/mismatch_train.py --experiment H --scenarios S1 --methods M3,M1p --seeds 10-12 \
         --without_on_policy --out outputs/mismatch_train --jobs 1   # then S2 M1p and S0 M3, seeds 10-12
-    python benchmarks/mismatch_train.py --experiment L --scenarios S2L --methods M0 --seeds 30-39 \
+    python experiments/mismatch_train.py --experiment L --scenarios S2L --methods M0 --seeds 30-39 \
         --out outputs/mismatch_train --jobs 2                       # the cost check; M1,M3,M2 only if it counts
 
 (``--report_only --experiment C|L|H|P --seeds ...`` rewrites ``analysis.md`` for one experiment.)
@@ -27,9 +27,9 @@ On a GPU, the same command with ``--size gpu`` (Qwen2.5-0.5B's shape, bf16 autoc
 the base model): tune ``--lr`` once on-policy first,
 as ``LR_PILOT`` records for the CPU size):
 
-    python benchmarks/mismatch_train.py --size gpu --scenarios S0 --methods M0 --seeds 99 --lr 1e-6 --jobs 1 \
+    python experiments/mismatch_train.py --size gpu --scenarios S0 --methods M0 --seeds 99 --lr 1e-6 --jobs 1 \
         --out outputs/mismatch_train_gpu_lr1e-6         # the on-policy learning-rate pilot, one lr per folder
-    python benchmarks/mismatch_train.py --size gpu --scenarios S2,S3 --methods M0,M1,M3 --seeds 40-49 --jobs 1 \
+    python experiments/mismatch_train.py --size gpu --scenarios S2,S3 --methods M0,M1,M3 --seeds 40-49 --jobs 1 \
         --lr LR --out outputs/mismatch_train_gpu
 
 It writes ``DIR/runs/*.json`` (one per run), ``DIR/results.csv`` (one row per run), ``DIR/analysis.md`` (the
@@ -96,7 +96,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script (python experiments/x.py): this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(HERE))
 
 # ------------------------------------------------------------------------------------------------ pre-registration
@@ -637,7 +637,7 @@ def full_size() -> dict:
 
 
 def _stats():
-    from benchmarks import stats
+    from experiments import stats
 
     return stats
 

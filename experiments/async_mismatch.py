@@ -1,14 +1,14 @@
 """S4 of issue 36: TRL's asynchronous trainer itself, in the regime of real runs (T = 257), with a precision-like gap
 inside the real vLLM engine, analysed as a pre-registered paired experiment (pre-registration 17 below).
 
-Experiments A, B and E of ``benchmarks/mismatch_train.py`` found, in the SYNCHRONOUS trainer with an emulated
+Experiments A, B and E of ``experiments/mismatch_train.py`` found, in the SYNCHRONOUS trainer with an emulated
 4-step-stale engine that also samples with dense logit noise, that ``ppo_is_bypass`` (the asynchronous trainer's loss:
 TRL's ``AsyncGRPOTrainer`` is bypass PPO by construction) trains worse than TRL's synchronous default
 (``sequence_mask``, C = 3). Only a run of the asynchronous trainer itself may change its default (pre-registration
 16). This runs it:
 
 * **Engine**: one ``trl-rollout-corr vllm-serve-async`` server (vLLM's CPU build, float32) serving the psum model,
-  sampling with ``GaussianLogitNoise`` (:mod:`trl_rollout_corr.testing.logit_noise`): every logit + N(0, sigma^2),
+  sampling with ``GaussianLogitNoise`` (:mod:`experiments.logit_noise`): every logit + N(0, sigma^2),
   the log-probs returned are the noisy distribution's (vLLM's ``processed_logprobs``). Staleness is the asynchronous
   trainer's own (``max_staleness`` 4, TRL's default; the lag each sample reaches the loss at is logged).
 * **Task, model, schedule**: experiment E's (``mismatch_train.py``'s target regime): running prefix sums of 256
@@ -18,11 +18,11 @@ TRL's ``AsyncGRPOTrainer`` is bypass PPO by construction) trains worse than TRL'
 * **Arms**: ``trl_as_is`` = TRL's ``AsyncGRPOTrainer`` itself, unmodified (TRL's default in S4, by TRL's code); the
   others are this package's ``RolloutCorrAsyncGRPOTrainer`` with a preset. ``ARMS`` / ``FAMILY`` below.
 
-    python benchmarks/async_mismatch.py --arms trl_as_is,trl_default,decoupled_token_is --seeds 185-194 --out DIR
-    python benchmarks/async_mismatch.py --sigma 0 --arms trl_as_is --seeds 185-194 --out DIR   # the cost check
-    python benchmarks/async_mismatch.py --report_only --out DIR                                  # the analysis
-    python benchmarks/async_mismatch.py --sigma 0 --arms trl_default --seeds 185-194 --out DIR \
-        --import_results benchmarks/results/async_mismatch_s4_results.csv                       # pre-registration 18
+    python experiments/async_mismatch.py --arms trl_as_is,trl_default,decoupled_token_is --seeds 185-194 --out DIR
+    python experiments/async_mismatch.py --sigma 0 --arms trl_as_is --seeds 185-194 --out DIR   # the cost check
+    python experiments/async_mismatch.py --report_only --out DIR                                  # the analysis
+    python experiments/async_mismatch.py --sigma 0 --arms trl_default --seeds 185-194 --out DIR \
+        --import_results experiments/results/async_mismatch_s4_results.csv                       # pre-registration 18
 
 Each run is its own process, one at a time (the server and the trainer share the 2 cores); a finished run is one
 JSON that a re-run skips. The shared base model and the warm-ups are ``mismatch_train.py``'s (``--base_dir``: a
@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as a script: this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script: this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks import mismatch_train as mt  # noqa: E402
+from experiments import mismatch_train as mt  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ pre-registration 17
 # Fixed 2026-11-27 before any paired run (one timing pilot only: trl_as_is, seed 99, not a family seed, 183 s, score
@@ -88,11 +88,11 @@ RULES_18 = """Pre-registration 18 (S4 without the gap: does trl_default cost any
    README and the monitor keep pointing asynchronous runs with a lag-0 gap at trl_default (pre-registration 17).
 5. "Not worse anywhere measured" (added before any run of this experiment: the asynchronous trainer's
    other measured regime, where decoupled_token_is trained below TRL's trainer): only if (3) confirms, trl_default in
-   benchmarks/async_staleness.py's committed 5-seed setting (reverse-digits toy, T <= 9, max_staleness 4, 100 steps,
+   experiments/async_staleness.py's committed 5-seed setting (reverse-digits toy, T <= 9, max_staleness 4, 100 steps,
    seeds 0-4, eval_every 10), paired by seed with the committed trl_as_is row's per-seed rewards
    (STALENESS_CSV); it blocks (4) iff trl_default - trl_as_is < 0 with paired t p < 0.05 (the t alone: at 5 seeds
    the sign-flip p cannot fall below 0.0625; blocking on one test is the cautious side)."""
-STALENESS_CSV = "benchmarks/results/async_staleness_results.csv"  # rule 5's reference: trl_as_is at max_staleness 4
+STALENESS_CSV = "experiments/results/async_staleness_results.csv"  # rule 5's reference: trl_as_is at max_staleness 4
 STALENESS_SEEDS = (0, 1, 2, 3, 4)
 
 # ------------------------------------------------------------------------------------------------ pre-registration 19
@@ -111,7 +111,7 @@ RULES_19 = """Pre-registration 19 (S4 at the monitor's bound: is trl_default abo
 # ------------------------------------------------------------------------------------------------ pre-registration 22
 # Fixed 2026-11-27 (commit 393a443, 14:55 UTC) before any run of the candidate arm. The base model and warm-ups are
 # pre-registration 18's (rebuilt from the recipe that session, reproduced exactly); the reference runs are
-# pre-registration 17's committed trl_as_is runs (benchmarks/results/async_mismatch_s4_results.csv, --import_results).
+# pre-registration 17's committed trl_as_is runs (experiments/results/async_mismatch_s4_results.csv, --import_results).
 RULES_22 = """Pre-registration 22 (S4: TRL's trust region plus TRL's sequence mask, a candidate for asynchronous runs).
 Hypothesis, post hoc (from 17-19, stated as such): in the asynchronous trainer a decoupled preset's PPO ratio is
 against pi_prox = pi_theta detached (1), so trl_default there is an IS-weighted policy gradient with no trust region,
@@ -187,7 +187,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.core.metric_names import metric
-    from benchmarks.async_trainers import build_async_trainer
+    from experiments.async_trainers import build_async_trainer
     from trl_rollout_corr.testing.psum_task import psum_prompts
 
     torch.set_num_threads(1)
@@ -374,7 +374,7 @@ def analyse(runs: list[dict], staleness: dict[int, float] | None = None) -> dict
     """Pre-registration 17's analysis (``RULES``) of ``runs``: the family row on the family seeds that have both
     arms, its Holm p (over ``FAMILY``), the verdict; the held-out mean difference; the cost check; per arm the regime
     (TRL's kl at the first step and over the run, this package's kl, the lag at the loss, dropped samples)."""
-    from benchmarks import stats
+    from experiments import stats
 
     out: dict = {"family": [], "held_out": {}, "cost": None, "regime": {}}
     for scenario, arm in FAMILY:
@@ -424,7 +424,7 @@ def staleness_check(trl_default_rewards: dict[int, float], csv_path: str | None 
     iff the mean difference is < 0 with paired t p < ``mt.ALPHA``. None until every seed has run."""
     import csv
 
-    from benchmarks import stats
+    from experiments import stats
 
     if sorted(trl_default_rewards) != list(STALENESS_SEEDS):
         return None
@@ -453,7 +453,7 @@ def ladder(runs: list[dict], sigma: float = LADDER_SIGMA) -> dict | None:
     """Pre-registration 19's analysis (``RULES_19``): trl_default - trl_as_is at ``sigma`` on the family seeds both
     ran (paired t, sign-flip, TOST at ``EQUIV_MARGIN``), significant iff both p < ``mt.ALPHA``; the held-out mean and
     whether its sign holds. None before two paired seeds exist."""
-    from benchmarks import stats
+    from experiments import stats
 
     x, ref = scores(runs, EQUIV_ARM, sigma, SEEDS), scores(runs, REFERENCE, sigma, SEEDS)
     paired = sorted(set(x) & set(ref))
@@ -471,7 +471,7 @@ def candidate_22(runs: list[dict]) -> dict | None:
     positive with both p < ``mt.ALPHA``) and at ``COST_SIGMA`` (TOST at ``EQUIV_MARGIN``), the held-out mean at
     ``SIGMA`` (survives iff it keeps the sign), the seeds whose initial score differs from the reference's (rule 4)
     and the decision (rule 5). None before any pair exists."""
-    from benchmarks import stats
+    from experiments import stats
 
     def at(arm, sigma, seeds):
         return {r["seed"]: r for r in runs if r["arm"] == arm and r["sigma"] == sigma and r["seed"] in seeds}
@@ -506,7 +506,7 @@ def equivalence(runs: list[dict], staleness: dict[int, float] | None = None) -> 
     seeds both ran (TOST at ``EQUIV_MARGIN``, paired t, sign-flip), the seeds whose initial scores differ (rule 2),
     the held-out mean difference, rule 5 on ``staleness`` (:func:`staleness_rewards`) and the decision (rule 4).
     None before any pair exists."""
-    from benchmarks import stats
+    from experiments import stats
 
     def at(arm, seeds):
         return {r["seed"]: r for r in runs if r["arm"] == arm and r["sigma"] == EQUIV_SIGMA and r["seed"] in seeds}
@@ -694,13 +694,16 @@ def main(argv: list[str] | None = None) -> None:
         mt.in_child(mt.build_base, a.out, sz, base)
     seeds = mt.parse_seeds(a.seeds)
     runs = [(arm, seed) for seed in seeds for arm in a.arms.split(",")]  # seed by seed: whole paired seeds
-    from trl_rollout_corr.testing.logit_noise import SIGMA_ENV
-    from trl_rollout_corr.testing.psum_task import build_model
-    from trl_rollout_corr.testing.server import free_port, running_server
+    from trl_rollout_corr.testing.psum_task import build_model  # the package first: its CPU-torch guard
+
+    from experiments.logit_noise import SIGMA_ENV
+    from experiments.server import free_port, running_server
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", SIGMA_ENV: str(a.sigma)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", SIGMA_ENV: str(a.sigma),
+           # the server loads experiments.logit_noise: this checkout's root on its path (experiments/ is not installed)
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))}
     os.makedirs(a.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as model_dir:
         served_model(build_model(sz["hidden"], sz["layers"], seed=0, num_heads=sz["heads"],
@@ -708,7 +711,7 @@ def main(argv: list[str] | None = None) -> None:
         chat_tokenizer(sz).save_pretrained(model_dir)
         cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", model_dir, "--port", str(port),
                "--dtype", "float32", "--gpu-memory-utilization", "0.02", "--logits-processors",
-               "trl_rollout_corr.testing.logit_noise:GaussianLogitNoise"]
+               "experiments.logit_noise:GaussianLogitNoise"]
         with running_server(cmd, port, Path(a.out) / f"server_sigma{a.sigma:g}.log", env):
             for arm, seed in runs:
                 out = run_path(a.out, arm, a.sigma, seed)

@@ -2,9 +2,9 @@
 
 One command, resumable (each finished run is a JSON file that a re-run skips), two runs at a time:
 
-    python benchmarks/mismatch_bench.py                                   # every scenario, every method, 5 seeds
-    python benchmarks/mismatch_bench.py --scenarios vllm_sync8,wq3 --seeds 0,1,2 --methods uncorrected,trl_default
-    python benchmarks/mismatch_bench.py --map --out DIR                   # the estimator map (estimator_map.py)
+    python experiments/mismatch_bench.py                                   # every scenario, every method, 5 seeds
+    python experiments/mismatch_bench.py --scenarios vllm_sync8,wq3 --seeds 0,1,2 --methods uncorrected,trl_default
+    python experiments/mismatch_bench.py --map --out DIR                   # the estimator map (estimator_map.py)
 
 Task and model: the demo's (reverse 6 digits, a tiny Qwen2-style model built locally and warmed up with 90
 supervised steps, ``--steps`` GRPO steps of 8 prompts x 8 completions, dapo, lr 3e-4, T=1). Score: the **policy's
@@ -26,7 +26,7 @@ gap = on_policy - uncorrected, and "gap closed" = (method - uncorrected) / gap w
 where the gap itself is significant (paired t, p < 0.05). Every row also shows its paired difference to
 ``trl_default`` (TRL 1.16's default, ``vllm_importance_sampling_mode="sequence_mask"``, C=3: what a TRL user has):
 the seeds are shared by every method (same initialisation, warm-up, prompt order and evaluation prompts), so the
-analysis is paired (``benchmarks/stats.py``): the mean per-seed difference with its paired-t 95% interval, the paired-t
+analysis is paired (``experiments/stats.py``): the mean per-seed difference with its paired-t 95% interval, the paired-t
 p, the exact sign-flip p, and both Holm-adjusted over the family of every comparison against ``trl_default`` in the
 table (every method but ``on_policy``, every scenario). None of it is confirmed on held-out seeds.
 
@@ -48,10 +48,10 @@ import subprocess
 import sys
 import time
 
-if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script (python experiments/x.py): this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import stats  # noqa: E402
+from experiments import stats  # noqa: E402
 from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # scenario -> (engine, lag, extra RolloutCorrGRPOConfig fields, on-policy reference)
@@ -475,8 +475,8 @@ def export_trace(output_dir: str, scenario: str, method: str, seed: int, path: s
 
 
 def main(argv: list[str]) -> None:
-    if "--map" in argv:  # issue 36 part 1, no training: benchmarks/estimator_map.py takes the other arguments
-        from benchmarks.estimator_map import main as estimator_map
+    if "--map" in argv:  # issue 36 part 1, no training: experiments/estimator_map.py takes the other arguments
+        from experiments.estimator_map import main as estimator_map
 
         estimator_map([x for x in argv if x != "--map"])
         return
