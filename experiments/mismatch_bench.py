@@ -44,7 +44,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -128,31 +127,18 @@ def run_all(cells: list[tuple[str, str, int]], steps: int, eval_every: int, outp
     todo = [c for c in cells if not os.path.exists(run_path(output_dir, *c))]
     todo = list(dict.fromkeys(todo))
     print(f"{len(cells)} runs, {len(cells) - len(todo)} already done, {len(todo)} to go", flush=True)
+    from experiments.pool import Job, run_processes
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    running: list[tuple[subprocess.Popen, str, float]] = []
-    done = 0
-    while todo or running:
-        while todo and len(running) < jobs:
-            scenario, method, seed = todo.pop(0)
-            out = run_path(output_dir, scenario, method, seed)
-            if any(o == out for _, o, _ in running):
-                continue
-            # a worker that never samples with vLLM skips its import (as the demo's do)
-            no_vllm = {"TRL_ROLLOUT_CORR_NO_VLLM": "1"} if _engine(scenario, method) != "vllm" else {}
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", scenario, "--method", method,
-                   "--seed", str(seed), "--steps", str(steps), "--eval_every", str(eval_every), "--out", out]
-            worker = subprocess.Popen(cmd, env={**env, **no_vllm}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            running.append((worker, out, time.time()))
-        time.sleep(0.5)
-        for proc, out, t0 in list(running):
-            if proc.poll() is None:
-                continue
-            running.remove((proc, out, t0))
-            done += 1
-            if proc.returncode != 0:
-                print(f"FAILED {out}:\n{proc.stderr.read().decode()[-3000:]}", flush=True)
-            else:
-                print(f"[{done}] {os.path.basename(out)} {time.time() - t0:.0f} s", flush=True)
+    workers = []
+    for scenario, method, seed in todo:
+        out = run_path(output_dir, scenario, method, seed)
+        # a worker that never samples with vLLM skips its import (as the demo's do)
+        no_vllm = {"TRL_ROLLOUT_CORR_NO_VLLM": "1"} if _engine(scenario, method) != "vllm" else {}
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", scenario, "--method", method,
+               "--seed", str(seed), "--steps", str(steps), "--eval_every", str(eval_every), "--out", out]
+        workers.append(Job(cmd, os.path.basename(out), {**env, **no_vllm}))
+    run_processes(workers, jobs)
 
 
 def mean_ci(xs: list[float]) -> tuple[float, float]:

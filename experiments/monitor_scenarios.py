@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -91,22 +90,16 @@ def record(out_dir: str, scenarios: list[str], seeds: list[int], steps: int, job
     os.makedirs(out_dir, exist_ok=True)
     todo = [(s, seed) for seed in seeds for s in scenarios
             if not os.path.exists(os.path.join(out_dir, f"{s}_seed{seed}.json"))]
+    from experiments.pool import Job, run_processes
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    running: list = []
-    while todo or running:
-        while todo and len(running) < jobs:
-            s, seed = todo.pop(0)
-            out = os.path.join(out_dir, f"{s}_seed{seed}.json")
-            cmd = [sys.executable, __file__, "worker", "--scenario", s, "--seed", str(seed), "--steps", str(steps),
-                   "--out", out]
-            running.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
-            print("started", out, flush=True)
-        time.sleep(1.0)
-        for proc, out in list(running):
-            if proc.poll() is None:
-                continue
-            running.remove((proc, out))
-            print("done" if proc.returncode == 0 else f"FAILED {proc.stderr.read().decode()[-2000:]}", out, flush=True)
+    workers = []
+    for s, seed in todo:
+        out = os.path.join(out_dir, f"{s}_seed{seed}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "worker", "--scenario", s, "--seed", str(seed),
+               "--steps", str(steps), "--out", out]
+        workers.append(Job(cmd, out, env))
+    run_processes(workers, jobs, poll_seconds=1.0)
 
 
 def main(argv: list[str]) -> None:

@@ -44,7 +44,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -548,33 +547,25 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    running: list[tuple[subprocess.Popen, str, int, str]] = []
+    from experiments.pool import Job, run_processes
 
-    def finish(proc, arm, seed, path):
-        proc.wait()
-        if proc.returncode != 0:
-            with open(path + ".log") as f:
-                print(f"{arm} seed {seed} failed ({path}.log):\n{f.read()[-3000:]}", file=sys.stderr, flush=True)
+    def finish(job, returncode, seconds, done, stderr_tail):
+        arm, seed, path = job.label.split(":", 2)
+        if returncode != 0:
+            print(f"{arm} seed {seed} failed ({path}.log):\n{stderr_tail}", file=sys.stderr, flush=True)
             return
         r = json.load(open(path))
         print(f"{arm:10s} seed={seed} score={r['score']:.3f} kl={r['kl_token']:.2e} t_kl={r['t_kl']:.2f} "
               f"{r['engine_dtype']} {r['seconds']:.0f}s", flush=True)
 
+    workers = []
     for arm, seed in todo:
-        while len(running) >= a.jobs:
-            for item in list(running):
-                if item[0].poll() is not None:
-                    running.remove(item)
-                    finish(*item)
-            time.sleep(1)
         path = run_path(a.out, arm, seed)
         cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, *(["--smoke"] if a.smoke else []),
                "--worker", arm, str(seed), path]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".log", "w") as log:  # vLLM's and the trainer's output, one file per run
-            running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), arm, seed, path))
-    for item in running:
-        finish(*item)
+        # vLLM's and the trainer's output, one file per run
+        workers.append(Job(cmd, f"{arm}:{seed}:{path}", env, log=path + ".log"))
+    run_processes(workers, a.jobs, on_done=finish, poll_seconds=1.0)
     print(REPORTS[a.experiment](a.out))
 
 
