@@ -64,7 +64,7 @@ def test_the_padded_dims_get_no_gradient_and_stay_zero_under_adamw():
 
 
 def test_logit_noise_adds_independent_normal_noise_and_keeps_masked_tokens_masked(monkeypatch):
-    from trl_rollout_corr.testing import logit_noise
+    from experiments import logit_noise
 
     logits = torch.zeros(400, 500)
     logits[:, 0] = -math.inf
