@@ -1,2 +1,2 @@
-"""The benchmark scripts (run as ``python benchmarks/<name>.py``); a package so that tests and scripts can do
-``from benchmarks import stats``."""
+"""The performance checks (run as ``python benchmarks/<name>.py``); a package so that tests and scripts can do
+``from benchmarks import profiling``. The experiments are in ``experiments/``."""

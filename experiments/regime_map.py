@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "experiments" / "results"
 OUT = ROOT / "docs" / "img" / "regime_map.png"
 
 # where bf16 vLLM runs at 1k-8k tokens sit (published, not measured here): per-token KL ~1e-4-1e-3 (NeMo-RL's docs:
@@ -53,7 +53,7 @@ class Experiment:
     Args:
         key: its anchor on docs/evidence.md.
         label: the short name printed beside its mark.
-        csv: the committed results file (under benchmarks/results/).
+        csv: the committed results file (under experiments/results/).
         scenario: the value of the CSV's ``scenario`` column (or ``sigma`` for the asynchronous S4 file).
         arms: the compared arms (``method`` or ``arm`` column).
         seeds: the analysed seeds (inclusive range; ``None``: every row, the old benchmark's aggregated file).

@@ -87,7 +87,7 @@ def server_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def async_server(chat_model_dir, tmp_path_factory):
-    from trl_rollout_corr.testing.server import free_port, running_server
+    from experiments.server import free_port, running_server
 
     port = free_port()
     root = tmp_path_factory.mktemp("async_server")
@@ -297,7 +297,7 @@ def test_server_dying_mid_run_is_a_clear_error_and_the_run_resumes_against_the_r
     from tests.support.tool_task import build_tool_tokenizer
     from transformers import AutoModelForCausalLM, TrainerCallback
 
-    from trl_rollout_corr.testing.server import running_server
+    from experiments.server import running_server
 
     proc = async_server["proc"]
 

@@ -207,7 +207,7 @@ def test_a_checkout_finds_the_committed_estimator_map():
     from trl_rollout_corr.cli.probe import MAP_CSV, nearest_map_cell
 
     root = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
-    committed = root / "benchmarks" / "results" / "estimator_map" / "estimator_map.csv"
+    committed = root / "experiments" / "results" / "estimator_map" / "estimator_map.csv"
     assert committed.is_file() and Path(MAP_CSV).resolve() == committed
     cell = nearest_map_cell({"T": 49, "T_times_kl": 0.4})
     assert cell is not None and cell["csv"] == MAP_CSV and cell["methods"]
@@ -243,15 +243,15 @@ def test_the_default_sample_is_counted_in_completions_and_the_report_places_the_
 def test_an_undecided_placement_says_how_many_more_batches_would_decide():
     from trl_rollout_corr.cli.probe import format_placement, placement
 
-    # a stale engine at T*KL 0.9 +- 0.1 after 2 batches: [0.70, 1.10] straddles 1; (1.96 * 0.1 / 0.1)^2 = 3.84 times
-    # the sample, ceil(2 * 3.84) = 8 batches, 6 more
-    report = {"regime": {"T": 50.0, "per_token_kl": 1e-3, "per_token_kl_se": 1e-4, "T_times_kl": 0.9,
-                         "T_times_kl_se": 0.1}}
+    # a stale engine at T*KL 0.45 +- 0.05 after 2 batches: [0.352, 0.548] straddles 0.52; (1.96 * 0.05 / 0.07)^2 =
+    # 1.96 times the sample, ceil(2 * 1.96) = 4 batches, 2 more
+    report = {"regime": {"T": 50.0, "per_token_kl": 1e-3, "per_token_kl_se": 1e-4, "T_times_kl": 0.45,
+                         "T_times_kl_se": 0.05}}
     place = placement(report, 2, truncates=False, stale=True)
-    assert not place["decided"] and place["rows"] == ["stale-engine", "default"] and place["more_batches"] == 6
+    assert not place["decided"] and place["rows"] == ["stale-engine", "default"] and place["more_batches"] == 2
     text = "\n".join(format_placement(place))
-    assert "cannot decide" in text and "T*KL straddles 1" in text and "--probe_batches 8 (6 more" in text
+    assert "cannot decide" in text and "T*KL straddles 0.52" in text and "--probe_batches 4 (2 more" in text
     assert "use ppo_is_bypass" in text and "keep TRL's default correction" in text
-    decided = placement({"regime": {**report["regime"], "T_times_kl": 0.5}}, 2, False, True)
+    decided = placement({"regime": {**report["regime"], "T_times_kl": 0.3}}, 2, False, True)
     assert decided["decided"] and decided["more_batches"] is None
     assert "cannot decide" not in "\n".join(format_placement(decided))

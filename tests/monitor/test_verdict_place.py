@@ -18,9 +18,9 @@ def keys(placement):
 
 
 def test_the_bounds_are_the_monitors_and_the_rows():
-    assert GAP == 2.05e-3 and STALE_T_KL_BOUND == 1.0 and Z == pytest.approx(1.96, abs=5e-4)
+    assert GAP == 2.05e-3 and STALE_T_KL_BOUND == 0.52 and Z == pytest.approx(1.96, abs=5e-4)
     stale = next(row for row in VERDICTS if row.key == "stale-engine")
-    assert "T·KL < 1" in stale.situation  # the bound the row states
+    assert "T·KL ≤ 0.52" in stale.situation and stale.t_kl.endswith("0.52")  # the bound the row states
     async_gap = next(row for row in VERDICTS if row.key == "async-precision-gap")
     assert "2.05e-3" in async_gap.situation
 
@@ -40,13 +40,13 @@ def test_a_synchronous_engine_straddling_the_gap_still_decides_the_advice():
     assert all(row.setting == "" for row in p.rows)
 
 
-@pytest.mark.parametrize("t_kl, expected", [(0.5, "stale-engine"), (1.0, "default"), (2.0, "default")],
+@pytest.mark.parametrize("t_kl, expected", [(0.3, "stale-engine"), (0.52, "default"), (1.0, "default")],
                          ids=["below", "at", "above"])
 def test_a_stale_engine_by_t_kl(t_kl, expected):
     p = place(T=50, per_token_kl=1e-3, per_token_kl_se=0.0, t_kl=t_kl, t_kl_se=0.0, stale=True)
     assert keys(p) == [expected] and p.decided
     assert [b.quantity for b in p.boundaries] == ["per_token_kl", "t_kl"]
-    assert p.boundaries[1].side == ("below" if t_kl < 1 else "above")
+    assert p.boundaries[1].side == ("below" if t_kl < 0.52 else "above")
 
 
 @pytest.mark.parametrize("kl, expected", [(GAP * 0.99, "stale-engine"), (GAP, "precision-gap"),
@@ -58,19 +58,22 @@ def test_a_stale_engine_by_its_lag0_gap(kl, expected):
         assert p.rows[0].setting == "rollout_correction_preset=ppo_is_bypass"
 
 
-def test_an_interval_straddling_t_kl_1_cannot_decide_and_says_how_much_more_would():
-    # T*KL 0.9 +- 1.96 * 0.1: [0.70, 1.10] straddles 1; deciding needs 1.96 * SE' < 0.1, SE' = 0.1 / sqrt(f)
-    p = place(T=50, per_token_kl=1e-3, per_token_kl_se=1e-4, t_kl=0.9, t_kl_se=0.1, stale=True)
+def test_an_interval_straddling_the_t_kl_bound_cannot_decide_and_says_how_much_more_would():
+    # T*KL 0.42 +- 1.96 * 0.05: [0.322, 0.518] is below 0.52; 0.45 +- 0.098 straddles it; deciding needs
+    # 1.96 * SE' < |0.45 - 0.52| = 0.07, SE' = 0.05 / sqrt(f): f = (1.96 * 0.05 / 0.07)^2 = 1.96
+    assert keys(place(T=50, per_token_kl=1e-3, per_token_kl_se=1e-4, t_kl=0.42, t_kl_se=0.05, stale=True)) == [
+        "stale-engine"]
+    p = place(T=50, per_token_kl=1e-3, per_token_kl_se=1e-4, t_kl=0.45, t_kl_se=0.05, stale=True)
     assert not p.decided and keys(p) == ["stale-engine", "default"]
     assert p.boundaries[1].side is None
-    assert p.sample_factor == pytest.approx((1.96 * 0.1 / 0.1) ** 2, rel=1e-3)  # 3.84 times the sample
+    assert p.sample_factor == pytest.approx((1.96 * 0.05 / 0.07) ** 2, rel=1e-3)  # 1.96 times the sample
     lower, upper = p.boundaries[1].interval
-    assert lower == pytest.approx(0.9 - Z * 0.1) and upper == pytest.approx(0.9 + Z * 0.1)
-    # just decided on either side: the interval's edge below 1 / at 1
-    assert keys(place(50, 1e-3, 1e-4, 1 - Z * 0.1 - 1e-9, 0.1, stale=True)) == ["stale-engine"]
-    assert keys(place(50, 1e-3, 1e-4, 1 + Z * 0.1, 0.1, stale=True)) == ["default"]
+    assert lower == pytest.approx(0.45 - Z * 0.05) and upper == pytest.approx(0.45 + Z * 0.05)
+    # just decided on either side: the interval's edge below the bound / at it
+    assert keys(place(50, 1e-3, 1e-4, 0.52 - Z * 0.05 - 1e-9, 0.05, stale=True)) == ["stale-engine"]
+    assert keys(place(50, 1e-3, 1e-4, 0.52 + Z * 0.05, 0.05, stale=True)) == ["default"]
     # on the bound itself: no sample decides
-    assert place(50, 1e-3, 1e-4, 1.0, 0.1, stale=True).sample_factor == math.inf
+    assert place(50, 1e-3, 1e-4, 0.52, 0.05, stale=True).sample_factor == math.inf
 
 
 def test_a_stale_engine_straddling_the_gap_cannot_decide():
@@ -91,7 +94,7 @@ def test_the_asynchronous_trainer_by_its_lag0_gap(kl, expected):
 def test_a_truncating_sampler_adds_its_row_first():
     p = place(T=50, per_token_kl=1e-3, per_token_kl_se=0.0, t_kl=0.05, t_kl_se=0.0, truncates=True)
     assert keys(p) == ["truncating-sampler", "default"] and p.decided
-    undecided = place(50, 1e-3, 1e-4, 0.95, 0.1, truncates=True, stale=True)
+    undecided = place(50, 1e-3, 1e-4, 0.5, 0.05, truncates=True, stale=True)
     assert keys(undecided) == ["truncating-sampler", "stale-engine", "default"] and not undecided.decided
 
 

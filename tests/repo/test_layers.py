@@ -138,6 +138,30 @@ def test_the_contract_catches_an_arrow_up_and_a_forbidden_module_arrow(tmp_path)
     assert [b for b in arrows_against_the_contract(config, "trl_rollout_corr.grpo.config") if "FORBIDDEN" in b]
 
 
+OUTSIDE_THE_LIBRARY = ("experiments", "benchmarks", "tests")  # the lab, the performance checks, the suite
+
+
+def outside_imports(path: pathlib.Path, name: str | None = None) -> list[str]:
+    return [f"{name or module_name(path)}{f' (in {function}())' if function else ''} imports {module}"
+            for module, function in imported_modules(path, name) if module.split(".")[0] in OUTSIDE_THE_LIBRARY]
+
+
+@pytest.mark.parametrize("path", library_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_package_imports_nothing_outside_the_library(path):
+    """The package ships without ``experiments/``, ``benchmarks/`` and ``tests/`` (issue 53): no module of it imports
+    them, at top level or inside a function."""
+    bad = outside_imports(path)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_outside_check_catches_an_import_of_the_lab(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import torch\n\ndef f():\n    from experiments.stats import paired_t\n")
+    assert outside_imports(planted, "trl_rollout_corr.monitor.planted") == [
+        "trl_rollout_corr.monitor.planted (in f()) imports experiments.stats",
+        "trl_rollout_corr.monitor.planted (in f()) imports experiments.stats.paired_t"]
+
+
 @pytest.mark.parametrize("path", library_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_every_import_follows_the_layer_contract(path):
     bad = arrows_against_the_contract(path)

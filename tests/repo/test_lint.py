@@ -1,4 +1,4 @@
-"""ruff (configured in pyproject.toml, [tool.ruff]) passes on the package, tests, benchmarks and examples."""
+"""ruff (pyproject.toml, [tool.ruff]) passes on the package, tests, benchmarks, experiments and examples."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = ["trl_rollout_corr", "tests", "benchmarks", "examples"]
+PATHS = ["trl_rollout_corr", "tests", "benchmarks", "experiments", "examples"]
 
 
 def ruff_command() -> list[str] | None:

@@ -1,6 +1,6 @@
-"""What the benchmark-result and documentation tests share: the generated blocks of the README and the docs pages
-(``<!-- marker -->`` ... ``<!-- /marker -->``). A benchmark script is imported as a module of the ``benchmarks``
-package (``from benchmarks import mismatch_bench``)."""
+"""What the experiment-result and documentation tests share: the generated blocks of the README and the docs pages
+(``<!-- marker -->`` ... ``<!-- /marker -->``). An experiment's script is imported as a module of the
+``experiments`` package (``from experiments import mismatch_bench``)."""
 
 from __future__ import annotations
 

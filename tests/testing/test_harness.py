@@ -1,4 +1,4 @@
-"""The run harness the demo and the benchmarks share (``trl_rollout_corr/testing/harness.py``): the recorder's
+"""The run harness the demo and the experiments share (``trl_rollout_corr/testing/harness.py``): the recorder's
 evaluation schedule, the rows it keeps, its score and means (against hand-computed values), its evaluator stand-in,
 and that the held-out reward is evaluated in that one place."""
 
@@ -77,9 +77,9 @@ def calls_of(path: pathlib.Path, name: str) -> int:
 
 
 def test_the_held_out_reward_is_evaluated_in_the_harness_only():
-    """The demo's worker and the benchmarks that train on the toy task record through the harness' recorder: no
-    other module of the package or of benchmarks/ calls ``held_out_reward`` (issue 39: it was written three
+    """The demo's worker and the experiments that train on the toy task record through the harness' recorder: no
+    other module of the package or of experiments/ calls ``held_out_reward`` (issue 39: it was written three
     times)."""
-    files = [*sorted((ROOT / "trl_rollout_corr").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    files = [*sorted((ROOT / "trl_rollout_corr").rglob("*.py")), *sorted((ROOT / "experiments").glob("*.py"))]
     callers = [str(p.relative_to(ROOT)) for p in files if calls_of(p, "held_out_reward")]
     assert callers == ["trl_rollout_corr/testing/harness.py"]

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 def worker(out_dir: Path, *flags: str) -> subprocess.Popen:
     # this checkout's package and its tests.support helpers first (not whatever copy the environment has installed);
-    # tests/ itself stays off the path (its folders vllm/ and benchmarks/ would shadow those packages)
+    # tests/ itself stays off the path (its folders vllm/, benchmarks/ and experiments/ would shadow those packages)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     return subprocess.Popen([sys.executable, str(HERE / "support" / "resume_worker.py"), str(out_dir),
                              str(out_dir / "result.json"),

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from trl_rollout_corr.testing.server import free_port, running_server
+from experiments.server import free_port, running_server
 from tests.support.trainer_utils import count_policy_forwards, make_trainer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

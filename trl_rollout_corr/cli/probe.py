@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..core.metric_names import metric
 from ..core.mismatch import LENGTH_BUCKETS, method_predictions, mismatch_by_source, mismatch_summary
 from ..core.truncation import truncated_support_logprobs
 
@@ -544,7 +545,7 @@ def format_placement(place: dict[str, Any] | None) -> list[str]:
             lines.append("  Its standard error is unknown (fewer than 2 sequences): probe more batches.")
     if place["stale"] and not place["asynchronous"]:
         lines.append("  The probe measures at lag 0: the stale run's T*KL grows with the lag; watch "
-                     "rollout_corr/k3_kl during training (docs/monitor.md).")
+                     f"{metric('k3_kl')} during training (docs/monitor.md).")
     return lines
 
 
@@ -605,13 +606,13 @@ def _log_rho_by_bucket(data: dict[str, Any]) -> dict[str, list[float]]:
 
 #: the estimator map's committed results (a checkout of the repository: trl_rollout_corr/cli/probe.py -> the
 #: checkout's root; not in an installed wheel)
-MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "experiments",
                        "results", "estimator_map", "estimator_map.csv")
 
 
 def nearest_map_cell(regime: dict[str, float], path: str = MAP_CSV) -> dict[str, Any] | None:
     """The estimator map's cell nearest to the user's regime: the smallest |log T - log T_u| + |log T*KL - log
-    T*KL_u| over the map's (T, source, level) cells (benchmarks/estimator_map.py; docs/benchmarks.md, "Estimator
+    T*KL_u| over the map's (T, source, level) cells (experiments/estimator_map.py; docs/benchmarks.md, "Estimator
     map"). Returns the cell's regime and each method's row, or None when the map's CSV is not there."""
     import csv
 

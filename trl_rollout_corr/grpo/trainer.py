@@ -140,7 +140,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         self._rc_rewards = None  # TRL's rewards of the batch being scored (rollout_rs_exclude_from_baseline)
         if self.accelerator.is_main_process:
             logger.info("Rollout correction: %s", self.correction_plan.describe())
-            if self._rc_truncation is not None:  # measured: benchmarks/vllm_truncation.py (pre-registrations 20-24)
+            if self._rc_truncation is not None:  # measured: experiments/vllm_truncation.py (pre-registrations 20-24)
                 t = self._rc_truncation
                 logger.warning(truncation_advice(t.top_k, t.top_p, t.min_p))
         if self.use_vllm:  # engine dtype log, vllm_sync_interval, CPU server sync (trl_rollout_corr.vllm.engine)

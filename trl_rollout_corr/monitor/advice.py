@@ -1,9 +1,9 @@
 """What the monitor advises after a policy collapse: only remedies a benchmark's confirmed analysis supports.
 
 A remedy is listed in ``REMEDIES`` only where a pre-registered, paired, Holm-corrected analysis confirms it above TRL's
-default for that kind's scenario (``SCENARIOS``) of ``benchmarks/mismatch_train.py`` (docs/benchmarks.md, "Training
-in the regime of real runs"); ``tests/benchmarks/test_mismatch_benchmark.py`` checks that ``REMEDIES`` is exactly what
-its ``confirmed_methods()`` returns from the committed results (``benchmarks/results/mismatch_train*_results.csv``).
+default for that kind's scenario (``SCENARIOS``) of ``experiments/mismatch_train.py`` (docs/benchmarks.md, "Training
+in the regime of real runs"); ``tests/experiments/test_mismatch_benchmark.py`` checks that ``REMEDIES`` is exactly what
+its ``confirmed_methods()`` returns from the committed results (``experiments/results/mismatch_train*_results.csv``).
 
 - A stale engine (``rollout_lag`` > 0): ``ppo_is_bypass``, confirmed by experiment C in scenario S2 on 20 fresh paired
   seeds: +0.065 [+0.032, +0.097] held-out reward over TRL's default, Holm p 0.00017 (a family of 2), gap closed 0.88.
@@ -27,9 +27,9 @@ its ``confirmed_methods()`` returns from the committed results (``benchmarks/res
   experiment D: per-token KL 4.3e-3-7.5e-3, T * KL 1.1-1.8, no cost either) ``ppo_is_bypass`` and TRL's
   ``token_truncate`` trained significantly worse than TRL's default (-0.166 [-0.300, -0.031] and -0.044 [-0.066,
   -0.022], Holm p 0.0059; held out: -0.099, -0.065), so the message says to keep TRL's default there; the old benchmark
-  (``benchmarks/mismatch_bench.py``: T <= 9, per-token KL 0.14-0.30, 5 seeds) singles none out either.
+  (``experiments/mismatch_bench.py``: T <= 9, per-token KL 0.14-0.30, 5 seeds) singles none out either.
 
-The gap that is not staleness (issue 37, pre-registration 16 of ``benchmarks/mismatch_train.py``): a run that logs
+The gap that is not staleness (issue 37, pre-registration 16 of ``experiments/mismatch_train.py``): a run that logs
 ``rollout_corr/lag_0/kl`` (the asynchronous trainer's per-lag metrics: the per-token KL(pi_rollout || pi_theta) of the
 samples the current policy drew, i.e. the engine's own gap without staleness) has that gap measured. At or above
 ``LAG0_CAUTION_KL`` -- the smallest step-0 noise-only per-token KL at which ``ppo_is_bypass`` trained significantly
@@ -38,7 +38,7 @@ stale remedy is NOT advised (a run already on it is told it trained worse there)
 run's lag-0 KL, that bound and what the smallest gap measured found (experiment F: 8.7e-4, not significant).
 Without the metric the message is as above. A run on bypass at or above the bound (the asynchronous trainer's
 default) is also told what TRL's asynchronous trainer itself measured (``ASYNC_S4_FOUND``: S4 of
-``benchmarks/async_mismatch.py``, pre-registration 17): TRL's default correction (``trl_default``) trained better
+``experiments/async_mismatch.py``, pre-registration 17): TRL's default correction (``trl_default``) trained better
 than TRL's own loss there, held out (at the bound's own gap, sigma 0.8, not significantly: pre-registration 19).
 
 For a kind without a remedy the advice names the metrics to watch and the benchmark page, no preset. The monitor
@@ -57,8 +57,8 @@ from ..core.stats import METRIC_PREFIX
 
 # the kinds of mismatch the monitor tells apart: how a message says it, and the benchmark scenario that stands for it
 KINDS = {"stale": "a stale engine", "persistent": "a persistent precision gap"}
-SCENARIOS = {"stale": "S2", "persistent": "S1"}  # benchmarks/mismatch_train.py's scenarios
-BENCHMARK = "benchmarks/mismatch_train.py"
+SCENARIOS = {"stale": "S2", "persistent": "S1"}  # experiments/mismatch_train.py's scenarios
+BENCHMARK = "experiments/mismatch_train.py"
 BENCHMARK_PAGE = 'docs/benchmarks.md, "Training in the regime of real runs"'
 # what the benchmark found for a kind without a remedy (the message says it, with its regime)
 FOUND = {
@@ -99,7 +99,7 @@ class Remedy:
         return RolloutCorrectionConfig.from_preset(value)
 
 
-# kind -> Remedy, only where a benchmark's confirmed analysis supports one (benchmarks/mismatch_train.py's
+# kind -> Remedy, only where a benchmark's confirmed analysis supports one (experiments/mismatch_train.py's
 # confirmed_methods(); the old benchmark's remedies did not survive Holm: ppo_is_bypass p 0.054 on stale4, TRL's
 # token_truncate 0.23 on wq3)
 REMEDIES: dict[str, Remedy] = {
@@ -125,8 +125,8 @@ REMEDIES: dict[str, Remedy] = {
 }
 
 
-# pre-registration 16's decision (2): benchmarks/mismatch_train.py's lag0_caution_kl() of the committed results
-# (experiments A: 8.85e-3, B: 4.41e-3 and E: 2.05e-3 survived; tests/benchmarks/test_mismatch_train.py holds them
+# pre-registration 16's decision (2): experiments/mismatch_train.py's lag0_caution_kl() of the committed results
+# (experiments A: 8.85e-3, B: 4.41e-3 and E: 2.05e-3 survived; tests/experiments/test_mismatch_train.py holds them
 # equal)
 LAG0_CAUTION_KL = 2.05e-3
 LAG0_KEY = metric("lag_0/kl")
@@ -135,10 +135,10 @@ LAG0_BELOW_FOUND = ("at 8.7e-4 (S2F, experiment F: per-token KL 1.0e-3-2.9e-3, T
                     "not significant (-0.012 [-0.049, +0.025], p 0.48) and not shown equal either")
 
 
-# in TRL's asynchronous trainer itself (benchmarks/async_mismatch.py, S4, pre-registration 17): what a run on its
-# default (bypass) is told at or above the lag-0 bound; tests/benchmarks/test_async_mismatch.py recomputes the numbers
-# from benchmarks/results/async_mismatch_s4_results.csv
-ASYNC_S4_FOUND = ("in TRL's asynchronous trainer itself (benchmarks/async_mismatch.py, S4: T = 257, max_staleness 4, "
+# in TRL's asynchronous trainer itself (experiments/async_mismatch.py, S4, pre-registration 17): what a run on its
+# default (bypass) is told at or above the lag-0 bound; tests/experiments/test_async_mismatch.py recomputes the numbers
+# from experiments/results/async_mismatch_s4_results.csv
+ASYNC_S4_FOUND = ("in TRL's asynchronous trainer itself (experiments/async_mismatch.py, S4: T = 257, max_staleness 4, "
                   "N(0, 1) logit noise inside vLLM, a lag-0 gap of 1.3e-3-5.3e-3 per token, per-token KL 3.1e-3-6.7e-3 "
                   "under TRL's loss, 465k parameters, CPU float32) TRL's default correction trained better than TRL's "
                   "own loss: +0.110 [+0.046, +0.174] held-out reward on 10 paired seeds (above on all 10, sign-flip p "
@@ -148,15 +148,15 @@ ASYNC_S4_FOUND = ("in TRL's asynchronous trainer itself (benchmarks/async_mismat
                   "lasts: rollout_correction_preset=trl_default")
 
 
-# Truncated sampling (top-k / top-p / min-p): experiment P of benchmarks/mismatch_train.py (scenario S3, a stand-in
+# Truncated sampling (top-k / top-p / min-p): experiment P of experiments/mismatch_train.py (scenario S3, a stand-in
 # engine) found a cost of truncation on seeds 40-49 (on_policy - M0 +0.055, p 0.0022) that no correction recovered,
 # but its held-out seeds 50-54 did not confirm it (-0.010 [-0.082, +0.061]). On the real vLLM engine
-# (benchmarks/vllm_truncation.py, pre-registrations 20 and 21) the cost is confirmed on held-out seeds and is the
+# (experiments/vllm_truncation.py, pre-registrations 20 and 21) the cost is confirmed on held-out seeds and is the
 # truncation's, not the bf16 engine's; no correction recovered any of it. Pre-registration 21's rule 6: the trainer
-# says TRUNCATION_FOUND once at start when its sampler truncates (tests/benchmarks/test_vllm_truncation.py holds the
+# says TRUNCATION_FOUND once at start when its sampler truncates (tests/experiments/test_vllm_truncation.py holds the
 # numbers to the committed CSVs).
 TRUNCATION_FOUND = (
-    "measured (benchmarks/vllm_truncation.py, docs/benchmarks.md S3V: vLLM bf16, T = 49, per-token KL of the "
+    "measured (experiments/vllm_truncation.py, docs/benchmarks.md S3V: vLLM bf16, T = 49, per-token KL of the "
     "truncation 7.5e-3-9.9e-3, T * KL 0.37-0.48, a 465k-parameter model, 30 steps on a CPU): training rollouts sampled "
     "at top_p 0.8 scored +0.055 [+0.017, +0.092] held-out reward below the same bf16 engine at top_p 1 (15 seeds, "
     "Holm p 0.0093; 5 held-out seeds: +0.039, the same sign), and +0.054 [+0.022, +0.086] below training on the full "
@@ -168,7 +168,7 @@ TRUNCATION_FOUND = (
 # cost shown and no equivalence; TRL's default did not change it measurably. Its rule 6: the advice says this instead
 # of "not measured".
 TOP_K_FOUND = (
-    "measured at top_k 2 (benchmarks/vllm_truncation.py, pre-registration 23: the same task, model and bf16 engine; "
+    "measured at top_k 2 (experiments/vllm_truncation.py, pre-registration 23: the same task, model and bf16 engine; "
     "per-token KL of the truncation 3.1e-3-3.2e-3, T * KL 0.15-0.16, about a third of top_p 0.8's there): training "
     "at top_k 2 scored 0.004 more held-out reward than the same engine at top_k 0 (its cost -0.004 [-0.031, +0.023], "
     "15 seeds): a cost not shown, and not shown equivalent within +-0.02 either (TOST p 0.12); TRL's default beside "
@@ -179,7 +179,7 @@ TOP_K_FOUND = (
 # keeps its sign on held-out seeds, as large as top-p's; TRL's default equivalent to none. With top-k 2's null at a
 # third of that KL, the advice keys on the truncation's strength (its rule 6).
 MIN_P_FOUND = (
-    "measured at min_p 0.2 (benchmarks/vllm_truncation.py, pre-registration 24: the same task, model and bf16 engine; "
+    "measured at min_p 0.2 (experiments/vllm_truncation.py, pre-registration 24: the same task, model and bf16 engine; "
     "per-token KL of the truncation 7.2e-3-9.0e-3, T * KL 0.35-0.44, as strong as top_p 0.8's there): +0.053 [+0.017, "
     "+0.089] held-out reward below the same engine without min_p (15 seeds, Holm p 0.017; 5 held-out seeds: +0.043, "
     "the same sign); TRL's default beside it +0.004 [-0.012, +0.021], equivalent to no correction within +-0.02 "

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.metric_names import metric
+
 EVIDENCE_PAGE = "docs/evidence.md"
 
 
@@ -78,7 +80,7 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(
         key="stale-engine",
         situation="the engine's weights lag the policy (8 optimizer steps measured), no precision gap, "
-                  "short completions (T·KL about 0.5 or less)",
+                  "short completions (T·KL ≤ 0.52, the largest measured where it was confirmed)",
         advice="use ppo_is_bypass; at T = 257 it was not confirmed (keep the default there)",
         setting="rollout_correction_preset=ppo_is_bypass",
         trainer="RolloutCorrGRPOTrainer",
@@ -98,8 +100,8 @@ VERDICTS: tuple[Verdict, ...] = (
     ),
     Verdict(
         key="async-precision-gap",
-        situation="TRL's AsyncGRPOTrainer whose engine also has a precision gap (rollout_corr/lag_0/kl about 3.6e-3; "
-                  "at 2.1e-3 not significant)",
+        situation=f"TRL's AsyncGRPOTrainer whose engine also has a precision gap ({metric('lag_0/kl')} ≥ 2.05e-3; "
+                  "measured at about 3.6e-3, not significant at 2.1e-3)",
         advice="RolloutCorrAsyncGRPOTrainer with TRL's default correction",
         setting="rollout_correction_preset=trl_default",
         trainer="RolloutCorrAsyncGRPOTrainer, vLLM server (CPU)",
@@ -109,7 +111,7 @@ VERDICTS: tuple[Verdict, ...] = (
     ),
     Verdict(
         key="async-default",
-        situation="TRL's AsyncGRPOTrainer without such a gap (rollout_corr/lag_0/kl below 2.05e-3)",
+        situation=f"TRL's AsyncGRPOTrainer without such a gap ({metric('lag_0/kl')} below 2.05e-3)",
         advice="keep the asynchronous trainer's own loss (no preset: ppo_is_bypass, TRL's)",
         setting="",
         trainer="RolloutCorrAsyncGRPOTrainer",
@@ -162,8 +164,9 @@ def markdown_table(link_prefix: str = "") -> str:
 
 # ---- placing a probed run on the table (trl-rollout-corr probe) ----
 
-#: the stale-engine row holds for T·KL below this
-STALE_T_KL_BOUND = 1.0
+#: the stale-engine row holds for T·KL below this: the largest T·KL of the arms where it was confirmed
+#: (experiment C, T = 49); above it the row was not confirmed (T = 257) or not measured
+STALE_T_KL_BOUND = 0.52
 #: the two-sided 95% normal quantile: a boundary is decided when estimate +- Z * SE lies on one side of it
 Z = 1.959963984540054
 

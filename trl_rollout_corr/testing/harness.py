@@ -1,6 +1,6 @@
 """The run harness of the toy task's GRPO runs, shared by the CPU demo's worker (``demo/run.py``, which
-``benchmarks/mismatch_bench.py`` runs) and the benchmarks that train their own (``benchmarks/async_staleness.py``,
-``benchmarks/monitor_scenarios.py``): one warmed-up policy, one held-out prompt set, one recorder of the policy's own
+``experiments/mismatch_bench.py`` runs) and the experiments that train their own (``experiments/async_staleness.py``,
+``experiments/monitor_scenarios.py``): one warmed-up policy, one held-out prompt set, one recorder of the policy's own
 held-out reward and of the logged rows, and the GRPO settings every one of these runs uses.
 
 A variant is judged by the **policy's own** mean reward on :data:`HELD_OUT_N` fixed held-out prompts (temperature 1,

@@ -56,7 +56,7 @@ def replay(rows: Iterable[dict[str, float]], monitor: Any = None, bypass: bool =
     """
     from transformers import TrainerControl, TrainerState
 
-    from .callback import RolloutCorrectionMonitor
+    from trl_rollout_corr.monitor.callback import RolloutCorrectionMonitor
 
     if monitor is None:
         monitor = RolloutCorrectionMonitor(**{"write_csv": False, "write_plot": False, **monitor_kwargs})

@@ -10,7 +10,7 @@ Variants: ``trl_as_is`` (TRL's AsyncGRPOTrainer itself) and this package's Rollo
 corrections of ``ASYNC_VARIANTS``, at ``max_staleness`` 4 (TRL's default) and a larger one; plus ``sync`` (this
 package's synchronous trainer with colocated vLLM synced every step: no staleness) on the same steps.
 
-    python benchmarks/async_staleness.py --seeds 0,1,2 --steps 200 --staleness 4,16
+    python experiments/async_staleness.py --seeds 0,1,2 --steps 200 --staleness 4,16
 
 Each run is a separate process (a trainer that ran before slows later generation); results go to
 ``OUTPUT_DIR/<variant>-s<staleness>-<seed>.json`` and the table to stdout.
@@ -29,11 +29,11 @@ import sys
 import tempfile
 import time
 
-if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script (python experiments/x.py): this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import mismatch_bench  # noqa: E402
-from benchmarks import stats as paired  # noqa: E402
+from experiments import mismatch_bench  # noqa: E402
+from experiments import stats as paired  # noqa: E402
 from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # variant -> this package's correction fields (None: TRL's own AsyncGRPOTrainer)
@@ -62,7 +62,7 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.async_trainers import build_async_trainer
+    from experiments.async_trainers import build_async_trainer
     from trl_rollout_corr.testing.harness import (HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder,
                                                  warmed_up_policy)
     from trl_rollout_corr.testing.toy_task import build_model, reverse_chat_reward, reverse_prompts
@@ -149,7 +149,7 @@ def main() -> None:
                         "(docs/metrics.md); runs nothing")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # variant seed staleness url out
     p.add_argument("--results", default=None,
-                   help="write the rows with all --seeds to this CSV (docs/async.md's table: benchmarks/results/"
+                   help="write the rows with all --seeds to this CSV (docs/async.md's table: experiments/results/"
                         "async_staleness_results.csv) and print the table; runs nothing")
     a = p.parse_args()
     if a.reanalyse:
@@ -178,7 +178,7 @@ def main() -> None:
     runs = [(v, s, st) for st in [int(x) for x in a.staleness.split(",")] for v in variants if v != "sync"
             for s in seeds]
     runs = [("sync", s, 0) for s in seeds if "sync" in variants] + runs
-    from trl_rollout_corr.testing.server import free_port, running_server
+    from experiments.server import free_port, running_server
     from trl_rollout_corr.testing.toy_task import build_chat_tokenizer, build_model
 
     port = free_port()

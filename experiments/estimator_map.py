@@ -20,7 +20,7 @@ measures, against g* (the expectation of the uncorrected loss's gradient on on-p
 
 The gradient is that of the output layer (``lm_head.weight``, V x d), in closed form from the coefficients:
 d log pi(y_t) / dW = (e_y - p_t) h_t^T, so g = sum_t c_t (e_{y_t} - p_t) h_t^T (one trainer forward per batch
-serves every method; ``tests/benchmarks/test_estimator_map.py`` checks it against autograd).
+serves every method; ``tests/experiments/test_estimator_map.py`` checks it against autograd).
 
 Methods. ``none`` and TRL's four ``vllm_importance_sampling_mode`` s (C = 3, TRL's default clip_min) are computed by
 TRL's own code: TRL's ``GRPOTrainer`` (its vLLM switch on, the engine replaced by a rollout_func that returns this
@@ -52,10 +52,10 @@ then cast to bf16: the trainer is bf16, its precision engines fp16 and fp32; T =
 through the base model and lm_head (no (B, P+T, V) logits tensor), the measured gradient is that of the lm_head rows
 of the task's 256 tokens (the whole lm_head at the CPU size), in chunks of 8192 tokens; sampling 64 rows at a time;
 TRL's loss on the CPU. ``gpu_toy``: the same code path at toy size (hidden 32, 1 layer, vocabulary 1024, bf16), what
-the CPU test runs. ``python benchmarks/estimator_map.py --device cuda --size gpu --out DIR`` has NOT been run on a GPU
+the CPU test runs. ``python experiments/estimator_map.py --device cuda --size gpu --out DIR`` has NOT been run on a GPU
 (no GPU in the session that wrote it): its run time and memory are not measured.
 
-Run: ``python benchmarks/estimator_map.py --out DIR`` (or ``python benchmarks/mismatch_bench.py --map --out DIR``);
+Run: ``python experiments/estimator_map.py --out DIR`` (or ``python experiments/mismatch_bench.py --map --out DIR``);
 ``--smoke`` for one T, one source, one level, 2 batches (``--smoke --sources moe``: one MoE cell);
 ``--sources moe --append`` adds cells to OUT's CSV, replacing only the (T, source) pairs it measures.
 """

@@ -1,4 +1,4 @@
-"""benchmarks/mismatch_train.py: the smoke run writes its files, the pre-registered family is what the code says,
+"""experiments/mismatch_train.py: the smoke run writes its files, the pre-registered family is what the code says,
 TRL's path really runs TRL's loss (checked on one batch against TRL's sequence_mask formula computed by hand), and
 the psum task's reward."""
 
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-import benchmarks.mismatch_train as mt
+import experiments.mismatch_train as mt
 from trl_rollout_corr.testing import psum_task
 
 

@@ -1,7 +1,7 @@
 """The mismatch table and its advice (docs/benchmarks.md) are the benchmark's, and the monitor advises only what it
 measured.
 
-``benchmarks/results/mismatch_results.csv`` is the output of ``python benchmarks/mismatch_bench.py`` (the command
+``experiments/results/mismatch_results.csv`` is the output of ``python experiments/mismatch_bench.py`` (the command
 and run time are on that page). These tests read it and check: the page's table and its "which preset for which
 mismatch" lines are exactly what the benchmark's own functions generate from it; every scenario has TRL's default,
 the floor and the ceiling, with >= 5 seeds per row; the paired statistics (difference to TRL's default, paired t,
@@ -9,7 +9,7 @@ exact sign-flip, Holm over the 33 comparisons, gap closed with Fieller's interva
 an independent recomputation (scipy's ttest_rel, sign patterns enumerated, Holm by its definition, Fieller's
 endpoints put back in its equation) and agree with the review's own recomputation
 (benchmark-review-2026-11.md in the project's shared notes); and the monitor names a remedy only where the benchmark
-supports one: exactly what the new benchmark (``benchmarks/mismatch_train.py``) confirmed, recomputed from its
+supports one: exactly what the new benchmark (``experiments/mismatch_train.py``) confirmed, recomputed from its
 committed results.
 """
 
@@ -21,12 +21,12 @@ from statistics import fmean, stdev
 
 import pytest
 
-import benchmarks.mismatch_train as mt
+import experiments.mismatch_train as mt
 from tests.support.bench_utils import doc_block
-from benchmarks import mismatch_bench
+from experiments import mismatch_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "mismatch_results.csv")
+RESULTS = os.path.join(ROOT, "experiments", "results", "mismatch_results.csv")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_the_reviews_paired_recomputation_agrees(rows):
 
 # ---------------------------------------------------------------- the monitor's advice is the benchmark's
 def test_the_monitor_names_a_remedy_exactly_where_the_new_benchmark_confirmed_one():
-    """REMEDIES is what benchmarks/mismatch_train.py's pre-registered analyses confirm from its committed results
+    """REMEDIES is what experiments/mismatch_train.py's pre-registered analyses confirm from its committed results
     (experiment C in S2, the stale engine; nothing in S1, the persistent gap, nor in S2L): the method, its setting (the
     benchmark's configuration of it) and its scenario; a kind whose scenario confirmed nothing has no remedy."""
     from trl_rollout_corr.monitor import advice
@@ -429,7 +429,7 @@ def test_experiment_p_alone_supports_no_advice_for_a_truncating_sampler():
     """Experiment P, recomputed from the committed CSV: truncation cost reward on seeds 40-49 (the gap counts) and no
     method is confirmed above TRL's default; the held-out seeds 50-54 (pre-registration 4) do not confirm the cost.
     So P advises nothing: no remedy for S3, and the trainer's truncation advice quotes the real-engine experiment
-    (benchmarks/vllm_truncation.py, S3V) only, not P's numbers; the docs say so with these numbers."""
+    (experiments/vllm_truncation.py, S3V) only, not P's numbers; the docs say so with these numbers."""
     from trl_rollout_corr.monitor import advice
 
     runs = mt.runs_from_csv(os.path.join(mt.RESULTS, mt.TRUNCATION_CSV))
@@ -469,7 +469,7 @@ def load_trace(name):
     return trace
 
 
-# the benchmark's runs, exported with `python benchmarks/mismatch_bench.py --export_trace SCENARIO:METHOD:SEED:PATH`
+# the benchmark's runs, exported with `python experiments/mismatch_bench.py --export_trace SCENARIO:METHOD:SEED:PATH`
 COLLAPSING = ["mismatch_stale4_decoupled_geo_rs_seed0.json", "mismatch_wq3_ppo_is_bypass_seed0.json"]
 HEALTHY = ["mismatch_stale4_ppo_is_bypass_seed0.json", "mismatch_vllm_sync8_ppo_is_bypass_seed0.json"]
 
@@ -480,7 +480,7 @@ def test_on_the_benchmarks_collapsing_runs_the_monitor_advises_what_was_confirme
     run (ppo_is_bypass, lag 0) is told no correction is confirmed for a persistent gap, and no preset."""
     from trl_rollout_corr import RolloutCorrectionConfig
     from trl_rollout_corr.monitor.advice import REMEDIES, SCENARIOS, remedies_for
-    from trl_rollout_corr.monitor.replay import replay
+    from experiments.replay import replay
 
     trace = load_trace(name)
     curve = [reward for _, reward in trace["eval_curve"]]
@@ -503,7 +503,7 @@ def test_on_the_benchmarks_collapsing_runs_the_monitor_advises_what_was_confirme
 @pytest.mark.parametrize("name", HEALTHY)
 def test_on_the_benchmarks_healthy_runs_the_monitor_stays_quiet(name):
     from trl_rollout_corr import RolloutCorrectionConfig
-    from trl_rollout_corr.monitor.replay import replay
+    from experiments.replay import replay
 
     trace = load_trace(name)
     curve = [reward for _, reward in trace["eval_curve"]]

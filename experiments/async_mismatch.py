@@ -1,14 +1,15 @@
 """S4 of issue 36: TRL's asynchronous trainer itself, in the regime of real runs (T = 257), with a precision-like gap
-inside the real vLLM engine, analysed as a pre-registered paired experiment (pre-registration 17 below).
+inside the real vLLM engine, analysed as a pre-registered paired experiment (pre-registration 17:
+preregistrations/17-s4-async-trainer.md).
 
-Experiments A, B and E of ``benchmarks/mismatch_train.py`` found, in the SYNCHRONOUS trainer with an emulated
+Experiments A, B and E of ``experiments/mismatch_train.py`` found, in the SYNCHRONOUS trainer with an emulated
 4-step-stale engine that also samples with dense logit noise, that ``ppo_is_bypass`` (the asynchronous trainer's loss:
 TRL's ``AsyncGRPOTrainer`` is bypass PPO by construction) trains worse than TRL's synchronous default
 (``sequence_mask``, C = 3). Only a run of the asynchronous trainer itself may change its default (pre-registration
 16). This runs it:
 
 * **Engine**: one ``trl-rollout-corr vllm-serve-async`` server (vLLM's CPU build, float32) serving the psum model,
-  sampling with ``GaussianLogitNoise`` (:mod:`trl_rollout_corr.testing.logit_noise`): every logit + N(0, sigma^2),
+  sampling with ``GaussianLogitNoise`` (:mod:`experiments.logit_noise`): every logit + N(0, sigma^2),
   the log-probs returned are the noisy distribution's (vLLM's ``processed_logprobs``). Staleness is the asynchronous
   trainer's own (``max_staleness`` 4, TRL's default; the lag each sample reaches the loss at is logged).
 * **Task, model, schedule**: experiment E's (``mismatch_train.py``'s target regime): running prefix sums of 256
@@ -18,11 +19,11 @@ TRL's ``AsyncGRPOTrainer`` is bypass PPO by construction) trains worse than TRL'
 * **Arms**: ``trl_as_is`` = TRL's ``AsyncGRPOTrainer`` itself, unmodified (TRL's default in S4, by TRL's code); the
   others are this package's ``RolloutCorrAsyncGRPOTrainer`` with a preset. ``ARMS`` / ``FAMILY`` below.
 
-    python benchmarks/async_mismatch.py --arms trl_as_is,trl_default,decoupled_token_is --seeds 185-194 --out DIR
-    python benchmarks/async_mismatch.py --sigma 0 --arms trl_as_is --seeds 185-194 --out DIR   # the cost check
-    python benchmarks/async_mismatch.py --report_only --out DIR                                  # the analysis
-    python benchmarks/async_mismatch.py --sigma 0 --arms trl_default --seeds 185-194 --out DIR \
-        --import_results benchmarks/results/async_mismatch_s4_results.csv                       # pre-registration 18
+    python experiments/async_mismatch.py --arms trl_as_is,trl_default,decoupled_token_is --seeds 185-194 --out DIR
+    python experiments/async_mismatch.py --sigma 0 --arms trl_as_is --seeds 185-194 --out DIR   # the cost check
+    python experiments/async_mismatch.py --report_only --out DIR                                  # the analysis
+    python experiments/async_mismatch.py --sigma 0 --arms trl_default --seeds 185-194 --out DIR \
+        --import_results experiments/results/async_mismatch_s4_results.csv                       # pre-registration 18
 
 Each run is its own process, one at a time (the server and the trainer share the 2 cores); a finished run is one
 JSON that a re-run skips. The shared base model and the warm-ups are ``mismatch_train.py``'s (``--base_dir``: a
@@ -43,15 +44,13 @@ import time
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as a script: this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script: this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks import mismatch_train as mt  # noqa: E402
+from experiments import mismatch_train as mt  # noqa: E402
+from experiments.preregistrations import preregistered_rules  # noqa: E402
 
-# ------------------------------------------------------------------------------------------------ pre-registration 17
-# Fixed 2026-11-27 before any paired run (one timing pilot only: trl_as_is, seed 99, not a family seed, 183 s, score
-# 0.900, TRL's logged kl at step 0 (lag 0) 4.4e-3 = D_PILOT's 4.41e-3 for sigma 1.0 on the same warm-up: the vLLM
-# noise is the synchronous experiments' gap). The analysis reads only these.
+# -------------------- pre-registration 17: experiments/preregistrations/17-s4-async-trainer.md
 ARMS = {  # arm -> this package's correction fields (None: TRL's AsyncGRPOTrainer itself, unmodified)
     "trl_as_is": None,  # TRL's default in S4 (its loss is bypass PPO: ppo_is_bypass's gradient, tested)
     "trl_default": dict(rollout_correction_preset="trl_default"),  # TRL's synchronous default (sequence_mask, C=3)
@@ -69,69 +68,15 @@ SEEDS = tuple(range(185, 195))  # experiment E's seeds: their warm-ups exist (mi
 HELD_OUT = tuple(range(195, 200))  # run only if the family row is significant; the sign must hold
 FAMILY_ARMS = ("trl_as_is", "trl_default")  # run seed by seed (a partial run leaves whole paired seeds)
 
-# ------------------------------------------------------------------------------------------------ pre-registration 18
-# Fixed 2026-11-27 (11:42 UTC, commit 60e92fd) before any run of trl_default at sigma 0: pre-registration 17's rule 4
-# ("a later experiment"). Pre-registration 17's (1)-(3) are met (committed results): this decides the asynchronous
-# default. Rule 5 added at 11:46 UTC (commit dfd9a26), before any run of this experiment.
-RULES_18 = """Pre-registration 18 (S4 without the gap: does trl_default cost anything where TRL's loss needs no help?).
-1. trl_default at sigma 0 on seeds 185-194, paired with trl_as_is at sigma 0 (pre-registration 17's cost-check runs,
-   the same server, warm-ups, schedule and score). Equivalent iff TOST within +-0.02 gives p < 0.05 (the paired 90%
-   interval inside (-0.02, +0.02)); the paired t and sign-flip p are reported beside it (a difference significant by
-   both tests is reported as such, of either sign).
-2. Reproduction: each run's initial score (the warm-up's held-out reward before training) must equal the committed
-   trl_as_is sigma-0 run's for the seed; where it does not, the warm-ups differ and trl_as_is is re-run at sigma 0 on
-   that seed before it is paired.
-3. Held out: only if (1) is equivalent, both arms at sigma 0 on seeds 195-199; confirmed iff the mean difference lies
-   inside (-0.02, +0.02) (no test: 5 seeds).
-4. Decision: RolloutCorrAsyncGRPOConfig's default preset becomes trl_default iff (1) is equivalent, (3) confirms it
-   and (5) does not block it. Otherwise it stays ppo_is_bypass (TRL's own loss) and the docs report the interval; the
-   README and the monitor keep pointing asynchronous runs with a lag-0 gap at trl_default (pre-registration 17).
-5. "Not worse anywhere measured" (added before any run of this experiment: the asynchronous trainer's
-   other measured regime, where decoupled_token_is trained below TRL's trainer): only if (3) confirms, trl_default in
-   benchmarks/async_staleness.py's committed 5-seed setting (reverse-digits toy, T <= 9, max_staleness 4, 100 steps,
-   seeds 0-4, eval_every 10), paired by seed with the committed trl_as_is row's per-seed rewards
-   (STALENESS_CSV); it blocks (4) iff trl_default - trl_as_is < 0 with paired t p < 0.05 (the t alone: at 5 seeds
-   the sign-flip p cannot fall below 0.0625; blocking on one test is the cautious side)."""
-STALENESS_CSV = "benchmarks/results/async_staleness_results.csv"  # rule 5's reference: trl_as_is at max_staleness 4
+# -------------------- pre-registration 18: experiments/preregistrations/18-s4-without-gap.md
+RULES_18 = preregistered_rules(18)  # the rules as the document states them
+STALENESS_CSV = "experiments/results/async_staleness_results.csv"  # rule 5's reference: trl_as_is at max_staleness 4
 STALENESS_SEEDS = (0, 1, 2, 3, 4)
 
-# ------------------------------------------------------------------------------------------------ pre-registration 19
-# Fixed 2026-11-27 12:31 UTC after pre-registration 18's result (trl_default - trl_as_is at sigma 0: -0.038
-# [-0.093, +0.016], not shown equivalent: the default stays), before any run at sigma 0.8.
-RULES_19 = """Pre-registration 19 (S4 at the monitor's bound: is trl_default above TRL's trainer at a smaller gap?).
-1. trl_default - trl_as_is at sigma LADDER_SIGMA = 0.8 (experiment E's noise: 2.05e-3 per token at step 0 by E_PILOT,
-   the monitor's LAG0_CAUTION_KL) on seeds 185-194, run seed by seed, paired; significant iff the sign-flip and the
-   paired t p are both < 0.05 (a family of one). TOST at +-0.02 reported.
-2. Held out: only if (1) is significant, both arms on seeds 195-199; survives iff the mean difference keeps its sign.
-3. Deadline: runs not finished by 13:40 UTC are cut; the analysis uses the seeds both arms ran (fewer than 10: said).
-4. Decisions: significant above 0 and surviving: the monitor's ASYNC_S4_FOUND and the docs say the asynchronous
-   trainer itself was measured at the bound too. Otherwise the docs and ASYNC_S4_FOUND say that at the bound's gap
-   the asynchronous trainer showed no significant difference (or a negative one), so the evidence for trl_default in
-   the asynchronous trainer is S4's sigma 1.0 (lag-0 gap 1.3e-3-5.3e-3 per run)."""
-# ------------------------------------------------------------------------------------------------ pre-registration 22
-# Fixed 2026-11-27 (commit 393a443, 14:55 UTC) before any run of the candidate arm. The base model and warm-ups are
-# pre-registration 18's (rebuilt from the recipe that session, reproduced exactly); the reference runs are
-# pre-registration 17's committed trl_as_is runs (benchmarks/results/async_mismatch_s4_results.csv, --import_results).
-RULES_22 = """Pre-registration 22 (S4: TRL's trust region plus TRL's sequence mask, a candidate for asynchronous runs).
-Hypothesis, post hoc (from 17-19, stated as such): in the asynchronous trainer a decoupled preset's PPO ratio is
-against pi_prox = pi_theta detached (1), so trl_default there is an IS-weighted policy gradient with no trust region,
-while TRL's own loss (bypass) clips pi_theta / pi_rollout against the sampling policy; trl_default helped with a gap
-(+0.110 held out at sigma 1.0) and was not shown harmless without one (-0.038 at sigma 0). The candidate
-bypass_seq_mask keeps TRL's bypass PPO (ppo_is_bypass) and adds trl_default's one-sided sequence mask: a sequence whose
-prod_t pi_theta / pi_rollout exceeds 3 leaves the loss (rollout_rs="sequence", upper 3, lower 1e-300; its tokens leave
-the loss's count, where TRL's mask keeps them at weight 0).
-1. bypass_seq_mask - trl_as_is at sigma 1.0 on seeds 185-194, paired with pre-registration 17's committed trl_as_is
-   runs; significant iff the difference is positive with the exact sign-flip AND the paired t p < 0.05. Run first.
-2. bypass_seq_mask - trl_as_is at sigma 0 on seeds 185-194 (17's committed cost-check runs): equivalent iff TOST
-   +-0.02 p < 0.05; the paired t and sign-flip p reported beside it. Run second.
-3. Held out, only if (1) is significant: bypass_seq_mask at sigma 1.0 on seeds 195-199, paired with 17's committed
-   held-out trl_as_is runs; survives iff the mean difference keeps its sign. Run third.
-4. Reproduction: each run's initial score must equal the committed trl_as_is run's for its seed (else reported).
-5. Decision: (1) significant, (3) surviving and (2) equivalent: the README, docs/async.md and the monitor's
-   asynchronous advice name bypass_seq_mask's settings for an asynchronous run with a lag-0 gap (in place of
-   trl_default, which was not shown harmless without a gap); the default changes only after a later experiment in
-   async_staleness.py's setting. Anything else: nothing changes, the docs report the intervals.
-One run at a time on a quiet machine (nothing else running); runs not finished by 16:30 UTC are cut."""
+# -------------------- pre-registration 19: experiments/preregistrations/19-s4-smaller-gap.md
+RULES_19 = preregistered_rules(19)  # the rules as the document states them
+# -------------------- pre-registration 22: experiments/preregistrations/22-s4-bypass-seq-mask.md
+RULES_22 = preregistered_rules(22)  # the rules as the document states them
 CANDIDATE_22 = "bypass_seq_mask"
 DEADLINE_22_UTC = "16:30"
 LADDER_SIGMA = 0.8
@@ -139,21 +84,7 @@ LADDER_DEADLINE_UTC = "13:40"
 EQUIV_ARM = "trl_default"
 EQUIV_SIGMA = COST_SIGMA  # 0: the asynchronous trainer's staleness only
 EQUIV_MARGIN = mt.TOST_MARGIN  # 0.02 reward units, as every "no cost" of mismatch_train
-RULES = """Pre-registration 17 (S4: TRL's asynchronous trainer itself, T = 257, a dense precision-like gap in vLLM).
-1. The family: trl_default - trl_as_is (paired by seed, seeds 185-194), exact sign-flip and paired t; significant iff
-   both p < 0.05 (Holm over 1). Run first, seed by seed.
-2. Held out: only if (1) is significant, both arms on seeds 195-199; confirmed iff the mean difference has the same
-   sign (no test: 5 seeds).
-3. The cost check, run after (1) and (2) if the session's time allows: trl_as_is at sigma 0 on seeds 185-194; the gap
-   costs iff trl_as_is(sigma 1) - trl_as_is(sigma 0) < 0 significant (both tests). Not run: reported as not run, and a
-   confirmed row (2) is then reported without the claim that S4's gap costs anything.
-4. Decisions: the asynchronous trainer's default (ppo_is_bypass = TRL's own loss) changes to trl_default only if (1)
-   is significant above 0, (2) confirms it, (3) shows a cost, AND a sigma-0 run shows trl_default TOST-equivalent to
-   trl_as_is within +-0.02 (not registered here: a later experiment). Below 0 and confirmed: the docs and the monitor
-   say that in the asynchronous trainer TRL's own loss beat TRL's synchronous default at this gap (the synchronous
-   experiments' advice does not carry over). Not significant: reported with its interval and a TOST at +-0.02.
-Regime recorded per run: TRL's logged kl at lag 0 (the gap), this package's rollout_corr/kl and lag_<k>/kl (the
-trl_default arm), the lag each sample reached the loss at, dropped samples."""
+RULES = preregistered_rules(17)  # the rules as the document states them
 MAX_STALENESS = 4  # TRL's default
 STEPS = mt.X_STEPS  # 30
 N_DIGITS = mt.X_DIGITS  # 256: T = 257
@@ -187,7 +118,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.core.metric_names import metric
-    from benchmarks.async_trainers import build_async_trainer
+    from experiments.async_trainers import build_async_trainer
     from trl_rollout_corr.testing.psum_task import psum_prompts
 
     torch.set_num_threads(1)
@@ -374,7 +305,7 @@ def analyse(runs: list[dict], staleness: dict[int, float] | None = None) -> dict
     """Pre-registration 17's analysis (``RULES``) of ``runs``: the family row on the family seeds that have both
     arms, its Holm p (over ``FAMILY``), the verdict; the held-out mean difference; the cost check; per arm the regime
     (TRL's kl at the first step and over the run, this package's kl, the lag at the loss, dropped samples)."""
-    from benchmarks import stats
+    from experiments import stats
 
     out: dict = {"family": [], "held_out": {}, "cost": None, "regime": {}}
     for scenario, arm in FAMILY:
@@ -424,7 +355,7 @@ def staleness_check(trl_default_rewards: dict[int, float], csv_path: str | None 
     iff the mean difference is < 0 with paired t p < ``mt.ALPHA``. None until every seed has run."""
     import csv
 
-    from benchmarks import stats
+    from experiments import stats
 
     if sorted(trl_default_rewards) != list(STALENESS_SEEDS):
         return None
@@ -453,7 +384,7 @@ def ladder(runs: list[dict], sigma: float = LADDER_SIGMA) -> dict | None:
     """Pre-registration 19's analysis (``RULES_19``): trl_default - trl_as_is at ``sigma`` on the family seeds both
     ran (paired t, sign-flip, TOST at ``EQUIV_MARGIN``), significant iff both p < ``mt.ALPHA``; the held-out mean and
     whether its sign holds. None before two paired seeds exist."""
-    from benchmarks import stats
+    from experiments import stats
 
     x, ref = scores(runs, EQUIV_ARM, sigma, SEEDS), scores(runs, REFERENCE, sigma, SEEDS)
     paired = sorted(set(x) & set(ref))
@@ -471,7 +402,7 @@ def candidate_22(runs: list[dict]) -> dict | None:
     positive with both p < ``mt.ALPHA``) and at ``COST_SIGMA`` (TOST at ``EQUIV_MARGIN``), the held-out mean at
     ``SIGMA`` (survives iff it keeps the sign), the seeds whose initial score differs from the reference's (rule 4)
     and the decision (rule 5). None before any pair exists."""
-    from benchmarks import stats
+    from experiments import stats
 
     def at(arm, sigma, seeds):
         return {r["seed"]: r for r in runs if r["arm"] == arm and r["sigma"] == sigma and r["seed"] in seeds}
@@ -506,7 +437,7 @@ def equivalence(runs: list[dict], staleness: dict[int, float] | None = None) -> 
     seeds both ran (TOST at ``EQUIV_MARGIN``, paired t, sign-flip), the seeds whose initial scores differ (rule 2),
     the held-out mean difference, rule 5 on ``staleness`` (:func:`staleness_rewards`) and the decision (rule 4).
     None before any pair exists."""
-    from benchmarks import stats
+    from experiments import stats
 
     def at(arm, seeds):
         return {r["seed"]: r for r in runs if r["arm"] == arm and r["sigma"] == EQUIV_SIGMA and r["seed"] in seeds}
@@ -694,13 +625,16 @@ def main(argv: list[str] | None = None) -> None:
         mt.in_child(mt.build_base, a.out, sz, base)
     seeds = mt.parse_seeds(a.seeds)
     runs = [(arm, seed) for seed in seeds for arm in a.arms.split(",")]  # seed by seed: whole paired seeds
-    from trl_rollout_corr.testing.logit_noise import SIGMA_ENV
-    from trl_rollout_corr.testing.psum_task import build_model
-    from trl_rollout_corr.testing.server import free_port, running_server
+    from trl_rollout_corr.testing.psum_task import build_model  # the package first: its CPU-torch guard
+
+    from experiments.logit_noise import SIGMA_ENV
+    from experiments.server import free_port, running_server
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", SIGMA_ENV: str(a.sigma)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", SIGMA_ENV: str(a.sigma),
+           # the server loads experiments.logit_noise: this checkout's root on its path (experiments/ is not installed)
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))}
     os.makedirs(a.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as model_dir:
         served_model(build_model(sz["hidden"], sz["layers"], seed=0, num_heads=sz["heads"],
@@ -708,7 +642,7 @@ def main(argv: list[str] | None = None) -> None:
         chat_tokenizer(sz).save_pretrained(model_dir)
         cmd = [sys.executable, "-m", "trl_rollout_corr", "vllm-serve-async", model_dir, "--port", str(port),
                "--dtype", "float32", "--gpu-memory-utilization", "0.02", "--logits-processors",
-               "trl_rollout_corr.testing.logit_noise:GaussianLogitNoise"]
+               "experiments.logit_noise:GaussianLogitNoise"]
         with running_server(cmd, port, Path(a.out) / f"server_sigma{a.sigma:g}.log", env):
             for arm, seed in runs:
                 out = run_path(a.out, arm, a.sigma, seed)

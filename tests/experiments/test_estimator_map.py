@@ -1,4 +1,4 @@
-"""The estimator map (``benchmarks/estimator_map.py``): its smoke run, one cell's gradients against an independent
+"""The estimator map (``experiments/estimator_map.py``): its smoke run, one cell's gradients against an independent
 float64 computation, and the ESS formula against the small-mismatch theory on a synthetic case."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import estimator_map as em
+from experiments import estimator_map as em
 from trl_rollout_corr import RolloutCorrectionConfig
 
 
@@ -97,7 +97,7 @@ def test_ess_formula_and_the_small_mismatch_theory():
 
 
 def test_mismatch_bench_map_dispatches_to_the_estimator_map(monkeypatch):
-    from benchmarks import mismatch_bench
+    from experiments import mismatch_bench
 
     seen = []
     monkeypatch.setattr(em, "main", seen.append)

@@ -1,4 +1,4 @@
-"""benchmarks/stats.py against values computed by hand (the arithmetic is in the comments).
+"""experiments/stats.py against values computed by hand (the arithmetic is in the comments).
 
 Student t with 2 degrees of freedom has a closed form, used throughout so that nothing here needs a t table:
 P(T_2 <= t) = 1/2 + t / (2 sqrt(2 + t^2)), so the two-sided p of |t| is 1 - |t| / sqrt(2 + t^2), and the quantile
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import stats
+from experiments import stats
 
 T975_2 = math.sqrt(1.805 / 0.0975)  # 4.3026527
 T95_2 = math.sqrt(1.62 / 0.19)  # 2.9199856

@@ -1,5 +1,6 @@
-"""The asynchronous-trainer table (docs/async.md) is the benchmark's: ``benchmarks/results/async_staleness_results.csv``
-is the output of ``python benchmarks/async_staleness.py ... --results`` (the command is on that page). Checked: the
+"""The asynchronous-trainer table (docs/async.md) is the experiment's:
+``experiments/results/async_staleness_results.csv`` is the output of
+``python experiments/async_staleness.py ... --results`` (the command is on that page). Checked: the
 page's table is what the benchmark's own ``markdown`` generates from it; >= 5 seeds per row, TRL's trainer as is
 at both staleness bounds; the paired statistics follow from the per-seed values (an independent recomputation:
 scipy's ttest_rel, sign patterns enumerated, Holm by its definition, TOST's two one-sided t-tests from scipy's t
@@ -15,10 +16,10 @@ from statistics import fmean, stdev
 import pytest
 
 from tests.support.bench_utils import doc_block
-from benchmarks import async_staleness
+from experiments import async_staleness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "async_staleness_results.csv")
+RESULTS = os.path.join(ROOT, "experiments", "results", "async_staleness_results.csv")
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
@@ -96,9 +97,9 @@ def test_metric_ranges_pool_the_logged_rows_and_the_runs(tmp_path):
 
 
 def test_the_committed_lag_metric_ranges_are_what_docs_metrics_quotes():
-    """benchmarks/results/async_lag_metric_ranges.md (the --ranges output docs/metrics.md cites): no rejection at any
+    """experiments/results/async_lag_metric_ranges.md (the --ranges output docs/metrics.md cites): no rejection at any
     lag, no gap at lag 0 on the float32 server, most samples at lag 5, and the quoted bounds."""
-    path = os.path.join(ROOT, "benchmarks", "results", "async_lag_metric_ranges.md")
+    path = os.path.join(ROOT, "experiments", "results", "async_lag_metric_ranges.md")
     rows = {}
     for line in open(path):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,6 +1,6 @@
 """S3 of issue 36 on the REAL vLLM engine: truncated sampling (top-p) in training, every arm sampled by vLLM's CPU
 engine colocated in the trainer's process, TRL's default run by TRL's unmodified ``GRPOTrainer`` on its own vLLM
-path (pre-registration 20 below).
+path (pre-registration 20: preregistrations/20-s3v-real-engine-top-p.md).
 
 Experiment P (``mismatch_train.py --experiment P``) ran S3 on a stand-in engine (the policy sampled at top_p 0.8 by
 the benchmark's own sampler, log-probs renormalized as vLLM's processed log-probs are). This runs the same task,
@@ -25,12 +25,12 @@ model, schedule, seeds' recipe and arms with vLLM itself generating:
   run's per-token KL and T*KL are comparable with P's (8.6e-3, 0.42). TRL's own ``sampling/sampling_logp_difference``
   (TRL's arms) and this package's ``rollout_corr/kept_mass_mean`` (its arms) are kept beside it.
 
-    python benchmarks/vllm_truncation.py --arms on_policy,M0 --seeds 220-229 --out DIR --jobs 2   # the cost check
-    python benchmarks/vllm_truncation.py --arms M1,M1p,M3,M2 --seeds 220-229 --out DIR --jobs 2   # the family
-    python benchmarks/vllm_truncation.py --experiment 23 --arms topk_M0,topk_M1 --seeds 220-234 --out DIR  # top-k
-    python benchmarks/vllm_truncation.py --experiment 24 --arms minp_M0,minp_M1 --seeds 220-234 --out DIR  # min-p
-    python benchmarks/vllm_truncation.py --report_only --out DIR                                 # the analysis
-    python benchmarks/vllm_truncation.py --smoke --out /tmp/s3v_smoke                             # the suite's
+    python experiments/vllm_truncation.py --arms on_policy,M0 --seeds 220-229 --out DIR --jobs 2   # the cost check
+    python experiments/vllm_truncation.py --arms M1,M1p,M3,M2 --seeds 220-229 --out DIR --jobs 2   # the family
+    python experiments/vllm_truncation.py --experiment 23 --arms topk_M0,topk_M1 --seeds 220-234 --out DIR  # top-k
+    python experiments/vllm_truncation.py --experiment 24 --arms minp_M0,minp_M1 --seeds 220-234 --out DIR  # min-p
+    python experiments/vllm_truncation.py --report_only --out DIR                                 # the analysis
+    python experiments/vllm_truncation.py --smoke --out /tmp/s3v_smoke                             # the suite's
 
 Each run is its own process (``--jobs`` at a time); a finished run is one JSON that a re-run skips. The base model
 and the warm-ups are ``mismatch_train.py``'s (built in ``OUT/base`` on the first run: 200 supervised steps, ~1 min
@@ -44,24 +44,18 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as a script: this checkout's root first, for benchmarks.*
+if not __package__:  # run as a script: this checkout's root first, for experiments.*
     sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks import mismatch_train as mt  # noqa: E402
+from experiments import mismatch_train as mt  # noqa: E402
+from experiments.preregistrations import preregistered_rules  # noqa: E402
 
-# ------------------------------------------------------------------------------------------------ pre-registration 20
-# Written and committed 2026-11-27 (commit ba288ee, 14:27:50 UTC) BEFORE any run on SEEDS or HELD_OUT. The analysis
-# reads only these.
-# One timing pilot (disclosed, not analysed): seed 99 (outside both), M1 and M0, two at a time on the quiet 2-core
-# CPU, 23 s each; TRL's bf16 engine at top_p 0.8 (the weight sync reaching it: TRL's logged
-# sampling_logp_difference stayed 6.6e-3-1.5e-2 over the 30 steps). PILOT = arm: (per-token KL, T*KL, TRL's
-# sampling_logp_difference, kept_mass_mean, score).
+# -------------------- pre-registration 20: experiments/preregistrations/20-s3v-real-engine-top-p.md
 SCENARIO = "S3V"
 TOP_P = mt.S3_TOP_P  # 0.8: experiment P's level, so this replicates P on the real engine
 STEPS = mt.S3_STEPS  # 30
@@ -87,93 +81,19 @@ FAMILY_ARMS = ("M1", "M1p", "M3", "M2")
 FAMILY = ((SCENARIO, "M1p"), (SCENARIO, "M3"), (SCENARIO, "M2"), (SCENARIO, "M0"))  # each - M1, Holm over 4
 DEADLINE_UTC = "16:40"
 PILOT = {"M1": (9.10e-3, 0.45, 8.72e-3, None, 0.654), "M0": (1.03e-2, 0.50, None, 0.991, 0.638)}
-RULES_20 = """Pre-registration 20 (S3 on the real vLLM engine: does any correction help under top-p sampling?).
-1. Cost check first: on_policy (a float32 engine at top_p 1: the policy samples itself) and M0 (no correction, the
-   bf16 engine at top_p 0.8, as every family arm) on seeds 220-229. The mismatch counts iff on_policy - M0 > 0 with
-   paired t p < 0.05 AND exact sign-flip p < 0.05. If it does not count, no family arm runs: the result is "top-p
-   0.8 on the real engine cost nothing measurable here", reported with TOST (+-0.02) of on_policy - M0.
-2. Only if (1) counts: M1, M1p, M3, M2 on seeds 220-229, seed by seed. Family {M1p, M3, M2, M0} - M1 (TRL's default
-   by TRL's GRPOTrainer), Holm over the 4 (exact sign-flip p's; the paired-t p's adjusted the same way beside them);
-   a method is CONFIRMED iff its difference is positive with both Holm p < 0.05.
-3. Held out, only if (1) counts: on_policy and M0 on seeds 230-234 (the cost is confirmed iff its mean
-   keeps its sign; experiment P's did not); and, only for a confirmed row (the largest), that method and M1 on
-   230-234 (it survives iff its mean difference keeps its sign). With 5 seeds the two-sided sign-flip p cannot go
-   below 0.0625: the sign is the test.
-4. Reported, not deciding: per-token KL(top-p(pi) || pi) and T*KL of every run (measured the same way for every arm,
-   beside experiment P's stand-in values 8.6e-3 and 0.42: the stand-in's fidelity), TRL's logged
-   sampling_logp_difference, this package's kept_mass_mean, collapses (Fisher vs M1), Fieller gap closed where the
-   gap counts.
-5. Decisions: a confirmed and surviving method becomes the README's and the monitor's advice for truncated sampling
-   at this regime (per-token KL, T*KL stated); otherwise the docs keep saying that no correction helps under top-p
-   and the experiment-P text gains this real-engine row. The package default is not changed by this experiment.
-Order: (1), then (2) seed by seed, then (3); two runs at a time; whatever the deadline (16:40 UTC) cuts is reported
-as not run."""
+RULES_20 = preregistered_rules(20)  # the rules as the document states them
 
 
-# ------------------------------------------------------------------------------------------------ pre-registration 21
-# Written and committed 2026-11-27 after pre-registration 20's result (the cost of top-p 0.8 counted on seeds 220-229,
-# +0.059, and held on 230-234, +0.079; no correction recovered any of it) and BEFORE any run of the arm below or of
-# the second score. Pre-registration 20's on_policy differs from M0 in two things: top_p (1 vs 0.8) AND the engine's
-# dtype (float32 vs TRL's auto, bf16). Which one costs? And does the cost hold when the policy is served at top-p?
-RULES_21 = """Pre-registration 21 (which part of S3V's cost is the truncation, and does it hold when served at top-p?).
-1. New arm full_bf16: this package's trainer, no correction, the bf16 engine (TRL's auto) at top_p 1 (M0's engine
-   without the truncation). Seeds 220-234 (15), paired with M0.
-2. A second score, score_top_p: the held-out reward of the policy sampled at top_p 0.8 (as a top-p server would
-   serve it; same prompts, seed and evaluations as the score). Recorded for on_policy, M0 and full_bf16, which run
-   again on seeds 220-234 into a new folder: runs are bit-reproducible here (checked on M0 and M1, seed 220: score,
-   curve and last loss equal), so each re-run's score must equal pre-registration 20's committed one; a run that
-   does not is reported and its pre-registration 20 value is kept for the score.
-3. Family, Holm over these 2, each confirmed iff positive with both Holm p < 0.05 (exact sign-flip and paired t):
-   H1: full_bf16 - M0 on the score (the truncation, not the bf16 engine, is the cost);
-   H2: on_policy - M0 on score_top_p (the cost holds when the policy is served at top_p 0.8).
-   A row that is not confirmed is reported with TOST (+-0.02).
-4. Held out: only if H1 is confirmed, full_bf16 and M0 on seeds 235-239 (never run); H1 survives iff the mean keeps
-   its sign.
-5. Reported, not deciding: full_bf16 - on_policy (the bf16 engine alone) with TOST (+-0.02).
-6. Decisions: if H1 is confirmed and survives, the README, docs/engines.md and the trainer's one-time start-up
-   message for a truncating sampler say: training at top_p 0.8 cost this reward here (T = 49, per-token KL ~8e-3,
-   T*KL ~0.4, a 465k-parameter model), no correction recovered any of it, sample training rollouts at top_p 1 when
-   the policy is evaluated or served on the full distribution; and, by H2, whether it also cost when served at
-   top-p (confirmed, or TOST-equivalent, or undecided). If H1 is not confirmed, the advice names neither part.
-Order: (1)-(2) seed by seed, then (4). Deadline 15:40 UTC."""
+# -------------------- pre-registration 21: experiments/preregistrations/21-s3v-which-part.md
+RULES_21 = preregistered_rules(21)  # the rules as the document states them
 SEEDS_21 = tuple(range(220, 235))
 HELD_OUT_21 = tuple(range(235, 240))
 ARMS_21 = ("on_policy", "M0", "full_bf16")
 FAMILY_21 = (("H1", "full_bf16", "M0", "score"), ("H2", "on_policy", "M0", "score_top_p"))  # (name, arm, ref, score)
 
 
-# ------------------------------------------------------------------------------------------------ pre-registration 23
-# Written and committed 2026-11-27 (before 18:00 UTC; the commit's time is the record) BEFORE any run of the arms
-# below. The trainer's start-up advice for a truncating sampler is measured for top-p only (pre-registrations 20-21)
-# and names top-k as "not measured". Does top-k truncation cost reward in training on the real engine too?
-# Pilot (disclosed, not analysed; no training): seed 99's warm model (outside every seed set), held-out prompts,
-# per-token KL(top-k(pi) || pi) by K: 1: 1.10e-2 (greedy: every completion of a prompt the same, GRPO learns
-# nothing), 2: 2.88e-3, 3: 2.14e-3, 5: 1.56e-3, 10: 1.10e-3; top-p 0.8: 8.19e-3 (T*KL 0.40). TOP_K = 2: the
-# strongest truncation that still samples (its T*KL 0.14, about a third of top-p 0.8's).
-RULES_23 = """Pre-registration 23 (top-k truncation on the real vLLM engine: does it cost; does TRL's default help?).
-1. New arms, on the bf16 engine (TRL's auto) at top_p 1 and top_k 2: topk_M0 (this package's trainer, no
-   correction) and topk_M1 (TRL's default, sequence_mask C=3, by TRL's unmodified GRPOTrainer). Seeds 220-234 (15),
-   seed by seed, two runs at a time.
-2. Reference: full_bf16 (pre-registration 21: the same engine at top_p 1, top_k 0, no correction), its committed
-   runs on 220-239 (benchmarks/results/vllm_truncation_21_results.csv). Runs are bit-reproducible here: full_bf16
-   re-runs on seeds 220 and 221 first; if either score differs from the committed one, full_bf16 re-runs on every
-   seed used and the re-runs are the reference.
-3. Family, Holm over these 2 (exact sign-flip and paired t, each adjusted), each confirmed iff positive with both
-   Holm p < 0.05:
-   K1: full_bf16 - topk_M0 on the score (top-k 2 costs reward in training);
-   K2: topk_M1 - topk_M0 on the score (TRL's default recovers some of it).
-   A row not confirmed is reported with TOST (+-0.02).
-4. Held out: only if K1 is confirmed, topk_M0 on seeds 235-239 against full_bf16's committed runs there; K1
-   survives iff the mean difference keeps its sign. Only if K2 is confirmed, topk_M1 on 235-239 (survives iff
-   topk_M1 - topk_M0 keeps its sign).
-5. Reported, not deciding: per-token KL(top-k(pi) || pi) and T*KL of every run (the same computation as 20-21's
-   top-p regime, with top-k), TRL's sampling_logp_difference (topk_M1), this package's kept_mass_mean (topk_M0).
-6. Decisions: the trainer's start-up advice stops calling top-k "not measured". If K1 is confirmed and survives, it
-   says top-k truncation cost reward here too (the difference, the regime); if not, it says what was measured (the
-   difference and its interval, the regime, TOST) and that a cost was not shown. min_p stays "not measured". If K2 is
-   confirmed and survives, the advice names TRL's default as recovering part of it (with the number); otherwise the
-   advice keeps saying that no correction recovered the cost of truncation. The package default is not changed.
-Order: (2)'s two re-runs, then (1) seed by seed, then (4). Deadline 18:50 UTC; what it cuts is reported as not run."""
+# -------------------- pre-registration 23: experiments/preregistrations/23-s3v-top-k.md
+RULES_23 = preregistered_rules(23)  # the rules as the document states them
 SEEDS_23 = tuple(range(220, 235))
 HELD_OUT_23 = tuple(range(235, 240))
 ARMS_23 = ("topk_M0", "topk_M1")
@@ -182,34 +102,8 @@ FAMILY_23 = (("K1", "full_bf16", "topk_M0"), ("K2", "topk_M1", "topk_M0"))  # (n
 RESULTS_23 = os.path.join(HERE, "results", "vllm_truncation_23_results.csv")  # pre-registration 23's runs
 
 
-# ------------------------------------------------------------------------------------------------ pre-registration 24
-# Written and committed 2026-11-27 after pre-registration 23's result (top_k 2, at a third of top_p 0.8's per-token
-# KL, showed no cost) and BEFORE any run of the arms below. Is it the strength of the truncation or its rule? min-p at
-# top_p 0.8's strength answers that, and measures min-p, which the advice calls "not measured".
-# Pilot (disclosed, not analysed; no training): seed 99's warm model, held-out prompts, per-token KL(min-p(pi) || pi)
-# by min_p: 0.01: 5.10e-3, 0.05: 6.48e-3, 0.1: 7.33e-3, 0.2: 7.94e-3, 0.3: 8.54e-3, 0.5: 1.00e-2; top-p 0.8: 8.19e-3.
-# MIN_P = 0.2: the closest to top_p 0.8's (T*KL 0.39 against 0.40).
-RULES_24 = """Pre-registration 24 (min-p at top-p 0.8's strength on the real vLLM engine: does it cost like top-p?).
-1. New arms, on the bf16 engine (TRL's auto) at top_p 1 and min_p 0.2: minp_M0 (this package's trainer, no
-   correction) and minp_M1 (TRL's default, sequence_mask C=3, by TRL's unmodified GRPOTrainer). Seeds 220-234 (15),
-   seed by seed, two runs at a time.
-2. Reference: full_bf16's committed runs (pre-registration 21), re-run bit for bit on seeds 220 and 221 by
-   pre-registration 23; here full_bf16 re-runs on seed 222 first, and if it differs from the committed score,
-   full_bf16 re-runs on every seed used and the re-runs are the reference.
-3. Family, Holm over these 2 (exact sign-flip and paired t, each adjusted), each confirmed iff positive with both
-   Holm p < 0.05:
-   P1: full_bf16 - minp_M0 on the score (min-p 0.2 costs reward in training);
-   P2: minp_M1 - minp_M0 on the score (TRL's default recovers some of it).
-   A row not confirmed is reported with TOST (+-0.02).
-4. Held out: only if P1 is confirmed, minp_M0 on seeds 235-239 against full_bf16's committed runs there; P1 survives
-   iff the mean difference keeps its sign. Only if P2 is confirmed, minp_M1 on 235-239 likewise.
-5. Reported, not deciding: per-token KL(min-p(pi) || pi) and T*KL of every run, TRL's sampling_logp_difference
-   (minp_M1), this package's kept_mass_mean (minp_M0).
-6. Decisions: the trainer's start-up advice stops calling min-p "not measured". If P1 is confirmed and survives, it
-   says min-p truncation cost reward here too (the difference, the regime) and, with top-k's null at a third of the
-   KL, that the truncation's strength (its per-token KL) is what the advice keys on; if not, it says what was
-   measured and that a cost was not shown. P2 as K2 in pre-registration 23. The package default is not changed.
-Order: (2)'s re-run, then (1) seed by seed, then (4). Deadline 19:20 UTC; what it cuts is reported as not run."""
+# -------------------- pre-registration 24: experiments/preregistrations/24-s3v-min-p.md
+RULES_24 = preregistered_rules(24)  # the rules as the document states them
 SEEDS_24 = tuple(range(220, 235))
 HELD_OUT_24 = tuple(range(235, 240))
 ARMS_24 = ("minp_M0", "minp_M1")
@@ -294,7 +188,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.async_mismatch import freeze_added_bias, served_model
+    from experiments.async_mismatch import freeze_added_bias, served_model
     from trl_rollout_corr.core.metric_names import metric
     from trl_rollout_corr.testing.psum_task import psum_prompts
     from trl_rollout_corr.trl_hooks.vllm import colocated_llm, vllm_generation
@@ -653,33 +547,25 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    running: list[tuple[subprocess.Popen, str, int, str]] = []
+    from experiments.pool import Job, run_processes
 
-    def finish(proc, arm, seed, path):
-        proc.wait()
-        if proc.returncode != 0:
-            with open(path + ".log") as f:
-                print(f"{arm} seed {seed} failed ({path}.log):\n{f.read()[-3000:]}", file=sys.stderr, flush=True)
+    def finish(job, returncode, seconds, done, stderr_tail):
+        arm, seed, path = job.label.split(":", 2)
+        if returncode != 0:
+            print(f"{arm} seed {seed} failed ({path}.log):\n{stderr_tail}", file=sys.stderr, flush=True)
             return
         r = json.load(open(path))
         print(f"{arm:10s} seed={seed} score={r['score']:.3f} kl={r['kl_token']:.2e} t_kl={r['t_kl']:.2f} "
               f"{r['engine_dtype']} {r['seconds']:.0f}s", flush=True)
 
+    workers = []
     for arm, seed in todo:
-        while len(running) >= a.jobs:
-            for item in list(running):
-                if item[0].poll() is not None:
-                    running.remove(item)
-                    finish(*item)
-            time.sleep(1)
         path = run_path(a.out, arm, seed)
         cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, *(["--smoke"] if a.smoke else []),
                "--worker", arm, str(seed), path]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".log", "w") as log:  # vLLM's and the trainer's output, one file per run
-            running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), arm, seed, path))
-    for item in running:
-        finish(*item)
+        # vLLM's and the trainer's output, one file per run
+        workers.append(Job(cmd, f"{arm}:{seed}:{path}", env, log=path + ".log"))
+    run_processes(workers, a.jobs, on_done=finish, poll_seconds=1.0)
     print(REPORTS[a.experiment](a.out))
 
 

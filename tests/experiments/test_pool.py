@@ -1,0 +1,55 @@
+"""experiments/pool.py, the one runner of N worker processes J at a time: the bound holds, every job runs once in
+order, a failure's output reaches the report, a log file keeps stdout and stderr, bad ``parallel`` is refused."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from experiments.pool import Job, run_processes
+
+SLEEPER = "import sys, time; open(sys.argv[1], 'w').write(str(time.time())); time.sleep(0.4); " \
+          "open(sys.argv[1], 'a').write(' ' + str(time.time()))"
+
+
+def test_at_most_parallel_jobs_run_at_once_and_each_runs_once(tmp_path):
+    paths = [tmp_path / f"{i}.txt" for i in range(5)]
+    ended = []
+    codes = run_processes([Job([sys.executable, "-c", SLEEPER, str(p)], p.name) for p in paths], 2,
+                          on_done=lambda job, code, seconds, done, err: ended.append((job.label, code, done)),
+                          poll_seconds=0.05)
+    assert codes == {p.name: 0 for p in paths}
+    assert sorted(label for label, _, _ in ended) == sorted(p.name for p in paths)
+    assert [done for _, _, done in ended] == [1, 2, 3, 4, 5]
+    spans = [tuple(map(float, p.read_text().split())) for p in paths]
+    starts = sorted(s for s, _ in spans)
+    assert starts == [s for s, _ in spans]  # started in the given order
+    for t in starts:  # at every start, the jobs running then (started, not yet ended) number at most 2
+        assert sum(1 for s, e in spans if s <= t < e) <= 2
+    assert max(sum(1 for s, e in spans if s <= t < e) for t in starts) == 2  # and the pool did use 2
+
+
+def test_a_failure_reports_its_stderr_and_the_others_still_run(tmp_path, capsys):
+    fail = Job([sys.executable, "-c", "import sys; sys.stderr.write('x' * 100000 + 'the end'); sys.exit(3)"], "bad")
+    ok = Job([sys.executable, "-c", "print('fine')"], "good")
+    t0 = time.time()
+    assert run_processes([fail, ok], 1, poll_seconds=0.05) == {"bad": 3, "good": 0}
+    assert time.time() - t0 < 60  # 100 kB of stderr (more than a pipe's buffer) does not block the worker
+    out = capsys.readouterr().out
+    assert "FAILED bad (exit 3)" in out and out.split("FAILED bad (exit 3):\n")[1].split("\n")[0].endswith("the end")
+    assert "[2] good" in out
+
+
+def test_a_log_file_keeps_stdout_and_stderr(tmp_path):
+    log = tmp_path / "sub" / "run.log"
+    job = Job([sys.executable, "-c", "import sys; print('out'); sys.stderr.write('err\\n')"], "logged", log=str(log))
+    assert run_processes([job], 1, on_done=lambda *a: None, poll_seconds=0.05) == {"logged": 0}
+    assert log.read_text().split() == ["out", "err"] or sorted(log.read_text().split()) == ["err", "out"]
+
+
+@pytest.mark.parametrize("parallel", [0, -1, 1.5])
+def test_bad_parallel_is_refused_naming_the_option(parallel):
+    with pytest.raises(ValueError, match="--jobs"):
+        run_processes([], parallel)
