@@ -192,11 +192,13 @@ def _engine_dtype(trainer, engine: str) -> str:
     return str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
 
 
-def run_probe(seed: int, out_path: str, out_dir: str, size: dict, engine: str, batches: int) -> dict:
+def run_probe(seed: int, out_path: str, out_dir: str, size: dict, engine: str, batches: int, probe_tools) -> dict:
     """Step 1: the probe on the user's setting (:data:`USER_ARM`, seed ``seed``'s warm model), ``batches``
-    generation batches; writes ``probe/probe.json`` and ``probe/probe.png`` and the demo's summary of it."""
-    from ..cli.probe import probe, write_report
+    generation batches; writes ``probe/probe.json`` and ``probe/probe.png`` and the demo's summary of it.
 
+    ``probe_tools``: ``(probe, write_report)`` of :mod:`trl_rollout_corr.cli.probe`, passed in by the command
+    (``trl-rollout-corr demo-probe``, the probe worker): the CLI imports the demo, not the other way round."""
+    probe, write_report = probe_tools
     _quiet()
     with tempfile.TemporaryDirectory() as tmp:
         trainer, _, _, _ = _prepared(USER_ARM, seed, out_dir, size, tmp, engine, [])
@@ -253,6 +255,8 @@ def run_all(arms: list[str], seeds: list[int], size_name: str, engine: str, out_
               file=sys.stderr, flush=True)
         subprocess.run([*base, "--worker", "base"], env=env, check=True)
         print(f"base model: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    # the probe's worker runs through the command (it needs cli.probe, which the demo does not import)
+    probe_cmd = [sys.executable, "-m", "trl_rollout_corr", "demo-probe", *base[3:]]
     todo = []
     if probe_batches > 0:
         todo.append(("probe", seeds[0], os.path.join(out_dir, "runs", "probe.json")))
@@ -263,8 +267,8 @@ def run_all(arms: list[str], seeds: list[int], size_name: str, engine: str, out_
         while todo or running:
             while todo and len(running) < jobs:
                 arm, seed, path = todo.pop(0)
-                cmd = [*base, "--worker", arm, "--seed", str(seed), "--out", path, "--probe_batches",
-                       str(probe_batches)]
+                cmd = [*(probe_cmd if arm == "probe" else base), "--worker", arm, "--seed", str(seed), "--out", path,
+                       "--probe_batches", str(probe_batches)]
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path + ".log", "w") as log:  # vLLM's and the trainer's output, one file per run
                     running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), path))
@@ -316,7 +320,8 @@ def summarize(probe_result: dict | None, runs: list[dict], arms: list[str], out_
     by_arm = {arm: sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"]) for arm in arms}
     row = place(TOP_P, None, probe_result["kept_mass_mean"] if probe_result else None)
     engine_text = ("the real vLLM CPU engine, colocated as TRL launches it" if engine == "vllm" else
-                   "an EMULATED engine (vLLM is not installed: TRL's transformers generation, float32)")
+                   "an EMULATED engine (--engine emulated, what auto picks without vLLM: TRL's transformers "
+                   "generation, float32)")
     steps = runs[0]["steps"]
     lines = [f"Scenario: GRPO on the running-prefix-sum task (T = 49 tokens at full size), a 465k-parameter model, "
              f"{engine_text}; rollouts sampled at top_p {TOP_P:g}: your setting. A demonstration on 2 CPU cores; "
@@ -469,8 +474,9 @@ def plot(by_arm: dict, path: str) -> bool:
     return True
 
 
-def main(argv: list[str]) -> None:
-    """A worker (``--worker base|probe|ARM``): one process per run, as the driver starts them."""
+def main(argv: list[str], probe_tools=None) -> None:
+    """A worker (``--worker base|probe|ARM``): one process per run, as the driver starts them (``probe`` through
+    ``trl-rollout-corr demo-probe``, which passes ``probe_tools``: :func:`run_probe`)."""
     import argparse
 
     p = argparse.ArgumentParser()
@@ -486,7 +492,9 @@ def main(argv: list[str]) -> None:
     if a.worker == "base":
         task.build_base(a.out_dir, size)
     elif a.worker == "probe":
-        run_probe(a.seed, a.out, a.out_dir, size, a.engine, a.probe_batches)
+        if probe_tools is None:
+            raise SystemExit("the probe's worker runs as `trl-rollout-corr demo-probe --worker probe ...`")
+        run_probe(a.seed, a.out, a.out_dir, size, a.engine, a.probe_batches, probe_tools)
     else:
         run_arm(a.worker, a.seed, a.out, a.out_dir, size, a.engine)
 
