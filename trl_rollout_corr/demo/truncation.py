@@ -64,11 +64,12 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OF
 
 
 def place(top_p: float, min_p: float | None, kept_mass: float | None) -> Verdict:
-    """The verdict row a run falls on, from its sampler settings and the probe's measured kept mass: the
-    ``truncating-sampler`` row when the sampler truncates (``top_p`` < 1 or ``min_p`` > 0) and the probe measured it
-    (kept mass < 1), else the ``default`` row (the demo runs no stale or asynchronous engine, the other rows' cases)."""
+    """The verdict row a run falls on, from its sampler settings and the probe's measured kept mass (None: not
+    measured): the ``truncating-sampler`` row when the sampler truncates (``top_p`` < 1 or ``min_p`` > 0) unless the
+    probe found it keeping the whole distribution (kept mass 1), else the ``default`` row (the demo runs no stale or
+    asynchronous engine, the other rows' cases)."""
     truncates = top_p < 1 or bool(min_p)
-    if truncates and kept_mass is not None and kept_mass < 1:
+    if truncates and (kept_mass is None or kept_mass < 1):
         return verdict("truncating-sampler")
     return verdict("default")
 
@@ -412,11 +413,13 @@ def verdict_text(row: Verdict, runs: list[dict], arms: list[str], engine: str) -
              f"   measured:  T {row.T}; per-token KL {row.per_token_kl}; T·KL {row.t_kl}; {row.model}; "
              f"{row.trainer}",
              f"   evidence:  {row.confirmation}"]
+    note = ["(Emulated engine: the row was measured on the real vLLM engine, not on this one.)"] if engine != "vllm" \
+        else []
     if row.key != "truncating-sampler" or USER_ARM not in arms or ADVICE_ARM not in arms:
-        return lines, None
+        return lines + note, None
     d = paired(runs, ADVICE_ARM, USER_ARM)
     if len(d) < 2:
-        return lines + ["This run has too few seeds to compare the advice with your setting."], None
+        return lines + ["This run has too few seeds to compare the advice with your setting.", *note], None
     mean, up, p = statistics.fmean(d), sum(x > 0 for x in d), sign_flip_p(d)
     agrees = mean > 0
     lines.append(f"This run: top_p 1 - top_p {TOP_P:g} (TRL's default both) {mean:+.3f} held-out reward, higher on "
@@ -436,9 +439,7 @@ def verdict_text(row: Verdict, runs: list[dict], arms: list[str], engine: str) -
         lines.append(f"The demo does NOT agree with the verdict on these seeds: top_p 1 did not train better here. "
                      f"{len(d)} seeds cannot overturn the row either (the smallest two-sided sign-flip p of "
                      f"{len(d)} pairs is {floor:.3g}); see {row.evidence}.")
-    if engine != "vllm":
-        lines.append("(Emulated engine: the row was measured on the real vLLM engine, not on this one.)")
-    return lines, agrees
+    return lines + note, agrees
 
 
 def plot(by_arm: dict, path: str) -> bool:
