@@ -381,11 +381,13 @@ def summarize(probe_result: dict | None, runs: list[dict], arms: list[str], out_
             lines.append(f"   monitor alerts, {arm}: {_alerts(by_arm[arm])} (per seed; – = quiet)")
     picture = plot(by_arm, os.path.join(out_dir, "demo_curves.png"))
     lines += ["", "4. Picture and numbers: " + ", ".join(
-        os.path.join(out_dir, f) for f in (["demo_curves.png"] if picture else []) + ["demo_results.csv",
-                                                                                      "demo_summary.json"])
+        os.path.join(out_dir, f) for f in (["demo_curves.png"] if picture else [])
+        + ["demo_results.csv", "demo_table.md", "demo_summary.json"])
               + (f", {os.path.join(out_dir, 'probe')}/probe.json, probe.png" if probe_result else "")]
     verdict_lines, agrees = verdict_text(row, runs, arms, engine)
     lines += ["", *verdict_lines]
+    with open(os.path.join(out_dir, "demo_table.md"), "w") as f:
+        f.write(markdown_table(runs, arms) + "\n")
     with open(os.path.join(out_dir, "demo_results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(csv_rows[0]))
         writer.writeheader()
@@ -395,6 +397,30 @@ def summarize(probe_result: dict | None, runs: list[dict], arms: list[str], out_
                    "agrees_with_verdict": agrees, "arms": csv_rows,
                    "runs": [{k: r[k] for k in ("arm", "seed", "score", "curve", "engine_dtype", "alerts",
                                                "kl_token", "t_kl", "seconds")} for r in runs]}, f, indent=1)
+    return "\n".join(lines)
+
+
+def markdown_table(runs: list[dict], arms: list[str]) -> str:
+    """The runs as the README's and docs/demo.md's table (``demo_table.md``): per arm the mean ± sd and each seed's
+    score, the paired difference from the user's setting (and on how many seeds it is positive), the logged kept mass
+    and rollout_corr/kl, and the monitor's alerts per seed."""
+    seeds = sorted({r["seed"] for r in runs})
+    lines = [f"| arm | top_p | held-out reward (mean ± sd) | per seed ({' '.join(map(str, seeds))}) | vs your setting "
+             "(seeds higher) | kept mass | kl (k1) | monitor alerts (per seed) |", "|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        rs = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        scores = [r["score"] for r in rs]
+        m, sd = statistics.fmean(scores), (statistics.stdev(scores) if len(scores) > 1 else 0.0)
+        d = paired(runs, arm, USER_ARM)
+        vs = "—" if arm == USER_ARM or not d else \
+            f"{statistics.fmean(d):+.3f} ({sum(x > 0 for x in d)} of {len(d)})".replace("-", "−")
+        kept = statistics.fmean(r["kept_mass_mean"] for r in rs)
+        kl = statistics.fmean(r["rollout_kl"] for r in rs)
+        name = {USER_ARM: f"{arm} (your setting)", ADVICE_ARM: f"**{arm}** (the verdict's advice)"}.get(arm, arm)
+        lines.append(f"| {name} | {ARMS[arm][2]:g} | {m:.3f} ± {sd:.3f} | {' '.join(f'{x:.3f}' for x in scores)} | "
+                     f"{vs} | {f'{kept:.4f}' if math.isfinite(kept) else '—'} | {kl:.1e} | {_alerts(rs)} |")
     return "\n".join(lines)
 
 
