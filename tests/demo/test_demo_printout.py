@@ -83,6 +83,9 @@ def test_the_printout_quotes_the_row_and_agrees_by_its_own_numbers(tmp_path):
         rows = {r["arm"]: r for r in csv.DictReader(f)}
     assert set(rows) == set(t.ARMS)
     assert float(rows[t.ADVICE_ARM]["vs_your_setting_mean"]) == pytest.approx(0.04)
+    table = (tmp_path / "demo_table.md").read_text().splitlines()  # the README's and docs/demo.md's table
+    assert table[0].startswith("| arm | top_p |") and len(table) == 2 + len(t.ARMS)
+    assert "| +0.040 (5 of 5) |" in next(line for line in table if t.ADVICE_ARM in line)
     pytest.importorskip("matplotlib")
     assert (tmp_path / "demo_curves.png").stat().st_size > 10_000
 
