@@ -37,11 +37,11 @@ def test_invalid_combination_from_command_line_fails_at_parse():
 def test_cpu_demo_recipe_and_a_short_demo_run(tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "trl_rollout_corr", "demo", "--config", os.path.join(ROOT, "recipes", "cpu_demo.yaml"),
-           "--variants", "on_policy,pg_is", "--seeds", "0", "--steps", "4", "--eval_every", "2", "--engine", "stale",
-           "--output_dir", str(out)]  # the default (vLLM) engine runs in tests/demo/test_demo_numbers.py
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "--arms", "trl_default_top_p_0.8", "--seeds", "230", "--size", "tiny", "--probe_batches", "0", "--engine",
+           "emulated", "--output_dir", str(out)]  # the default (vLLM) engine runs in tests/demo/test_demo_numbers.py
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "held-out reward" in res.stdout and "pg_is" in res.stdout
+    assert "held-out reward" in res.stdout and "trl_default_top_p_0.8" in res.stdout
     assert (out / "demo_results.csv").exists() and (out / "demo_curves.png").exists()
 
 

@@ -1,7 +1,9 @@
 """The ``trl-rollout-corr`` command.
 
-    trl-rollout-corr                         the embedded CPU demo (stale sampler: uncorrected vs corrected)
-    trl-rollout-corr demo [--steps ...]      the same, with options (see ``demo --help``)
+    trl-rollout-corr                         the main job, on CPU: measure a top_p 0.8 vLLM engine with the probe,
+                                             place it on the verdict table, train TRL's default next to what the
+                                             row recommends (top_p 1), watch the monitor, draw the curves
+    trl-rollout-corr demo [--seeds ...]      the same, with options (see ``demo --help``, docs/demo.md)
     trl-rollout-corr demo --int8_diagnostics the short INT8-sampler diagnostics mode
     trl-rollout-corr train --config recipes/decoupled_token_is.yaml [--field value ...]
                                              train a model: every `trl grpo` argument (model, PEFT, quantization,
@@ -65,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
         from ..demo import run_demo_cli
 
         run_demo_cli(rest)
+    elif command == "demo-probe":  # the demo's probe worker (started by the demo; the probe lives in cli/)
+        from ..demo.truncation import main as demo_worker
+        from .probe import probe, write_report
+
+        demo_worker(rest, probe_tools=(probe, write_report))
     elif command == "train":
         from .train import main as train
 
