@@ -41,14 +41,15 @@ def sample(seed: int = 0):
 
 
 def runs() -> list[Any]:
-    """The pipeline with every criterion on, in its two IS forms and M2PO's trust-region scope."""
+    """The pipeline with every criterion on, in its two IS forms, M2PO's trust-region scope and DPPO."""
     old, rollout, mask = sample()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0])  # (B,)
     return [compute_rollout_correction_stats(old, rollout, mask, **EVERYTHING, advantages=adv),
             compute_rollout_correction_stats(old, rollout, mask, rollout_is="sequence", rollout_is_batch_normalize=True,
                                              rollout_rs="geometric", rollout_rs_threshold=1.1),
             compute_rollout_correction_stats(old, rollout, mask, rollout_m2_threshold=0.01,
-                                             rollout_m2_scope="trust_region", advantages=adv)]
+                                             rollout_m2_scope="trust_region", advantages=adv),
+            compute_rollout_correction_stats(old, rollout, mask, rollout_dppo="binary_kl", advantages=adv)]
 
 
 # ---------------------------------------------------------------- fields: declared once, every config derived
