@@ -278,3 +278,22 @@ def test_each_step_matches_the_float64_gradient_of_the_field_s_loss(tmp_path, di
     assert len(logged) == 2 and any(log[P + "rollout_dppo_masked_fraction"] > 0 for log in logged)
     assert all(math.isfinite(log[P + f"rollout_dppo_{m}"]) for log in logged for m in (
         "masked_fraction_pos", "masked_fraction_neg", "divergence_mean", "divergence_max"))
+
+
+def test_two_processes_give_the_one_process_step(tmp_path):
+    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process: the update,
+    grad_norm and every metric of one process (``tests/grpo/test_invariance.py``'s case ``dppo_tv_bypass_dapo``; the
+    mask is per token, so the correction stays in the loss in every split)."""
+    import sys
+
+    from tests.grpo.test_distributed import _free_port
+    from tests.grpo.test_invariance import assert_same_step, run_worker
+
+    case = "dppo_tv_bypass_dapo"
+    results = run_worker(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                    "--master_port", str(_free_port())], ["--cases", case])
+    assert set(results[case]) == {"4x1", "2x2", "1x4"}
+    assert all("MULTI_CPU" in run["distributed_type"] for run in results[case].values())
+    assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == [False] * 3
+    assert all(run["metrics"][P + "rollout_dppo_masked_fraction"] > 0 for run in results[case].values())
+    assert_same_step(case, tmp_path, results[case])
