@@ -51,8 +51,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     ``decoupled_token_is``. The trainers' configs do not start from it: each names its own default preset
     (``_RC_DEFAULT_PRESET``; docs/trainer.md, "The default correction").
 
-    The criteria's fields (``rollout_is`` ... ``rollout_m2_scope``) are declared, with their type, default, help and
-    check, in their criterion's file (the list in ``trl_rollout_corr/core/criteria.py``); the three that are no
+    The criteria's fields (``rollout_is`` ... ``rollout_dppo_mask_high``) are declared, with their type, default, help
+    and check, in their criterion's file (the list in ``trl_rollout_corr/core/criteria.py``); the three that are no
     criterion's (the mode: ``rollout_rs_exclude_from_baseline``, ``bypass_mode``, ``use_policy_gradient``) follow
     them, declared once in :data:`MODE_FIELDS`. Every field's meaning: docs/trainer.md, "Configuration fields". Presets:
     ``from_preset(name)`` or ``RolloutCorrectionConfig.<name>(...)`` (``trl_rollout_corr.config.presets``).
@@ -67,11 +67,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     Papers behind the fields are listed in docs/concepts.md (References): truncated IS (IMPALA, arXiv:1802.01561;
     Yao et al.'s TIS), decoupled mode (Hilton et al., arXiv:2110.00641), rejection and the veto (Liu, Li et al.,
-    "When Speed Kills Stability"; verl), IcePop (arXiv:2510.18855), M2PO (arXiv:2510.01161), the k1/k2/k3 criteria
-    (Schulman, "Approximating KL Divergence").
+    "When Speed Kills Stability"; verl), IcePop (arXiv:2510.18855), M2PO (arXiv:2510.01161), DPPO
+    (arXiv:2602.04879), the k1/k2/k3 criteria (Schulman, "Approximating KL Divergence").
     """
 
-    # the criteria's fields (rollout_is ... rollout_m2_scope) come first, declared in each criterion's file
+    # the criteria's fields (rollout_is ... rollout_dppo_mask_high) come first, declared in each criterion's file
     # (trl_rollout_corr/core/criteria.py lists them); then MODE_FIELDS, the fields that are no criterion's
 
     PRESETS: ClassVar[tuple[str, ...]] = tuple(PRESET_TABLE)  # this package's presets; verl's: preset_names()
@@ -186,8 +186,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @property
     def zeroes_advantages(self) -> bool:
-        """Whether M2PO's trust-region mask can set a token's advantage to 0 (the token kept in the loss's count):
-        the trainers then hand the core the advantages."""
+        """Whether a criterion (M2PO's trust-region mask, DPPO) can set a token's advantage to 0 (the token kept in the
+        loss's count): the trainers then hand the core the advantages."""
         return any(criterion.zeroes_advantages(self) for criterion in CRITERIA)
 
     def params(self) -> CorrectionParams:

@@ -28,7 +28,7 @@ class RolloutCorrection(NamedTuple):
     modified_response_mask: torch.Tensor  # (B, T), same dtype as the input mask
     stats: RolloutStats
     # (B, T) 0/1 in the mask's dtype: multiplies the advantage in every mode, the token kept in the loss's count
-    # (M2PO's trust-region mask, rollout_m2_scope="trust_region"); None: nothing to zero
+    # (M2PO's trust-region mask, DPPO's mask: every criterion that zeroes advantages, combined); None: nothing to zero
     advantage_mask: torch.Tensor | None = None
 
 
@@ -148,7 +148,7 @@ def compute_rollout_correction_stats(
         if advantages is not None:  # "does it hurt?": the share of |A| the correction pinned or dropped
             dropped = ~keep | state.weight_zeroed  # (B, T)
             if advantage_mask is not None:
-                dropped = dropped | ~advantage_mask.bool()  # (B, T) M2PO's zeroed advantages
+                dropped = dropped | ~advantage_mask.bool()  # (B, T) the zeroed advantages
             stats.update(gradient_share_stats(advantages, input_mask, state.pinned & ~dropped, dropped))
         is_weights = state.is_weights  # (B, T) or None
         if is_weights is not None:
