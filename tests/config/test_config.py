@@ -21,6 +21,9 @@ PRESETS = {
     "decoupled_token_band_rs": (None, 2.0, False, "token", 2.0, 0.5, None, False, False, None, "truncate"),
     "m2po": (None, 2.0, False, None, None, None, None, False, False, None, "truncate"),
     "trl_default": ("sequence", 3.0, False, None, None, None, None, False, False, None, "mask"),
+    "dppo_tv_bypass": ("token", 1e4, False, None, None, None, None, True, True, None, "truncate"),
+    "dppo_kl_bypass": ("token", 1e4, False, None, None, None, None, True, True, None, "truncate"),
+    "dppo_tv_prime_rl": ("token", float("inf"), False, None, None, None, None, True, True, None, "truncate"),
 }
 
 

@@ -91,3 +91,22 @@ def test_the_trainer_config_fails_at_construction_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match="GSPO"):
         RolloutCorrGRPOConfig(**base, rollout_correction_preset="decoupled_token_is",
                               importance_sampling_level="sequence", loss_type="grpo")
+
+
+def test_the_config_plans_once_per_resolution_and_again_after_a_change(tmp_path, monkeypatch):
+    """``correction_plan()`` returns the plan the last resolution made (``plan_correction`` is not run a second time
+    with the same arguments), and a changed plan input is planned again: decoupled TIS with one optimizer step per
+    generation batch needs no pi_old forward (pi_old = pi_theta); with num_iterations=2 pi_theta moves within the
+    batch, so pi_old comes from a forward."""
+    from trl_rollout_corr.grpo import config as grpo_config
+
+    calls = []
+    real = grpo_config.plan_correction
+    monkeypatch.setattr(grpo_config, "plan_correction", lambda *a, **k: calls.append(k) or real(*a, **k))
+    cfg = RolloutCorrGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                rollout_correction_preset="decoupled_token_is")
+    assert len(calls) == 1
+    assert cfg.correction_plan().pi_old == "pi_theta" and cfg.correction_plan().pi_old == "pi_theta"
+    assert len(calls) == 1  # no second planning with the same arguments
+    cfg.num_iterations = 2
+    assert cfg.correction_plan().pi_old == "forward" and len(calls) == 2

@@ -4,6 +4,7 @@ metrics once, and the configs, the pipeline, the plan and the metric registry as
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any
 
@@ -20,6 +21,7 @@ from trl_rollout_corr.core.criterion import (CorrectionField, CorrectionState, C
                                              declared_stat_keys, stat_key, with_fields)
 from trl_rollout_corr.core.metric_names import METRIC_NAMES
 from trl_rollout_corr.core.stats import METRIC_PREFIX, SUM, count
+from trl_rollout_corr.config.correction import MODE_FIELDS
 from trl_rollout_corr.config.fields import RolloutCorrectionFields
 from trl_rollout_corr.config.plan import batch_scope_statistics
 
@@ -39,14 +41,15 @@ def sample(seed: int = 0):
 
 
 def runs() -> list[Any]:
-    """The pipeline with every criterion on, in its two IS forms and M2PO's trust-region scope."""
+    """The pipeline with every criterion on, in its two IS forms, M2PO's trust-region scope and DPPO."""
     old, rollout, mask = sample()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0])  # (B,)
     return [compute_rollout_correction_stats(old, rollout, mask, **EVERYTHING, advantages=adv),
             compute_rollout_correction_stats(old, rollout, mask, rollout_is="sequence", rollout_is_batch_normalize=True,
                                              rollout_rs="geometric", rollout_rs_threshold=1.1),
             compute_rollout_correction_stats(old, rollout, mask, rollout_m2_threshold=0.01,
-                                             rollout_m2_scope="trust_region", advantages=adv)]
+                                             rollout_m2_scope="trust_region", advantages=adv),
+            compute_rollout_correction_stats(old, rollout, mask, rollout_dppo="binary_kl", advantages=adv)]
 
 
 # ---------------------------------------------------------------- fields: declared once, every config derived
@@ -55,7 +58,7 @@ def test_every_criterion_field_is_a_field_of_every_config_with_its_declared_defa
     params = {f.name: f for f in dataclasses.fields(CorrectionParams)}
     flat = {f.name: f for f in dataclasses.fields(RolloutCorrectionFields)}
     declared = correction_fields()
-    assert len(declared) == 13 and len({f.name for f in declared}) == 13
+    assert len(declared) == sum(len(c.fields) for c in CRITERIA) == len({f.name for f in declared})
     assert list(params) == [f.name for f in declared]  # CorrectionParams is exactly the criteria's fields
     for f in declared:  # (annotations, not Field.type: transformers' HfArgumentParser rewrites the latter in place)
         assert config[f.name].default == f.default, f.name
@@ -65,9 +68,13 @@ def test_every_criterion_field_is_a_field_of_every_config_with_its_declared_defa
     # the one field with two defaults: a config's default correction has token IS, the core's keywords none
     assert config["rollout_is"].default == "token" and params["rollout_is"].default is None
     assert [f.name for f in declared if params[f.name].default != config[f.name].default] == ["rollout_is"]
-    # the fields that are no criterion's stay on the configs themselves
-    assert set(config) - {f.name for f in declared} == {"rollout_rs_exclude_from_baseline", "bypass_mode",
-                                                        "use_policy_gradient"}
+    # the fields that are no criterion's (the mode) are declared once too, and reach both configs the same way
+    assert set(config) - {f.name for f in declared} == {f.name for f in MODE_FIELDS} == {
+        "rollout_rs_exclude_from_baseline", "bypass_mode", "use_policy_gradient"}
+    for f in MODE_FIELDS:
+        assert config[f.name].default == f.default and RolloutCorrectionConfig.__annotations__[f.name] == f.type
+        assert flat[f.name].default is None and flat[f.name].metadata["help"] == f.help, f.name
+        assert RolloutCorrectionFields.__annotations__[f.name] == f.flat_type, f.name
 
 
 def test_a_config_that_declares_a_correction_field_itself_is_refused():
@@ -88,7 +95,7 @@ def test_config_validation_asks_each_criterion(monkeypatch):
     for criterion in CRITERIA:
         monkeypatch.setattr(criterion, "check", lambda cfg, name=criterion.name: seen.append(name))
     RolloutCorrectionConfig()
-    assert seen == [c.name for c in CRITERIA] == ["is_weights", "rejection", "veto", "divergence", "second_moment"]
+    assert seen == [c.name for c in CRITERIA] and len(set(seen)) == len(CRITERIA)
 
 
 def test_masks_tokens_zeroes_advantages_and_batch_scope_ask_the_criteria():
@@ -170,7 +177,7 @@ class EveryOtherToken(Criterion):
     def apply(self, params: Any, state: CorrectionState) -> None:
         odd = (torch.arange(state.valid.shape[1]) % 2 == 1).expand_as(state.valid)  # (B, T)
         state.stats.sums[self.REJECTED] = count(state.valid & odd)
-        state.keep = state.keep & ~odd  # (B, T)
+        state.reject(odd)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
         if not f.has(self.REJECTED):
@@ -195,6 +202,115 @@ def test_a_criterion_added_to_the_list_is_applied_and_finalized(monkeypatch):
     assert metrics[METRIC_PREFIX + "rejected_token_fraction"] == pytest.approx(11 / 25, abs=1e-15)
     assert math.isfinite(metrics[METRIC_PREFIX + "rollout_is_mean"])
 
+
+
+class Marks(Criterion):
+    """A toy criterion that rejects and zeroes advantages at fixed (row, column) positions."""
+
+    def __init__(self, name: str, rejected: list[tuple[int, int]], zeroed: list[tuple[int, int]]) -> None:
+        self.name, self.rejected, self.zeroed = name, rejected, zeroed
+
+    @staticmethod
+    def _mask(like: torch.Tensor, at: list[tuple[int, int]]) -> torch.Tensor:
+        mask = torch.zeros_like(like, dtype=torch.bool)  # (B, T)
+        for row, col in at:
+            mask[row, col] = True
+        return mask
+
+    def apply(self, params: Any, state: CorrectionState) -> None:
+        state.reject(self._mask(state.valid, self.rejected))  # (B, T)
+        state.zero_advantages(self._mask(state.valid, self.zeroed))  # (B, T)
+
+
+def test_two_criteria_that_reject_and_zero_advantages_combine_and_neither_overwrites_the_other(monkeypatch):
+    """Two methods that both reject and both zero advantages: the kept mask is the AND of the two rejections and the
+    advantage mask the AND of the two "not zeroed" masks (a method that assigned its mask would drop the other's).
+    Hand-derived, on rows of lengths 8, 5, 3, 8, 1 (``sample``): A rejects (0, 1), (2, 0), B rejects (0, 1), (3, 7),
+    (4, 3) (padding: changes nothing); A zeroes the advantage of (1, 2), (3, 0), B of (1, 4), (3, 0)."""
+    first = Marks("first", rejected=[(0, 1), (2, 0)], zeroed=[(1, 2), (3, 0)])
+    second = Marks("second", rejected=[(0, 1), (3, 7), (4, 3)], zeroed=[(1, 4), (3, 0)])
+    monkeypatch.setattr(pipeline_module, "CRITERIA", (*CRITERIA, first, second))
+    old, rollout, mask = sample()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0])  # (B,)
+    result = compute_rollout_correction_stats(old, rollout, mask, advantages=adv)  # no IS, nothing else on
+    lengths = [8, 5, 3, 8, 1]
+    kept = [[1.0 if t < n else 0.0 for t in range(8)] for n in lengths]  # the hand-written mask
+    for row, col in ((0, 1), (2, 0), (3, 7)):
+        kept[row][col] = 0.0
+    kept_zeroed = [[1.0] * 8 for _ in lengths]
+    for row, col in ((1, 2), (3, 0), (1, 4)):
+        kept_zeroed[row][col] = 0.0
+    assert result.modified_response_mask.tolist() == kept
+    assert result.advantage_mask.tolist() == kept_zeroed
+    assert result.advantage_mask.dtype == mask.dtype
+    # the share of |A| the correction dropped: rejected or zeroed, over the 25 valid tokens
+    dropped = {(0, 1), (2, 0), (3, 7), (1, 2), (3, 0), (1, 4)}
+    want = sum(abs(float(adv[r])) for r, _ in dropped) / sum(abs(float(adv[r])) * n for r, n in enumerate(lengths))
+    assert finalize_stats(result.stats)[METRIC_PREFIX + "grad_share_masked"] == pytest.approx(want, abs=1e-6)
+
+
+def test_the_state_carries_both_log_probs_and_combines_weights():
+    """A probability-difference method reads exp(log pi_train) - exp(log pi_rollout) from the state; weights
+    multiply, pinned and zeroed weights OR (hand values)."""
+    train = torch.tensor([[-0.5, -1.0, 0.0]])  # (1, 3)
+    rollout = torch.tensor([[-0.7, -1.0, -2.0]])  # (1, 3)
+    valid = torch.tensor([[True, True, False]])  # (1, 3)
+    state = CorrectionState(train_log_prob=train, rollout_log_prob=rollout, valid=valid, stats=None,
+                            mask_dtype=torch.float32)
+    assert state.log_ratio[0].tolist() == pytest.approx([0.2, 0.0, 2.0], abs=1e-6)
+    assert torch.equal(state.keep, valid) and state.advantage_mask is None and state.is_weights is None
+    diff = (state.train_log_prob.exp() - state.rollout_log_prob.exp()).abs()  # (1, 3)
+    assert diff[0].tolist() == pytest.approx([math.exp(-0.5) - math.exp(-0.7), 0.0, 1 - math.exp(-2.0)], abs=1e-6)
+    state.multiply_weights(torch.tensor([[2.0, 0.5, 1.0]]))
+    state.multiply_weights(torch.tensor([[3.0, 4.0, 0.0]]))
+    assert state.is_weights.tolist() == [[6.0, 2.0, 0.0]]
+    state.pin(torch.tensor([[True, False, False]]))
+    state.pin(torch.tensor([[False, True, False]]))
+    state.zero_weights(torch.tensor([[False, False, True]]))
+    state.zero_weights(torch.tensor([[False, False, False]]))
+    assert state.pinned.tolist() == [[True, True, False]] and state.weight_zeroed.tolist() == [[False, False, True]]
+
+
+# ---------------------------------------------------------------- verl's entry point: the fields from the list
+def test_verl_entry_point_takes_the_fields_of_the_list_as_keywords():
+    """Its signature spells out every field of the list (keyword-only, the core's defaults), verl's own arguments
+    keep verl's defaults, and a keyword that is no field is refused naming it."""
+    from trl_rollout_corr.core.pipeline import compute_rollout_correction_and_rejection_mask as verl_entry
+
+    parameters = inspect.signature(verl_entry).parameters
+    assert list(parameters)[:3] == ["old_log_prob", "rollout_log_prob", "response_mask"]
+    fields = {name: p for name, p in parameters.items() if name not in ("old_log_prob", "rollout_log_prob",
+                                                                          "response_mask", "rollout_seen",
+                                                                          "advantages")}
+    assert list(fields) == [f.name for f in correction_fields()]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in fields.values())
+    verl_defaults = dict(rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=None,
+                         rollout_rs_threshold_lower=None, rollout_token_veto_threshold=None,
+                         rollout_is_batch_normalize=False)  # verl's rollout_corr_helper signature
+    assert {name: fields[name].default for name in verl_defaults} == verl_defaults
+    old, rollout, mask = sample()
+    with pytest.raises(TypeError, match=r"got \['rollout_is_treshold'\], which are no correction fields"):
+        verl_entry(old, rollout, mask, rollout_is_treshold=2.0)
+    with pytest.raises(TypeError):
+        verl_entry(old, rollout, mask, "token")  # fields are keywords, as verl passes them
+    with pytest.raises(ValueError, match="rollout_rs_threshold is required when rollout_rs is set"):
+        verl_entry(old, rollout, mask, rollout_rs="token")
+
+
+def test_verl_entry_point_computes_what_its_fields_say():
+    """Token TIS (C = 1.5) with token RS in [0.5, 2]: the weights and the mask against a float64 re-derivation."""
+    from trl_rollout_corr.core.pipeline import compute_rollout_correction_and_rejection_mask as verl_entry
+
+    old, rollout, mask = sample()
+    weights, kept, metrics = verl_entry(old, rollout, mask, rollout_is="token", rollout_is_threshold=1.5,
+                                        rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5)
+    rho = (old.double() - rollout.double()).exp()  # (B, T)
+    want_kept = mask.double() * ((rho >= 0.5) & (rho <= 2.0)).double()  # (B, T)
+    want_w = rho.clamp(max=1.5) * mask.double()  # (B, T): IS weights stay on every valid token
+    assert kept.tolist() == want_kept.float().tolist()
+    torch.testing.assert_close(weights.double(), want_w, atol=1e-6, rtol=1e-6)
+    assert metrics[METRIC_PREFIX + "rollout_rs_masked_fraction"] == pytest.approx(
+        float(mask.sum() - want_kept.sum()) / float(mask.sum()), abs=1e-12)
 
 
 # ---------------------------------------------------------------- switching a method off over a preset

@@ -97,6 +97,8 @@ CASES = {
                                             loss_type="grpo"),
     "seq_rs_out_of_baseline_dapo": dict(preset="decoupled_seq_is_rs", rollout_rs_threshold=3.0,
                                         rollout_rs_threshold_lower=0.5, rollout_rs_exclude_from_baseline=True),
+    "dppo_tv_bypass_dapo": dict(preset="dppo_tv_bypass", rollout_dppo_mask_low=0.01, rollout_dppo_mask_high=0.01,
+                                rollout_is_threshold=1.5),  # two processes: tests/core/test_dppo.py
 }
 
 

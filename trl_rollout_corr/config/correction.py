@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from huggingface_hub import ModelHubMixin
 
 from ..core.criteria import CRITERIA, correction_fields
-from ..core.criterion import NONE_STRINGS, none_if_unset, with_fields
+from ..core.criterion import NONE_STRINGS, CorrectionField, none_if_unset, with_fields
 from ..core.params import CorrectionParams
 from ..core.losses import loss_anchor, weights_advantage
 from .presets import PRESETS as PRESET_TABLE
@@ -22,11 +22,28 @@ from .compat import (VERL_ARGUMENTS, VERL_PRESETS, is_band_string, is_criteria_s
                          translate_rollout_rs)
 
 CONFIG_NAME = "rollout_correction_config.json"
-__all__ = ["CONFIG_NAME", "NONE_STRINGS", "RolloutCorrectionConfig", "none_if_unset"]
+__all__ = ["CONFIG_NAME", "MODE_FIELDS", "NONE_STRINGS", "RolloutCorrectionConfig", "none_if_unset"]
+
+
+MODE_FIELDS: tuple[CorrectionField, ...] = (
+    CorrectionField(
+        "rollout_rs_exclude_from_baseline", "bool", False,
+        "Leave the samples the correction rejects entirely (no kept token) out of their GRPO group's baseline (mean "
+        "and std of the rewards) and give them advantage 0, so that 'rejected = treated as not drawn' also holds for "
+        "the others' advantages. The rejection must be known when the advantages are formed: the trainer computes the "
+        "correction at generation time (decoupled mode: one pi_old forward per generation batch; bypass mode: only "
+        "with one optimizer step per generation batch). Needs a rejection.", "bool | None"),
+    CorrectionField("bypass_mode", "bool", False, "pi_old := pi_rollout (2 policies, no extra forward pass).",
+                    "bool | None"),
+    CorrectionField("use_policy_gradient", "bool", False,
+                    "REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only).", "bool | None"),
+)
+"""The three fields that are no criterion's (the operating mode), declared once: ``RolloutCorrectionConfig`` and
+the trainers' flat fields (``config/fields.py``) both derive them (``with_fields``)."""
 
 
 @dataclass
-@with_fields(correction_fields(), "config")
+@with_fields(correction_fields() + MODE_FIELDS, "config")
 class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", tags=["rollout-correction", "trl"]):
     """How to correct for pi_rollout != pi_old: IS weights, rejection, veto, and the two operating modes.
 
@@ -34,9 +51,10 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     ``decoupled_token_is``. The trainers' configs do not start from it: each names its own default preset
     (``_RC_DEFAULT_PRESET``; docs/trainer.md, "The default correction").
 
-    The criteria's fields (``rollout_is`` ... ``rollout_m2_scope``) are declared, with their type, default, help and
-    check, in their criterion's file (the list in ``trl_rollout_corr/core/criteria.py``); the three that are no
-    criterion's follow them here. Every field's meaning: docs/trainer.md, "Configuration fields". Presets:
+    The criteria's fields (``rollout_is`` ... ``rollout_dppo_mask_high``) are declared, with their type, default, help
+    and check, in their criterion's file (the list in ``trl_rollout_corr/core/criteria.py``); the three that are no
+    criterion's (the mode: ``rollout_rs_exclude_from_baseline``, ``bypass_mode``, ``use_policy_gradient``) follow
+    them, declared once in :data:`MODE_FIELDS`. Every field's meaning: docs/trainer.md, "Configuration fields". Presets:
     ``from_preset(name)`` or ``RolloutCorrectionConfig.<name>(...)`` (``trl_rollout_corr.config.presets``).
 
     Saved and shared as transformers' configs are: ``save_pretrained(dir)`` writes ``rollout_correction_config.json``,
@@ -49,23 +67,12 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     Papers behind the fields are listed in docs/concepts.md (References): truncated IS (IMPALA, arXiv:1802.01561;
     Yao et al.'s TIS), decoupled mode (Hilton et al., arXiv:2110.00641), rejection and the veto (Liu, Li et al.,
-    "When Speed Kills Stability"; verl), IcePop (arXiv:2510.18855), M2PO (arXiv:2510.01161), the k1/k2/k3 criteria
-    (Schulman, "Approximating KL Divergence").
+    "When Speed Kills Stability"; verl), IcePop (arXiv:2510.18855), M2PO (arXiv:2510.01161), DPPO
+    (arXiv:2602.04879), the k1/k2/k3 criteria (Schulman, "Approximating KL Divergence").
     """
 
-    # the criteria's fields (rollout_is ... rollout_m2_scope) come first, declared in each criterion's file
-    # (trl_rollout_corr/core/criteria.py lists them); then the fields that are no criterion's:
-    rollout_rs_exclude_from_baseline: bool = False
-    """Leave the samples the correction rejects entirely (no kept token) out of their GRPO group's baseline (mean
-    and std of the rewards) and give them advantage 0, so that "rejected = treated as not drawn" also holds for the
-    advantages of the others. The rejection must be known when the advantages are formed: the trainer then computes
-    the correction at generation time (decoupled mode: one pi_old forward per generation batch; bypass mode: only
-    with one optimizer step per generation batch). Needs a rejection (``rollout_rs``, the criteria, the veto or the
-    all-token M2 mask)."""
-    bypass_mode: bool = False
-    """pi_old := pi_rollout (2 policies, no extra forward pass)."""
-    use_policy_gradient: bool = False
-    """REINFORCE with stop-grad IS weights instead of PPO-clip (bypass only)."""
+    # the criteria's fields (rollout_is ... rollout_dppo_mask_high) come first, declared in each criterion's file
+    # (trl_rollout_corr/core/criteria.py lists them); then MODE_FIELDS, the fields that are no criterion's
 
     PRESETS: ClassVar[tuple[str, ...]] = tuple(PRESET_TABLE)  # this package's presets; verl's: preset_names()
 
@@ -118,16 +125,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         for criterion in CRITERIA:  # each checks (and normalizes) its own fields
             criterion.check(self)
         if self.rollout_rs_exclude_from_baseline and not self.masks_tokens:
-            raise ValueError("rollout_rs_exclude_from_baseline=True but nothing can reject a sample (rollout_rs, "
-                             "rollout_rs_criteria, rollout_token_veto_threshold and the all-token M2 mask are off; "
-                             "IS masks and M2PO's trust-region mask set weights to 0 and reject nothing), so it would "
-                             "change nothing: set a rejection or rollout_rs_exclude_from_baseline=False.")
-        if self.rollout_rs_exclude_from_baseline and self.zeroes_advantages:
-            raise ValueError("rollout_rs_exclude_from_baseline=True with rollout_m2_scope='trust_region': M2PO's "
-                             "trust region is decided on the sign of the advantages, which leaving the rejected "
-                             "samples out of the baselines changes after the correction ran, so the two cannot both "
-                             "be exact yet. Use one of them (rollout_rs_exclude_from_baseline=False, or "
-                             "rollout_m2_scope='all').")
+            raise ValueError("rollout_rs_exclude_from_baseline=True but nothing can reject a sample (no criterion of "
+                             "trl_rollout_corr/core/criteria.py removes tokens with these fields: "
+                             f"{', '.join(c.name for c in CRITERIA)}; IS weights and a zeroed advantage reject "
+                             "nothing), so it would change nothing: set a rejection (e.g. rollout_rs, "
+                             "rollout_token_veto_threshold) or rollout_rs_exclude_from_baseline=False.")
         if self.use_policy_gradient and not self.bypass_mode:
             raise ValueError("use_policy_gradient=True requires bypass_mode=True (the policy-gradient loss uses "
                              "pi_old := pi_rollout); set bypass_mode=True or use_policy_gradient=False.")
@@ -184,8 +186,8 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     @property
     def zeroes_advantages(self) -> bool:
-        """Whether M2PO's trust-region mask can set a token's advantage to 0 (the token kept in the loss's count):
-        the trainers then hand the core the advantages."""
+        """Whether a criterion (M2PO's trust-region mask, DPPO) can set a token's advantage to 0 (the token kept in the
+        loss's count): the trainers then hand the core the advantages."""
         return any(criterion.zeroes_advantages(self) for criterion in CRITERIA)
 
     def params(self) -> CorrectionParams:

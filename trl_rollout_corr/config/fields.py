@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .correction import NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
+from .correction import MODE_FIELDS, NONE_STRINGS, RolloutCorrectionConfig, none_if_unset
 from ..core.criteria import CRITERIA, correction_fields
 from ..core.criterion import with_fields
 from .compat import is_band_string, is_criteria_string
@@ -59,23 +59,18 @@ def _explicit_value(name: str, value: Any, rollout_rs: Any = None) -> Any:
 
 
 @dataclass
-@with_fields(correction_fields(), "flat", after="rollout_correction_config")
+@with_fields(correction_fields() + MODE_FIELDS, "flat", after="rollout_correction_config")
 class RolloutCorrectionFields:
     """The correction fields (flat, CLI/YAML-parsable). Mix in before TRL's config class.
 
     After the preset and the saved-config path come the criteria's fields (declared in each criterion's file,
     ``trl_rollout_corr/core/criteria.py``; here with default ``None``, "not set here", and their help), then the
-    fields that are no criterion's."""
+    mode fields (declared once, ``config/correction.py`` ``MODE_FIELDS``), then ``require_rollout_logprobs``."""
 
     rollout_correction_preset: str | None = field(default=None, metadata={
         "help": "Preset name, e.g. decoupled_token_is."})
     rollout_correction_config: str | None = field(default=None, metadata={
         "help": "Directory, file or Hub repo id of a saved RolloutCorrectionConfig."})
-    bypass_mode: bool | None = field(default=None, metadata={"help": "pi_old := pi_rollout (no extra forward pass)."})
-    use_policy_gradient: bool | None = field(default=None, metadata={"help": "REINFORCE loss (bypass only)."})
-    rollout_rs_exclude_from_baseline: bool | None = field(default=None, metadata={
-        "help": "Leave samples the correction rejects entirely out of their GRPO group's baseline (advantage 0 for "
-                "them); computes the correction at generation time."})
     require_rollout_logprobs: bool = field(default=False, metadata={
         "help": "Raise instead of training a sample uncorrected when its sampler's per-token log-probs are missing "
                 "(a mocked, wrapped or remote generate; a rollout_func that returns none)."})

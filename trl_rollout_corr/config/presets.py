@@ -11,6 +11,7 @@ bound of the IS weight.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +111,33 @@ PRESETS: dict[str, Preset] = {
         "bound on the mean (log rho)^2.",
         dict(tau=0.04),
         lambda tau: dict(rollout_is=None, rollout_m2_threshold=tau, rollout_m2_scope="trust_region")),
+    "dppo_tv_bypass": Preset(
+        "DPPO-Binary-TV (Qi et al., arXiv:2602.04879; verl's ``dppo_tv`` loss with pi_old := pi_rollout): bypass "
+        "policy gradient -stopgrad(min(pi_theta/pi_rollout, C)) A log pi_theta, with A set to 0 where A > 0 and "
+        "pi_theta(a) - pi_rollout(a) > delta, or A < 0 and it is < -delta (the token kept in the count). "
+        "``delta``: both bounds (0.15, verl's DPPO example); ``threshold``: C (1e4 there: no truncation).",
+        dict(delta=0.15, threshold=1e4),
+        lambda delta, threshold: dict(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True,
+                                      use_policy_gradient=True, rollout_dppo="binary_tv",
+                                      rollout_dppo_mask_low=delta, rollout_dppo_mask_high=delta)),
+    "dppo_kl_bypass": Preset(
+        "DPPO-Binary-KL (arXiv:2602.04879; verl's ``dppo_kl`` loss with pi_old := pi_rollout): as ``dppo_tv_bypass`` "
+        "with D = KL(Bern(pi_rollout(a)) || Bern(pi_theta(a))) > delta masking A > 0 tokens whose probability rose "
+        "and A < 0 tokens whose probability fell. ``delta``: both bounds (0.05, verl's DPPO example); "
+        "``threshold``: C (1e4: no truncation).",
+        dict(delta=0.05, threshold=1e4),
+        lambda delta, threshold: dict(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True,
+                                      use_policy_gradient=True, rollout_dppo="binary_kl",
+                                      rollout_dppo_mask_low=delta, rollout_dppo_mask_high=delta)),
+    "dppo_tv_prime_rl": Preset(
+        "prime-rl's default loss's mask (DPPO-Binary-TV against the inference log-probs, ``dppo_mask_low`` = "
+        "``dppo_mask_high`` = 0.2, no truncation): bypass policy gradient -(pi_theta/pi_rollout) A grad log "
+        "pi_theta with A set to 0 where the probability moved past the bound in the advantage's direction. Without "
+        "prime-rl's kl_tau (log ratio)^2 term (not in this package's loss). ``low`` / ``high``: the bounds.",
+        dict(low=0.2, high=0.2),
+        lambda low, high: dict(rollout_is="token", rollout_is_threshold=math.inf, bypass_mode=True,
+                               use_policy_gradient=True, rollout_dppo="binary_tv", rollout_dppo_mask_low=low,
+                               rollout_dppo_mask_high=high)),
     "trl_default": Preset(
         "TRL 1.16's own default correction (``vllm_importance_sampling_mode=\"sequence_mask\"``, ``clip_max=3``): "
         "decoupled PPO, w = prod_t rho_t * 1[prod_t rho_t <= C]; a sequence above C keeps its tokens in the "

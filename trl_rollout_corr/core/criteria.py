@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .criterion import CorrectionField, Criterion
 from .divergence import DIVERGENCE
+from .dppo import DPPO
 from .rejection import REJECTION, VETO
 from .second_moment import SECOND_MOMENT
 from .weights import IS_WEIGHTS
@@ -21,6 +22,7 @@ CRITERIA: tuple[Criterion, ...] = (
     VETO,  # the catastrophic-token veto (rejection.py)
     DIVERGENCE,  # k1/k2/k3 divergence criteria (divergence.py)
     SECOND_MOMENT,  # the second-moment mask, M2PO's trust region (second_moment.py)
+    DPPO,  # DPPO's divergence trust region, Binary-TV / Binary-KL (dppo.py)
 )
 
 

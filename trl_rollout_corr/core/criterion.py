@@ -213,23 +213,76 @@ def ratio(num: float, den: float) -> float:
 class CorrectionState:
     """What the criteria read and write during one call of the pipeline (device tensors only, no host sync).
 
-    Read: ``log_ratio`` (B, T) = log pi_train - log pi_rollout (0 off ``valid``), ``valid`` (B, T) bool, ``advantages``
-    (B,) or (B, T) or None, ``reduce_fn``, ``mask_dtype``. Written: ``keep`` (B, T) bool (ANDed by each rejection),
-    ``is_weights`` (B, T) or None, ``pinned`` / ``weight_zeroed`` (B, T) bool (for the gradient share),
-    ``advantage_mask`` (B, T) or None, ``stats``.
+    A criterion reads the log-probs and the tokens they are valid on, and writes its result only through the methods
+    below, which combine with what the criteria before it wrote (AND into the kept mask, OR into the zeroed
+    advantages, product of the weights): no criterion can overwrite another's result, so the order of ``CRITERIA``
+    decides nothing but the order of the fields and checks.
+
+    Read:
+        train_log_prob: (B, T) log pi_train(a_t) (pi_old in decoupled mode, pi_theta detached in bypass mode),
+            float32, 0 where a log-prob is not finite.
+        rollout_log_prob: (B, T) log pi_rollout(a_t), float32, 0 where a log-prob is not finite.
+        log_ratio: (B, T) log rho_t = train_log_prob - rollout_log_prob.
+        valid: (B, T) bool: in the mask, pi_rollout known, every log-prob of the sequence finite.
+        advantages: (B,) or (B, T) TRL's A before any correction, or ``None`` (the call brought none).
+        reduce_fn: the all-reduce across processes (``None``: this process only).
+        mask_dtype: the input mask's dtype (the dtype of the masks handed back).
+        stats: the statistics, written under names declared with :func:`stat_key`.
+
+    Written (through the methods only):
+        keep: (B, T) bool, the tokens left in the loss and its token count (:meth:`reject` ANDs into it).
+        advantage_zeroed: (B, T) bool or ``None``: tokens whose advantage is set to 0, kept in the loss's count
+            (:meth:`zero_advantages` ORs into it); :attr:`advantage_mask` is its complement in ``mask_dtype``.
+        is_weights: (B, T) or ``None``: the IS weights (:meth:`multiply_weights` multiplies into them).
+        pinned: (B, T) bool: IS weight clipped to a bound (:meth:`pin` ORs into it).
+        weight_zeroed: (B, T) bool: IS weight set to 0 (:meth:`zero_weights` ORs into it).
     """
 
-    log_ratio: torch.Tensor  # (B, T)
+    train_log_prob: torch.Tensor  # (B, T)
+    rollout_log_prob: torch.Tensor  # (B, T)
     valid: torch.Tensor  # (B, T) bool
-    keep: torch.Tensor  # (B, T) bool
-    pinned: torch.Tensor  # (B, T) bool: IS weight clipped to a bound
-    weight_zeroed: torch.Tensor  # (B, T) bool: IS weight set to 0
     stats: RolloutStats
     mask_dtype: torch.dtype
     reduce_fn: ReduceFn | None = None
     advantages: torch.Tensor | None = None  # (B,) or (B, T)
-    is_weights: torch.Tensor | None = None  # (B, T)
-    advantage_mask: torch.Tensor | None = None  # (B, T) 0/1 in mask_dtype
+    log_ratio: torch.Tensor = dataclasses.field(init=False)  # (B, T)
+    keep: torch.Tensor = dataclasses.field(init=False)  # (B, T) bool
+    pinned: torch.Tensor = dataclasses.field(init=False)  # (B, T) bool
+    weight_zeroed: torch.Tensor = dataclasses.field(init=False)  # (B, T) bool
+    is_weights: torch.Tensor | None = dataclasses.field(init=False, default=None)  # (B, T)
+    advantage_zeroed: torch.Tensor | None = dataclasses.field(init=False, default=None)  # (B, T) bool
+
+    def __post_init__(self) -> None:
+        self.log_ratio = self.train_log_prob - self.rollout_log_prob  # (B, T)
+        self.keep = self.valid  # (B, T) nothing rejected yet
+        self.pinned = torch.zeros_like(self.valid)  # (B, T)
+        self.weight_zeroed = torch.zeros_like(self.valid)  # (B, T)
+
+    def reject(self, rejected: torch.Tensor) -> None:
+        """Remove ``rejected`` (B, T) bool from the loss and its token count: keep <- keep AND NOT rejected."""
+        self.keep = self.keep & ~rejected  # (B, T)
+
+    def zero_advantages(self, zeroed: torch.Tensor) -> None:
+        """Set the advantage of ``zeroed`` (B, T) bool to 0, the tokens kept in the loss's count: zeroed OR'd into
+        what the criteria before set."""
+        self.advantage_zeroed = zeroed if self.advantage_zeroed is None else self.advantage_zeroed | zeroed  # (B, T)
+
+    def multiply_weights(self, weights: torch.Tensor) -> None:
+        """Multiply the IS weights by ``weights`` (B, T) (the first criterion's weights are taken as they are)."""
+        self.is_weights = weights if self.is_weights is None else self.is_weights * weights  # (B, T)
+
+    def pin(self, pinned: torch.Tensor) -> None:
+        """Mark ``pinned`` (B, T) bool as tokens whose IS weight was clipped to a bound (ORed; the gradient share)."""
+        self.pinned = self.pinned | pinned  # (B, T)
+
+    def zero_weights(self, zeroed: torch.Tensor) -> None:
+        """Mark ``zeroed`` (B, T) bool as tokens whose IS weight was set to 0 (ORed; the gradient share)."""
+        self.weight_zeroed = self.weight_zeroed | zeroed  # (B, T)
+
+    @property
+    def advantage_mask(self) -> torch.Tensor | None:
+        """(B, T) 0/1 in ``mask_dtype``: 0 where a criterion zeroed the advantage; ``None`` where none did."""
+        return None if self.advantage_zeroed is None else (~self.advantage_zeroed).to(self.mask_dtype)  # (B, T)
 
 
 class Criterion:
@@ -250,28 +303,59 @@ class Criterion:
     when a trainer's flat fields switch it off over a preset or saved config (unless they are set too)."""
 
     def check(self, cfg: Any) -> None:
-        """Validate (and normalize) this criterion's fields on a ``RolloutCorrectionConfig``; raise ``ValueError``
-        naming the field and the fix."""
+        """Validate (and normalize) this criterion's fields at construction; every check of them lives here, also
+        those that read the mode fields (``bypass_mode``, ``rollout_rs_exclude_from_baseline``).
+
+        Args:
+            cfg: the ``RolloutCorrectionConfig`` being validated (its fields may be normalized in place).
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
 
     def check_call(self, params: Any, advantages: torch.Tensor | None) -> None:
-        """Refuse a call of the pipeline this criterion cannot serve (before any tensor work)."""
+        """Refuse a call of the pipeline this criterion cannot serve (before any tensor work).
+
+        Args:
+            params: the call's ``CorrectionParams``.
+            advantages: (B,) or (B, T), or ``None`` where the call brought none.
+
+        Raises:
+            ValueError: what the call lacks, and how to give it.
+        """
 
     def apply(self, params: Any, state: CorrectionState) -> None:
-        """Compute the criterion's mask or weights and statistics into ``state`` (nothing when it is off)."""
+        """Compute the criterion's mask, zeroed advantages or weights and its statistics into ``state`` (nothing when
+        it is off), through the state's combining methods only (``reject``, ``zero_advantages``,
+        ``multiply_weights``, ``pin``, ``zero_weights``).
+
+        Args:
+            params: the call's ``CorrectionParams``.
+            state: the :class:`CorrectionState` of this call: (B, T) log-probs, valid tokens, advantages.
+        """
         raise NotImplementedError
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
-        """Its metrics ``{"rollout_corr/<name>": float}`` from the reduced statistics (only those present)."""
+        """Its metrics from the reduced statistics (only those whose statistics are present).
+
+        Args:
+            f: the reduced statistics, read by declared name.
+
+        Returns:
+            ``{"rollout_corr/<name>": float}``, names from :attr:`metrics`.
+        """
         return {}
 
     def removes_tokens(self, cfg: Any) -> bool:
-        """Whether it can remove tokens from the loss and its token count (a rejection)."""
+        """Whether, with ``cfg``'s fields, it can remove tokens from the loss and its token count (a rejection)."""
         return False
 
     def zeroes_advantages(self, cfg: Any) -> bool:
-        """Whether it can set a token's advantage to 0 (the token kept in the loss's count)."""
+        """Whether, with ``cfg``'s fields, it can set a token's advantage to 0 (the token kept in the loss's count):
+        the trainers then hand the core the advantages."""
         return False
 
     def batch_scope(self, cfg: Any) -> str | None:
-        """The statistic of this configuration whose scope is the whole generation batch, described; ``None``."""
+        """The statistic of ``cfg``'s configuration whose scope is the whole generation batch, described (read by
+        ``config/plan.py``); ``None`` where there is none."""
         return None

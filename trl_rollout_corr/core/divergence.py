@@ -322,7 +322,7 @@ class DivergenceRejection(Criterion):
         if criteria:
             div_keep, div_stats = compute_divergence_rejection_mask(state.log_ratio, state.valid, criteria)
             state.stats.update(div_stats)
-            state.keep = state.keep & div_keep  # (B, T)
+            state.reject(~div_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
         if not f.has(TOK_N):

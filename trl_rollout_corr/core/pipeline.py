@@ -7,6 +7,8 @@ veto, divergence criteria, the second-moment mask), then adds the pipeline's own
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -26,7 +28,7 @@ class RolloutCorrection(NamedTuple):
     modified_response_mask: torch.Tensor  # (B, T), same dtype as the input mask
     stats: RolloutStats
     # (B, T) 0/1 in the mask's dtype: multiplies the advantage in every mode, the token kept in the loss's count
-    # (M2PO's trust-region mask, rollout_m2_scope="trust_region"); None: nothing to zero
+    # (M2PO's trust-region mask, DPPO's mask: every criterion that zeroes advantages, combined); None: nothing to zero
     advantage_mask: torch.Tensor | None = None
 
 
@@ -91,6 +93,20 @@ def compute_rollout_correction_stats(
     ``grad_share_masked``: the share of sum |A_t| over the trained tokens carried by tokens whose IS weight was clipped
     to a bound, and by tokens whose gradient the correction removed (:mod:`.impact`). The mismatch per completion
     length and the per-sequence T*KL are always computed (:func:`.impact.length_stats`).
+
+    Args:
+        old_log_prob: (B, T) log pi_train(a_t).
+        rollout_log_prob: (B, T) log pi_rollout(a_t).
+        response_mask: (B, T) 0/1 the completion tokens.
+        params: the correction (``config.params()``), or ``None`` with the fields as keywords.
+        reduce_fn: the all-reduce across processes for the batch-scope statistics (``None``: this process).
+        rollout_seen: (B,) bool, the samples whose pi_rollout is known; ``None``: all.
+        advantages: (B,) or (B, T) TRL's A, for the criteria that read it and the gradient share.
+        **fields: the correction's fields, where ``params`` is ``None``.
+
+    Returns:
+        :class:`RolloutCorrection`: ``is_weights`` (B, T) or ``None``, ``modified_response_mask`` (B, T),
+        ``stats`` (device scalars), ``advantage_mask`` (B, T) or ``None``.
     """
     p = _params(params, fields)
     for criterion in CRITERIA:
@@ -112,15 +128,11 @@ def compute_rollout_correction_stats(
         valid = rows_without(corrected, ~finite)  # (B, T) invalid sequences leave the batch (isfinite once)
         train = torch.where(finite, train, torch.zeros_like(train))  # (B, T)
         rollout = torch.where(finite, rollout, torch.zeros_like(rollout))  # (B, T)
-        log_ratio = train - rollout  # (B, T)
-
-        stats = offpolicy_stats(train, rollout, valid).update(length_stats(log_ratio, valid))
-        state = CorrectionState(
-            log_ratio=log_ratio, valid=valid, keep=valid, stats=stats, mask_dtype=response_mask.dtype,
-            pinned=torch.zeros_like(valid),  # (B, T) IS weight clipped to a bound (grad_share_pinned)
-            weight_zeroed=torch.zeros_like(valid),  # (B, T) IS weight set to 0 (rollout_is_bound="mask")
-            reduce_fn=reduce_fn, advantages=advantages)
-        for criterion in CRITERIA:  # each reads valid and log_ratio; the rejections AND their masks into keep
+        stats = offpolicy_stats(train, rollout, valid)
+        state = CorrectionState(train_log_prob=train, rollout_log_prob=rollout, valid=valid, stats=stats,
+                                mask_dtype=response_mask.dtype, reduce_fn=reduce_fn, advantages=advantages)
+        stats.update(length_stats(state.log_ratio, valid))
+        for criterion in CRITERIA:  # each reads the state and combines its result into it (reject, zero, weight)
             criterion.apply(p, state)
         keep = state.keep | uncorrected  # (B, T)
         stats.sums.update({
@@ -136,7 +148,7 @@ def compute_rollout_correction_stats(
         if advantages is not None:  # "does it hurt?": the share of |A| the correction pinned or dropped
             dropped = ~keep | state.weight_zeroed  # (B, T)
             if advantage_mask is not None:
-                dropped = dropped | ~advantage_mask.bool()  # (B, T) M2PO's zeroed advantages
+                dropped = dropped | ~advantage_mask.bool()  # (B, T) the zeroed advantages
             stats.update(gradient_share_stats(advantages, input_mask, state.pinned & ~dropped, dropped))
         is_weights = state.is_weights  # (B, T) or None
         if is_weights is not None:
@@ -163,23 +175,16 @@ def compute_rollout_correction_and_rejection_mask(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    rollout_is: str | None = None,
-    rollout_is_threshold: float = 2.0,
-    rollout_rs: str | None = None,
-    rollout_rs_threshold: float | None = None,
-    rollout_rs_threshold_lower: float | None = None,
-    rollout_token_veto_threshold: float | None = None,
-    rollout_is_batch_normalize: bool = False,
-    rollout_rs_criteria: Any = None,
-    rollout_rs_criteria_threshold: Any = None,
+    *,
     rollout_seen: torch.Tensor | None = None,
-    rollout_is_threshold_lower: float | None = None,
-    rollout_is_bound: str = "truncate",
-    rollout_m2_threshold: float | None = None,
-    rollout_m2_scope: str = "all",
     advantages: torch.Tensor | None = None,
+    **fields: Any,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-    """IS weights, rejection/veto mask and metrics in one call (the signature of verl's helper of the same name).
+    """IS weights, rejection/veto mask and metrics in one call (verl's helper of the same name, called as verl calls
+    it: the three tensors, then the correction's fields as keyword arguments).
+
+    The fields are every criterion's (``core/criteria.py``, ``CorrectionParams``; its signature lists them, derived
+    from the list, with the core's defaults: no IS unless ``rollout_is`` is given), e.g.
 
     * IS (``rollout_is`` token|sequence): w = min(exp(clamp(log rho, -20, 20)), C) * m (``rollout_is_bound``
       "truncate", with ``rollout_is_threshold_lower`` also clipped from below) or rho * 1[C_lower <= rho <= C] * m
@@ -188,28 +193,54 @@ def compute_rollout_correction_and_rejection_mask(
     * veto: drop a sequence if any valid token has rho_t < C_veto (unclamped, log space).
     * second-moment mask (``rollout_m2_threshold`` tau): mask the largest (log rho_t)^2 until their mean is <= tau;
       ``rollout_m2_scope="trust_region"`` (M2PO's final algorithm, arXiv:2510.01161; needs ``advantages``) only on
-      the trust region's active side, and the masked tokens come back as weight 0 in ``is_weights`` (all ones where
-      ``rollout_is`` is None), not removed from the mask.
-    * ``rollout_seen`` (B,): samples without pi_rollout stay uncorrected (weight 1, kept, out of the statistics).
-    Returns ``(is_weights (B, T) or None, modified_response_mask (B, T), metrics)`` where metrics maps
-    ``rollout_corr/<name>`` to floats. For training loops use :func:`compute_rollout_correction_stats`,
-    which stays on device.
+      the trust region's active side.
+
+    A token whose advantage a criterion zeroes (``RolloutCorrection.advantage_mask``) comes back as weight 0 in
+    ``is_weights`` (all ones where ``rollout_is`` is None), not removed from the mask.
+
+    Args:
+        old_log_prob: (B, T) log pi_train(a_t) (pi_old in decoupled mode, pi_theta in bypass mode).
+        rollout_log_prob: (B, T) log pi_rollout(a_t).
+        response_mask: (B, T) 0/1 the completion tokens.
+        rollout_seen: (B,) bool, the samples whose pi_rollout is known (the others stay uncorrected: weight 1,
+            kept, out of the statistics); ``None``: all.
+        advantages: (B,) or (B, T) TRL's A, for the criteria that read it.
+        **fields: the correction's fields (keyword arguments only).
+
+    Returns:
+        is_weights: (B, T) or ``None``.
+        modified_response_mask: (B, T) in ``response_mask``'s dtype.
+        metrics: ``rollout_corr/<name>`` -> float. For training loops use :func:`compute_rollout_correction_stats`,
+        which stays on device.
+
+    Raises:
+        TypeError: a keyword that is no correction field.
+        ValueError: ``rollout_rs`` without ``rollout_rs_threshold``, or an invalid call of a criterion.
     """
-    if rollout_rs is not None and rollout_rs_threshold is None:
+    unknown = sorted(set(fields) - set(CorrectionParams.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"compute_rollout_correction_and_rejection_mask got {unknown}, which are no correction "
+                        f"fields; the fields (keyword arguments): {', '.join(CorrectionParams.__dataclass_fields__)}.")
+    if fields.get("rollout_rs") is not None and fields.get("rollout_rs_threshold") is None:
         raise ValueError("rollout_rs_threshold is required when rollout_rs is set (e.g. 2.0 for token/sequence, "
                          "1.001 for geometric).")
-    params = CorrectionParams(
-        rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
-        rollout_is_threshold_lower=rollout_is_threshold_lower, rollout_is_bound=rollout_is_bound,
-        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold, rollout_rs_threshold_lower=rollout_rs_threshold_lower,
-        rollout_token_veto_threshold=rollout_token_veto_threshold, rollout_rs_criteria=rollout_rs_criteria,
-        rollout_rs_criteria_threshold=rollout_rs_criteria_threshold, rollout_m2_threshold=rollout_m2_threshold,
-        rollout_m2_scope=rollout_m2_scope)
-    result = compute_rollout_correction_stats(old_log_prob, rollout_log_prob, response_mask, params,
+    result = compute_rollout_correction_stats(old_log_prob, rollout_log_prob, response_mask, CorrectionParams(**fields),
                                               rollout_seen=rollout_seen, advantages=advantages)
     weights = result.is_weights  # (B, T) or None
     if result.advantage_mask is not None:  # the trust-region zeros, as a weight (the token stays in the mask)
         mask = result.advantage_mask.to(torch.float32)  # (B, T)
         weights = mask * response_mask.to(mask.dtype) if weights is None else weights * mask.to(weights.dtype)
     return weights, result.modified_response_mask, finalize_stats(result.stats)
+
+
+def _verl_signature() -> inspect.Signature:
+    """The entry point's signature with the correction's fields spelled out (from ``CorrectionParams``, so from
+    ``CRITERIA``), keyword-only, with the core's defaults: what ``help()`` and ``inspect.signature`` show."""
+    own = inspect.signature(compute_rollout_correction_and_rejection_mask, eval_str=False)
+    kept = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+              for f in dataclasses.fields(CorrectionParams)]
+    return own.replace(parameters=kept + params)
+
+
+compute_rollout_correction_and_rejection_mask.__signature__ = _verl_signature()

@@ -201,7 +201,7 @@ class RejectionSampling(Criterion):
         rs_rejected = valid & ~rs_keep  # (B, T)
         state.stats.sums[RS_REJECTED_TOK_N] = count(rs_rejected)
         state.stats.sums[RS_REJECTED_SEQ_N] = count_rows(rs_rejected)
-        state.keep = state.keep & rs_keep  # (B, T)
+        state.reject(~rs_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
         metrics = finalize_family("rollout_rs", f)
@@ -239,7 +239,7 @@ class CatastrophicTokenVeto(Criterion):
                                                     p.rollout_token_veto_threshold)  # (B, T) each
         state.stats.sums[CATASTROPHIC_TOK_N] = count(catastrophic)
         state.stats.sums[VETOED_SEQ_N] = count_rows(catastrophic)
-        state.keep = state.keep & veto_keep  # (B, T)
+        state.reject(~veto_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
         if not f.has(TOK_N):

@@ -48,7 +48,17 @@ def second_moment_mask(log_ratio: torch.Tensor, valid: torch.Tensor, tau: float,
     """Tokens kept by the second-moment bound, and the squared log-ratios it used.   (B, T) bool, (B, T) float64
 
     keep_t = valid_t * 1[v_t < t*] with v_t = clamp(log rho_t, -20, 20)^2 and t* as in the module docstring (all of
-    ``valid`` when its mean v is already <= tau). ``reduce_fn`` makes every sum and the maximum global.
+    ``valid`` when its mean v is already <= tau).
+
+    Args:
+        log_ratio: (B, T) log rho_t = log pi_train - log pi_rollout.
+        valid: (B, T) bool, the candidate tokens.
+        tau: the bound on the mean of v over the kept tokens (> 0).
+        reduce_fn: the all-reduce that makes every sum and the maximum global (``None``: this process).
+
+    Returns:
+        keep: (B, T) bool, the kept tokens (a subset of ``valid``).
+        v: (B, T) float64, v_t on ``valid``, 0 elsewhere.
     """
     v = torch.where(valid, log_ratio.detach().double().clamp(-20.0, 20.0) ** 2, 0.0)  # (B, T)
 
@@ -76,8 +86,16 @@ def trust_region_tokens(log_ratio: torch.Tensor, valid: torch.Tensor, advantages
     """The valid tokens on the active side of PPO's trust region.   (B, T) bool
 
     C_t = valid_t * (1[A_t > 0] * 1[log rho_t > 0] + 1[A_t < 0] * 1[log rho_t < 0]): the tokens whose PPO ratio would
-    be clipped if it left [1 - eps, 1 + eps] (A > 0 with rho > 1, A < 0 with rho < 1). ``advantages``: (B,), (B, 1)
-    or (B, T); a zero advantage is on neither side.
+    be clipped if it left [1 - eps, 1 + eps] (A > 0 with rho > 1, A < 0 with rho < 1); a zero advantage is on neither
+    side.
+
+    Args:
+        log_ratio: (B, T) log rho_t.
+        valid: (B, T) bool.
+        advantages: (B,), (B, 1) or (B, T).
+
+    Returns:
+        (B, T) bool, C_t.
     """
     adv = advantages.detach()
     adv = adv.reshape(-1, 1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
@@ -99,8 +117,19 @@ def trust_region_second_moment_mask(log_ratio: torch.Tensor, valid: torch.Tensor
     (nothing when mean_{s in C} v_s <= tau): the largest squared log-ratios of C go until the mean of the rest of C is
     <= tau, ties at the cut together (:func:`second_moment_mask` on C). Tokens outside C are never touched. The
     zeroed tokens stay in the loss's token count: the loss is (1/N) sum_t (1 - zeroed_t) l_t(A_t) over the N valid
-    tokens, the paper's original denominator. ``reduce_fn`` makes the threshold global across processes.
-    Returns ``(zeroed (B, T) bool, C (B, T) bool, v (B, T) float64)``.
+    tokens, the paper's original denominator.
+
+    Args:
+        log_ratio: (B, T) log rho_t.
+        valid: (B, T) bool.
+        advantages: (B,), (B, 1) or (B, T), TRL's A.
+        tau: the bound on the mean of v over the kept tokens of C (> 0).
+        reduce_fn: the all-reduce that makes the threshold global across processes (``None``: this process).
+
+    Returns:
+        zeroed: (B, T) bool, the tokens whose advantage is set to 0 (a subset of C).
+        region: (B, T) bool, C.
+        v: (B, T) float64, v_t on every valid token.
     """
     region = trust_region_tokens(log_ratio, valid, advantages)  # (B, T)
     kept, v = second_moment_mask(log_ratio, region, tau, reduce_fn)  # (B, T) each; v is 0 outside C
@@ -157,6 +186,12 @@ class SecondMomentMask(Criterion):
             raise ValueError(f"rollout_m2_scope={cfg.rollout_m2_scope!r} is set but rollout_m2_threshold is None, so "
                              "it would be ignored: set rollout_m2_threshold (tau, e.g. 0.04) or leave rollout_m2_scope "
                              "at 'all'.")
+        if self._trust_region(cfg) and cfg.rollout_rs_exclude_from_baseline:
+            raise ValueError("rollout_rs_exclude_from_baseline=True with rollout_m2_scope='trust_region': M2PO's "
+                             "trust region is decided on the sign of the advantages, which leaving the rejected "
+                             "samples out of the baselines changes after the correction ran, so the two cannot both "
+                             "be exact yet. Use one of them (rollout_rs_exclude_from_baseline=False, or "
+                             "rollout_m2_scope='all').")
 
     def check_call(self, p: Any, advantages: torch.Tensor | None) -> None:
         if p.rollout_m2_scope not in M2_SCOPES:
@@ -193,13 +228,13 @@ class SecondMomentMask(Criterion):
             sums[M2_REGION_TOK_N] = count(region)
             sums[M2_REGION_V_SUM] = masked_sum(v, region)
             sums[M2_REGION_V_KEPT_SUM] = masked_sum(v, region & ~zeroed)
-            state.advantage_mask = (~zeroed).to(state.mask_dtype)  # (B, T) 1 on every token it leaves alone
+            state.zero_advantages(zeroed)  # (B, T) ORed with any other criterion's zeroed advantages
         else:
             m2_keep, v = second_moment_mask(log_ratio, valid, p.rollout_m2_threshold, state.reduce_fn)  # (B, T) each
             sums[M2_MASKED_TOK_N] = count(valid & ~m2_keep)
             sums[M2_V_SUM] = masked_sum(v, valid)
             sums[M2_V_KEPT_SUM] = masked_sum(v, m2_keep)
-            state.keep = state.keep & m2_keep  # (B, T)
+            state.reject(valid & ~m2_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
         if not f.has(TOK_N):

@@ -271,18 +271,18 @@ class ImportanceWeights(Criterion):
         ))
         if p.rollout_is_bound == "mask":
             weight_zeroed = valid & (is_weights == 0)  # (B, T) masked (a valid rho is > 0; normalizing keeps 0)
-            state.weight_zeroed = weight_zeroed
+            state.zero_weights(weight_zeroed)
             state.stats.sums[IS_MASKED_TOK_N] = count(weight_zeroed)  # (B, T) -> 0-dim
             state.stats.sums[IS_MASKED_SEQ_N] = count_rows(weight_zeroed)
         else:  # truncate: min(rho, C), and max(., C_lower) only when a lower bound is set
             pinned = safe > p.rollout_is_threshold  # (B, T)
             if p.rollout_is_threshold_lower is not None:
                 pinned = pinned | (safe < p.rollout_is_threshold_lower)  # (B, T)
-            state.pinned = valid & pinned  # (B, T)
+            state.pin(valid & pinned)  # (B, T)
         if norm_mean is not None:  # float64
             state.stats.sums[IS_NORM_MEAN_SUM] = norm_mean
             state.stats.sums[IS_NORM_N] = stat_constant(1.0, norm_mean)
-        state.is_weights = is_weights
+        state.multiply_weights(is_weights)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
         metrics = finalize_family("rollout_is", f)

@@ -369,7 +369,7 @@ def summarize(probe_result: dict | None, runs: list[dict], arms: list[str], out_
                              r["kl_token"] for r in rs), "monitor_alerts": _alerts(rs),
                          "seconds_per_run": statistics.fmean(r["seconds"] for r in rs)})
     lines.append("   (vs your setting: the mean paired difference, and on how many seeds it is positive; kept mass and "
-                 "kl: rollout_corr/kept_mass_mean and rollout_corr/kl, the trainer's logs)")
+                 f"kl: {metric('kept_mass_mean')} and {metric('kl')}, the trainer's logs)")
     lines += ["", "3. Watch -- the trainer's start-up advice and the monitor (rollout_corr/* alerts), per run:"]
     advice = next((a for r in runs for a in r["startup_advice"] if "truncates" in a), None)
     if advice:

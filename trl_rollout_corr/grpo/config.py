@@ -149,11 +149,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
 
     def _check_resolved(self, resolved: RolloutCorrectionConfig) -> None:
         check_composition(resolved, self.loss_type, self.importance_sampling_level)
-        plan_correction(resolved, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
-                        gradient_accumulation_steps=self.gradient_accumulation_steps,
-                        steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
-                        kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES)
-        # (plan_correction raises where the correction is not exact)
+        plan = plan_correction(resolved, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
+                               gradient_accumulation_steps=self.gradient_accumulation_steps,
+                               steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
+                               kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES)
+        # (plan_correction raises where the correction is not exact); kept for correction_plan(): the plan of the
+        # last resolution, which ran again wherever one of its inputs changed
+        object.__setattr__(self, "_rc_plan", plan)
 
     def _refuse_change(self, name: str, value: Any) -> None:
         if name in TRL_IS_FIELDS and value not in (None, False):
@@ -163,9 +165,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
                              "rollout_is_threshold=...).")
 
     def correction_plan(self) -> CorrectionPlan:
-        """Where pi_old comes from and where the correction is computed, for the current field values."""
-        return plan_correction(
-            self.rollout_correction, pi_old_source=self.pi_old_source, loss_type=self.loss_type,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            steps_per_generation=self.steps_per_generation, num_iterations=self.num_iterations,
-            kept_token_normalizer_losses=KEPT_TOKEN_NORMALIZER_LOSSES)
+        """Where pi_old comes from and where the correction is computed, for the current field values: the plan
+        ``_check_resolved`` made when the correction was last resolved (``self.rollout_correction`` resolves it
+        again first where a field or a plan input changed)."""
+        self.rollout_correction  # noqa: B018 (resolves, and so plans, again where an input changed)
+        return self.__dict__["_rc_plan"]

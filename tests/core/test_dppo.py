@@ -1,0 +1,299 @@
+"""DPPO's trust region (arXiv:2602.04879; core/dppo.py) against a float64 re-derivation written here.
+
+The reference is per element in Python's ``math`` from the definitions of verl's ``dppo_tv`` / ``dppo_kl`` and
+prime-rl's default loss: Binary-TV masks A > 0 tokens with p - q > high and A < 0 tokens with p - q < -low; Binary-KL
+masks A > 0 tokens with p > q and KL(Bern(q) || Bern(p)) > high, A < 0 tokens with p < q and the KL > low. A masked
+token's advantage is 0 and it stays in the count. Then the update of real training steps through TRL's trainer
+against the float64 gradient of the field's loss, -(1 - masked) min(p/q, C) A grad log p.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trl_rollout_corr import RolloutCorrectionConfig as Cfg
+from trl_rollout_corr.core import compute_rollout_correction_stats, finalize_stats
+from trl_rollout_corr.core.dppo import dppo_mask
+from trl_rollout_corr.core.stats import METRIC_PREFIX as P
+
+EPS = 1e-8  # verl's, inside the binary KL's second log
+
+
+def ref_divergence(lp: float, lq: float, divergence: str) -> float:
+    p, q = math.exp(min(lp, 0.0)), math.exp(min(lq, 0.0))
+    if divergence == "binary_tv":
+        return p - q
+    return q * (min(lq, 0.0) - min(lp, 0.0)) + (1 - q) * math.log((1 - q + EPS) / (1 - p + EPS))
+
+
+def ref_masked(lp: float, lq: float, a: float, divergence: str, low: float, high: float) -> bool:
+    d = ref_divergence(lp, lq, divergence)
+    if divergence == "binary_tv":
+        return (a > 0 and d > high) or (a < 0 and d < -low)
+    return (a > 0 and lp > lq and d > high) or (a < 0 and lp < lq and d > low)
+
+
+# ---------------------------------------------------------------- hand cases, at and around the thresholds
+def test_binary_tv_at_and_around_its_thresholds():
+    """p = 1 (log 0), q = 0.5 (log 0.5): Delta = +0.5 exactly; and the mirror, Delta = -0.5. The bound is strict: at
+    delta = 0.5 nothing is masked, just below it the side the advantage pushes is."""
+    lp = torch.tensor([[0.0, math.log(0.5), 0.0, math.log(0.5)]], dtype=torch.float64)  # (1, 4)
+    lq = torch.tensor([[math.log(0.5), 0.0, math.log(0.5), 0.0]], dtype=torch.float64)  # (1, 4)
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)  # (1, 4)
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    at, _, _, value = dppo_mask(lp, lq, valid, adv, "binary_tv", 0.5, 0.5)
+    assert at.tolist() == [[False, False, False, False]]
+    assert value.tolist() == [[0.5, 0.5, 0.5, 0.5]]
+    below, pos, neg, _ = dppo_mask(lp, lq, valid, adv, "binary_tv", 0.5 - 1e-12, 0.5 - 1e-12)
+    # +0.5 with A > 0: masked; -0.5 with A < 0: masked; +0.5 with A < 0 and -0.5 with A > 0: the update the
+    # advantage asks for moves back into the region, kept
+    assert below.tolist() == [[True, True, False, False]]
+    assert pos.tolist() == [[True, False, False, True]] and neg.tolist() == [[False, True, True, False]]
+    only_high, _, _, _ = dppo_mask(lp, lq, valid, adv, "binary_tv", 0.6, 0.4)  # low and high are separate
+    assert only_high.tolist() == [[True, False, False, False]]
+
+
+def test_binary_kl_at_and_around_its_thresholds():
+    """q = 0.5, p = 0.8: D = 0.5 log(0.5/0.8) + 0.5 log((0.5 + 1e-8)/(0.2 + 1e-8)); the mask needs D > delta and p
+    moving the advantage's way."""
+    lq, lp = math.log(0.5), math.log(0.8)
+    d = 0.5 * (lq - lp) + 0.5 * math.log((0.5 + EPS) / (0.2 + EPS))
+    # by hand: 0.5 ln 0.625 + 0.5 ln 2.5 = 0.5 ln 1.5625 = 0.2231435513, and the eps's first-order shift
+    # 0.5 (1e-8 / 0.5 - 1e-8 / 0.2) = -1.5e-8
+    assert d == pytest.approx(0.2231435513 - 1.5e-8, abs=1e-10)
+    lps = torch.tensor([[lp, lp, lq]], dtype=torch.float64)  # (1, 3) rising, rising, falling (p = 0.5 vs q = 0.8)
+    lqs = torch.tensor([[lq, lq, lp]], dtype=torch.float64)  # (1, 3)
+    adv = torch.tensor([1.0, -1.0, -1.0], dtype=torch.float64)[None]  # (1, 3)
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    # the falling token: KL(Bern(0.8) || Bern(0.5)) = 0.8 ln 1.6 + 0.2 ln((0.2 + 1e-8) / (0.5 + 1e-8)), smaller
+    d_fall = 0.8 * math.log(1.6) + 0.2 * math.log((0.2 + EPS) / (0.5 + EPS))
+    assert d_fall == pytest.approx(0.1927448, abs=1e-7)
+    above, _, _, value = dppo_mask(lps, lqs, valid, adv, "binary_kl", d_fall * (1 - 1e-9), d * (1 - 1e-9))
+    assert above.tolist() == [[True, False, True]]  # rising with A > 0, falling with A < 0
+    assert value[0].tolist() == pytest.approx([d, d, d_fall], rel=1e-12)
+    below, _, _, _ = dppo_mask(lps, lqs, valid, adv, "binary_kl", d_fall * (1 + 1e-9), d * (1 + 1e-9))
+    assert below.tolist() == [[False, False, False]]
+    swapped, _, _, _ = dppo_mask(lps, lqs, valid, adv, "binary_kl", d * (1 - 1e-9), d_fall * (1 - 1e-9))
+    assert swapped.tolist() == [[True, False, False]]  # low bounds the A < 0 side only, high the A > 0 side
+
+
+# ---------------------------------------------------------------- the pipeline against the reference
+def batch(seed: int, scale: float):
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log(torch.rand(6, 9, generator=g, dtype=torch.float64) * 0.95 + 0.02)  # (B, T) log q in (log .02, 0)
+    lp = (lq + scale * torch.randn(6, 9, generator=g, dtype=torch.float64)).clamp(max=0.0)  # (B, T)
+    mask = (torch.arange(9)[None] < torch.tensor([[9], [6], [3], [9], [0], [5]])).float()  # (B, T); row 4 all padding
+    adv_seq = torch.tensor([1.0, -1.0, 0.0, -0.5, 1.0, 2.0], dtype=torch.float64)  # (B,) both signs and 0
+    adv_tok = torch.randn(6, 9, generator=g, dtype=torch.float64)  # (B, T)
+    return lp, lq, mask, adv_seq, adv_tok
+
+
+@pytest.mark.parametrize("divergence,low,high", [("binary_tv", 0.15, 0.15), ("binary_tv", 0.05, 0.3),
+                                                 ("binary_kl", 0.05, 0.05), ("binary_kl", 0.2, 0.01)])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_advantage_mask_and_metrics_are_the_reference_s(divergence, low, high, per_token, seed):
+    lp, lq, mask, adv_seq, adv_tok = batch(seed, scale=0.6)
+    lp[5, 2] = float("nan")  # a non-finite log-prob: its whole row leaves the batch (nothing masked there)
+    adv = adv_tok if per_token else adv_seq
+    result = compute_rollout_correction_stats(lp, lq, mask, rollout_is=None, rollout_dppo=divergence,
+                                              rollout_dppo_mask_low=low, rollout_dppo_mask_high=high,
+                                              advantages=adv)
+    lp32, lq32 = lp.float().double().tolist(), lq.float().double().tolist()  # the pipeline reads float32
+    valid = [[bool(mask[i, t] > 0) and i != 5 for t in range(9)] for i in range(6)]
+    a = [[float(adv[i, t] if per_token else adv[i]) for t in range(9)] for i in range(6)]
+    masked = [[valid[i][t] and ref_masked(lp32[i][t], lq32[i][t], a[i][t], divergence, low, high)
+               for t in range(9)] for i in range(6)]
+    assert result.advantage_mask.tolist() == [[0.0 if m else 1.0 for m in row] for row in masked]
+    assert torch.equal(result.modified_response_mask, mask * torch.tensor([[float(i != 5)] for i in range(6)]))
+    n = sum(map(sum, valid))
+    size = [abs(ref_divergence(lp32[i][t], lq32[i][t], divergence)) for i in range(6) for t in range(9) if valid[i][t]]
+    metrics = finalize_stats(result.stats)
+    pos = sum(masked[i][t] and a[i][t] > 0 for i in range(6) for t in range(9))
+    neg = sum(masked[i][t] and a[i][t] < 0 for i in range(6) for t in range(9))
+    assert 0 < pos + neg < n  # the mask bites, and not everywhere
+    assert metrics[P + "rollout_dppo_masked_fraction"] == pytest.approx((pos + neg) / n, abs=1e-12)
+    assert metrics[P + "rollout_dppo_masked_fraction_pos"] == pytest.approx(pos / n, abs=1e-12)
+    assert metrics[P + "rollout_dppo_masked_fraction_neg"] == pytest.approx(neg / n, abs=1e-12)
+    assert metrics[P + "rollout_dppo_divergence_mean"] == pytest.approx(sum(size) / n, rel=1e-9)
+    assert metrics[P + "rollout_dppo_divergence_max"] == pytest.approx(max(size), rel=1e-9)
+
+
+def test_an_all_padding_batch_masks_nothing_and_reports_zeros():
+    z = torch.zeros(2, 4)
+    result = compute_rollout_correction_stats(z, z, z, rollout_is=None, rollout_dppo="binary_tv",
+                                              advantages=torch.tensor([1.0, -1.0]))
+    assert result.advantage_mask.tolist() == [[1.0] * 4] * 2
+    metrics = finalize_stats(result.stats)
+    assert [metrics[P + f"rollout_dppo_{m}"] for m in ("masked_fraction", "divergence_mean", "divergence_max")] == [
+        0.0, 0.0, 0.0]
+
+
+def test_dppo_combines_with_a_rejection_and_the_is_weights():
+    """With token RS on too, the kept mask is RS's alone and the advantage mask DPPO's alone (neither overwrites
+    the other); the IS weights are min(rho, C) on every valid token."""
+    lp, lq, mask, adv, _ = batch(0, scale=0.6)
+    both = compute_rollout_correction_stats(lp, lq, mask, rollout_is="token", rollout_is_threshold=1.5,
+                                            rollout_rs="token", rollout_rs_threshold=2.0, rollout_dppo="binary_tv",
+                                            advantages=adv)
+    rs_only = compute_rollout_correction_stats(lp, lq, mask, rollout_is="token", rollout_is_threshold=1.5,
+                                               rollout_rs="token", rollout_rs_threshold=2.0, advantages=adv)
+    dppo_only = compute_rollout_correction_stats(lp, lq, mask, rollout_dppo="binary_tv", advantages=adv)
+    assert torch.equal(both.modified_response_mask, rs_only.modified_response_mask)
+    assert torch.equal(both.advantage_mask, dppo_only.advantage_mask)
+    assert torch.equal(both.is_weights, rs_only.is_weights)
+    assert not torch.equal(both.modified_response_mask, mask) and both.advantage_mask.min() == 0
+
+
+def test_a_call_without_advantages_is_refused():
+    lp, lq, mask, _, _ = batch(0, scale=0.2)
+    with pytest.raises(ValueError, match="rollout_dppo='binary_kl' needs the advantages"):
+        compute_rollout_correction_stats(lp, lq, mask, rollout_dppo="binary_kl")
+    with pytest.raises(ValueError, match="rollout_dppo must be one of"):
+        compute_rollout_correction_stats(lp, lq, mask, rollout_dppo="tv", advantages=torch.ones(6))
+
+
+# ---------------------------------------------------------------- config: checks in the criterion's file
+@pytest.mark.parametrize("fields,match", [
+    (dict(rollout_dppo="tv"), "rollout_dppo must be 'binary_tv'"),
+    (dict(rollout_dppo="binary_tv", rollout_dppo_mask_high=1.5), r"rollout_dppo_mask_high must be in \(0, 1\]"),
+    (dict(rollout_dppo="binary_tv", rollout_dppo_mask_low=0.0), r"rollout_dppo_mask_low must be in \(0, 1\]"),
+    (dict(rollout_dppo="binary_tv", rollout_dppo_mask_low=float("nan")), "rollout_dppo_mask_low must be"),
+    (dict(rollout_dppo="binary_kl", rollout_dppo_mask_high=float("inf")),
+     "rollout_dppo_mask_high must be a finite number > 0"),
+    (dict(rollout_dppo="binary_kl", rollout_dppo_mask_low=-0.1), "rollout_dppo_mask_low must be a finite number"),
+    (dict(rollout_dppo="binary_kl", rollout_dppo_mask_low="0.1"), "rollout_dppo_mask_low must be"),
+    (dict(rollout_dppo_mask_low=0.1), "rollout_dppo_mask_low / rollout_dppo_mask_high are set but rollout_dppo is"),
+])
+def test_bad_fields_are_refused_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        Cfg(rollout_is=None, bypass_mode=True, **fields)
+
+
+def test_decoupled_mode_and_the_baseline_exclusion_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"rollout_dppo='binary_tv' needs bypass_mode=True .*verl's setting"):
+        Cfg(rollout_dppo="binary_tv")
+    with pytest.raises(ValueError, match="rollout_rs_exclude_from_baseline=True with rollout_dppo='binary_kl'"):
+        Cfg.dppo_kl_bypass(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_exclude_from_baseline=True)
+
+
+def test_unset_thresholds_are_the_divergence_s_defaults_written_back():
+    tv = Cfg(rollout_dppo="binary_tv", bypass_mode=True, rollout_dppo_mask_high=0.3)
+    kl = Cfg(rollout_dppo="binary_kl", bypass_mode=True)
+    assert (tv.rollout_dppo_mask_low, tv.rollout_dppo_mask_high) == (0.15, 0.3)  # verl's DPPO example: 0.15 TV
+    assert (kl.rollout_dppo_mask_low, kl.rollout_dppo_mask_high) == (0.05, 0.05)  # and 0.05 KL
+    assert tv.zeroes_advantages and not tv.masks_tokens
+    assert Cfg.from_json_string(tv.to_json_string()) == tv
+
+
+def test_the_presets_are_the_field_s_settings():
+    tv, kl, prime = Cfg.dppo_tv_bypass(), Cfg.dppo_kl_bypass(), Cfg.dppo_tv_prime_rl()
+    for cfg in (tv, kl, prime):  # the policy-gradient loss with token IS: -stopgrad(min(p/q, C)) A log p
+        assert (cfg.bypass_mode, cfg.use_policy_gradient, cfg.rollout_is) == (True, True, "token")
+    assert (tv.rollout_dppo, tv.rollout_dppo_mask_low, tv.rollout_dppo_mask_high, tv.rollout_is_threshold) == (
+        "binary_tv", 0.15, 0.15, 1e4)
+    assert (kl.rollout_dppo, kl.rollout_dppo_mask_low, kl.rollout_dppo_mask_high, kl.rollout_is_threshold) == (
+        "binary_kl", 0.05, 0.05, 1e4)
+    assert (prime.rollout_dppo, prime.rollout_dppo_mask_low, prime.rollout_dppo_mask_high) == ("binary_tv", 0.2, 0.2)
+    assert prime.rollout_is_threshold == math.inf
+    assert Cfg.from_yaml(prime.to_yaml()) == prime and Cfg.from_json_string(prime.to_json_string()) == prime
+
+
+def test_none_on_the_flat_field_switches_dppo_off_over_a_preset(tmp_path):
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+
+    args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                 per_device_train_batch_size=4, num_generations=4,
+                                 rollout_correction_preset="dppo_kl_bypass", rollout_dppo="none")
+    rc = args.rollout_correction
+    assert (rc.rollout_dppo, rc.rollout_dppo_mask_low, rc.rollout_dppo_mask_high) == (None, None, None)
+    args = RolloutCorrGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                 per_device_train_batch_size=4, num_generations=4,
+                                 rollout_correction_preset="dppo_tv_bypass", rollout_dppo_mask_high="0.25")
+    assert (args.rollout_correction.rollout_dppo_mask_low, args.rollout_correction.rollout_dppo_mask_high) == (
+        0.15, 0.25)
+
+
+# ---------------------------------------------------------------- the update through TRL's trainer
+DPPO_SHAPES = ("one_micro_batch", "accumulation_4", "steps_per_generation_2", "num_iterations_2")
+
+
+@pytest.mark.parametrize("divergence,delta", [("binary_tv", 0.01), ("binary_kl", 0.002)])
+@pytest.mark.parametrize("shape", DPPO_SHAPES)
+def test_each_step_matches_the_float64_gradient_of_the_field_s_loss(tmp_path, divergence, delta, shape):
+    """Two SGD steps of the real trainer (dapo's normalizer) with DPPO in bypass policy-gradient mode, C = 1.5 so
+    the truncation bites too: the update is -lr times the float64 gradient of
+
+        (1 / N_gen) sum_t -(1 - masked_t) min(p_t / q_t, C) A_t log p_t     (p_t, masked_t, min(.) detached)
+
+    with the mask re-derived here from p = pi_theta at each micro-batch's optimizer step (it moves between steps)."""
+    from tests.grpo.test_gradients import LR, SHAPES, forward64, load, train
+    from trl_rollout_corr.testing.toy_task import build_model
+
+    case = dict(preset="dppo_tv_bypass", rollout_dppo=divergence, rollout_dppo_mask_low=delta,
+                rollout_dppo_mask_high=delta, rollout_is_threshold=1.5)
+    trainer, recorder, _, final = train(tmp_path, build_model(hidden_size=32), case, SHAPES[shape])
+    assert trainer.rollout_correction.rollout_dppo == divergence
+    model = build_model(hidden_size=32).double()
+    args = trainer.args
+    ga, spg = args.gradient_accumulation_steps, args.steps_per_generation
+    after = recorder.params_at_step[1:] + [final]
+    n_masked = n_valid = 0
+    for step in range(2):
+        theta = recorder.params_at_step[step]
+        grads = None
+        for mb_step, gen_index, mb in recorder.micro_batches:
+            if mb_step != step:
+                continue
+            generation = recorder.generations[gen_index]
+            n_gen = generation["completion_mask"].sum()  # nothing rejected: every token of the generation batch
+            mask = mb["completion_mask"].bool()  # (B, T)
+            load(model, theta)
+            for p in model.parameters():
+                p.grad = None
+            logps = forward64(model, mb)  # (B, T) with grad
+            sampling = mb["sampling_per_token_logps"].double()  # (B, T)
+            adv = mb["advantages"].double()  # (B,)
+            lp32 = logps.detach().float().double()  # what the trainer's pipeline reads
+            masked = torch.tensor([[bool(mask[i, t]) and ref_masked(
+                float(lp32[i, t]), float(sampling[i, t].float()), float(adv[i]), divergence, delta, delta)
+                for t in range(mask.shape[1])] for i in range(mask.shape[0])])  # (B, T)
+            n_masked += int(masked.sum())
+            n_valid += int(mask.sum())
+            w = torch.exp((logps.detach() - sampling).clamp(-20, 20)).clamp(max=1.5)  # (B, T)
+            per_token = -(~masked).double() * w * adv[:, None] * logps  # (B, T)
+            loss = (per_token * mask.double()).sum() / (n_gen * ga / spg)
+            loss.backward()
+            step_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = step_grads if grads is None else {n: grads[n] + g for n, g in step_grads.items()}
+        update = torch.cat([(after[step][n] - theta[n]).flatten().double() for n in grads])
+        expected = torch.cat([(-LR * g).flatten() for g in grads.values()])
+        assert update.abs().max() > 1e-6
+        assert ((update - expected).norm() / expected.norm()).item() <= 1e-4, (divergence, shape, step)
+    assert 0 < n_masked < n_valid  # the mask bites on this data, and not everywhere
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logged) == 2 and any(log[P + "rollout_dppo_masked_fraction"] > 0 for log in logged)
+    assert all(math.isfinite(log[P + f"rollout_dppo_{m}"]) for log in logged for m in (
+        "masked_fraction_pos", "masked_fraction_neg", "divergence_mean", "divergence_max"))
+
+
+def test_two_processes_give_the_one_process_step(tmp_path):
+    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process: the update,
+    grad_norm and every metric of one process (``tests/grpo/test_invariance.py``'s case ``dppo_tv_bypass_dapo``; the
+    mask is per token, so the correction stays in the loss in every split)."""
+    import sys
+
+    from tests.grpo.test_distributed import _free_port
+    from tests.grpo.test_invariance import assert_same_step, run_worker
+
+    case = "dppo_tv_bypass_dapo"
+    results = run_worker(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                    "--master_port", str(_free_port())], ["--cases", case])
+    assert set(results[case]) == {"4x1", "2x2", "1x4"}
+    assert all("MULTI_CPU" in run["distributed_type"] for run in results[case].values())
+    assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == [False] * 3
+    assert all(run["metrics"][P + "rollout_dppo_masked_fraction"] > 0 for run in results[case].values())
+    assert_same_step(case, tmp_path, results[case])
