@@ -10,9 +10,10 @@ import pytest
 
 from trl_rollout_corr import RolloutCorrectionConfig
 from trl_rollout_corr.core.pipeline import finite_rows_mask, rollout_usable_mask
-from trl_rollout_corr.core.losses import (PI_OLD, PI_ROLLOUT, PI_THETA, corrected_loss_mask, loss_anchor, safe_anchor,
-                                     vespo_sampler_ratio, weighted_advantages, weights_advantage,
-                                     zeroed_advantages)
+from trl_rollout_corr.core.losses import (PI_OLD, PI_ROLLOUT, PI_THETA, batch_correction, corrected_loss_mask,
+                                          loss_anchor, loss_patch, mode_correction, safe_anchor,
+                                          vespo_sampler_ratio, weighted_advantages, weights_advantage,
+                                          zeroed_advantages)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # (2, 4) completion mask
 KEEP = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0]])  # (2, 4) token 1 rejected, row 1 rejected entirely
@@ -102,3 +103,66 @@ def test_finite_rows_mask_drops_a_row_with_any_non_finite_masked_value():
     # row 0: NaN on padding only (kept); row 1: -inf in a; row 2: +inf in b; row 3: nothing masked
     assert finite_rows_mask(mask, a, b).int().tolist() == [[1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert finite_rows_mask(mask, b).int().tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]]
+
+
+# ------------------------------------------------------------------ the one loss patch both trainers apply
+W = torch.tensor([[0.5, 1.5, 2.0, 1.0], [1.0, 0.25, 1.0, 1.0]])  # (2, 4) IS weights
+Z = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])  # (2, 4) M2PO's trust-region mask: token (0, 2) zeroed
+ROLL = torch.tensor([[-1.0, -2.0, float("nan"), -1.0], [-0.5, -0.5, -0.5, -0.5]])  # (2, 4) log pi_rollout
+THETA = torch.tensor([[-1.1, -1.9, -3.0, -1.2], [-0.4, -0.6, -0.7, -0.8]])  # (2, 4) log pi_theta
+
+
+@pytest.mark.parametrize("mode, vespo, weights, anchor, ratio", [
+    (PI_ROLLOUT, False, None, "rollout", None),  # bypass PPO: r = pi_theta / pi_rollout already is rho
+    (PI_THETA, False, "w", None, None),  # bypass PG: r = 1, w on A
+    (PI_OLD, False, "w", "old", None),  # decoupled: pi_old anchors, w on A
+    (PI_OLD, True, None, "old", "w"),  # VESPO: w as phi's sampler ratio, A unweighted
+])
+def test_mode_correction_by_mode(mode, vespo, weights, anchor, ratio):
+    c = mode_correction(mode, KEEP, W, Z, rollout_anchor=ROLL, old_anchor=THETA, vespo=vespo)
+    assert c.keep is KEEP and c.advantage_mask is Z  # in every mode
+    assert c.is_weights is (W if weights else None)
+    assert c.anchor is {"rollout": ROLL, "old": THETA, None: None}[anchor]
+    if ratio:  # w on kept tokens, exactly 1 elsewhere
+        assert c.sampler_ratio.tolist() == [[0.5, 1.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    else:
+        assert c.sampler_ratio is None
+
+
+def test_loss_patch_by_hand_on_rows_and_on_flat_terms():
+    """A' = A * w * z and the anchor made safe on the kept tokens, for the synchronous trainer's (B,) advantages and
+    the asynchronous trainer's (1, M) terms (the same values, laid out flat)."""
+    adv = torch.tensor([2.0, -1.0])  # (B,)
+    c = mode_correction(PI_ROLLOUT, KEEP, W, Z, rollout_anchor=ROLL, old_anchor=None)  # no w on A
+    patch = loss_patch(adv, c, THETA, MASK * KEEP, sequence_level=False)
+    assert patch.advantages.tolist() == [[2.0, 2.0, 0.0, 2.0], [-1.0, -1.0, -1.0, -1.0]]  # z only
+    # kept (0, 0), (0, 2): rollout where finite; (0, 2) is NaN -> pi_theta; every other token -> pi_theta
+    assert torch.equal(patch.anchor, torch.tensor([[-1.0, -1.9, -3.0, -1.2], [-0.4, -0.6, -0.7, -0.8]]))
+    c = mode_correction(PI_THETA, KEEP, W, Z, rollout_anchor=ROLL, old_anchor=None)
+    patch = loss_patch(adv, c, THETA, MASK * KEEP, sequence_level=False)
+    assert patch.advantages.tolist() == [[1.0, 3.0, 0.0, 2.0], [-1.0, -0.25, -1.0, -1.0]]  # A * w * z
+    assert patch.anchor is None  # TRL uses pi_theta detached
+    flat = lambda t: t.reshape(1, -1)  # noqa: E731  (1, M): the asynchronous trainer's terms
+    terms = mode_correction(PI_THETA, flat(KEEP), flat(W), flat(Z), rollout_anchor=flat(ROLL), old_anchor=None)
+    adv_terms = adv.repeat_interleave(4).reshape(1, -1)  # (1, M) one advantage per term
+    flat_patch = loss_patch(adv_terms, terms, flat(THETA), flat(KEEP), sequence_level=False)
+    assert flat_patch.advantages.tolist() == [sum(patch.advantages.tolist(), [])]
+
+
+def test_batch_correction_is_the_pipeline_then_the_mode_rule():
+    """A bypass-PPO token-RS batch: keep from the pipeline's rejection (|log rho| > log 1.5 rejected), no weight on A,
+    and the anchor pi_rollout; decoupled with a forward: pi_old anchors, w = min(rho, 2) on A."""
+    train = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])  # (2, 3) log pi_train
+    rollout = torch.tensor([[-1.0, -2.0, -1.1], [-2.0, -2.0, -1.0]])  # (2, 3) log rho = 0, 1, 0.1 / 0, 0, -1
+    mask = torch.ones(2, 3)
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token",
+                                  rollout_rs_threshold=1.5, rollout_rs_threshold_lower=1 / 1.5)
+    c, stats = batch_correction(train, rollout, mask, cfg.params(), anchor_mode=PI_ROLLOUT, forward_anchor=False,
+                                vespo=False, advantages=torch.tensor([1.0, -1.0]))
+    assert c.keep.tolist() == [[1, 0, 1], [1, 1, 0]] and c.keep.dtype == mask.dtype
+    assert c.is_weights is None and torch.equal(c.anchor, rollout)
+    assert "mask.kept_tok_n" in stats.sums and float(stats.sums["mask.kept_tok_n"]) == 4.0
+    c, _ = batch_correction(train, rollout, mask, cfg.params(), anchor_mode=PI_OLD, forward_anchor=True,
+                            vespo=False, advantages=torch.tensor([1.0, -1.0]))
+    assert c.anchor is train
+    assert torch.allclose(c.is_weights, torch.tensor([[1.0, 2.0, math.exp(0.1)], [1.0, 1.0, math.exp(-1.0)]]))

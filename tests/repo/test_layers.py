@@ -166,3 +166,85 @@ def test_the_outside_check_catches_an_import_of_the_lab(tmp_path):
 def test_every_import_follows_the_layer_contract(path):
     bad = arrows_against_the_contract(path)
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------ one path down (issue 53)
+# The trainers orchestrate downward: they ask trl_hooks for the policy's log-probs, core for the correction and
+# trl_hooks for TRL's loss. Nothing below the trainers calls back into a trainer: a module below them never calls a
+# method on a trainer object it was handed (``trainer.<method>(...)``; ``super(owner, trainer).<method>(...)`` is
+# TRL's own method, the way down), and a trainer never hands a module below it one of its own methods or a closure
+# over ``self`` to be called back (``reduce_fn=self._rc_reduce``, ``lambda: ...self...``).
+TRAINER_FOLDERS = {"grpo", "async_grpo", "training"}
+BELOW_THE_TRAINERS = {"core", "runtime", "config", "rollout", "testing", "trl_hooks", "monitor", "vllm"}
+
+
+def trainer_calls(path: pathlib.Path, shown: str | None = None) -> list[str]:
+    """``trainer.<method>(...)`` calls in ``path``, on a name a function was handed as its ``trainer`` parameter."""
+    shown = shown or str(path.relative_to(PACKAGE))
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        params = {a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs)}
+        if "trainer" not in params:
+            continue
+        for node in ast.walk(function):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "trainer"):
+                bad.append(f"{shown}:{node.lineno} calls trainer.{node.func.attr}(): a call back "
+                           "into the trainer")
+    return bad
+
+
+def trainer_methods() -> set[str]:
+    """The names of the methods the trainers' classes define (the trainers' folders and the mixin they share)."""
+    names = set()
+    for path in library_files():
+        if folder(module_name(path)) in TRAINER_FOLDERS:
+            tree = ast.parse(path.read_text(), filename=str(path))
+            names |= {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
+                      if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return names
+
+
+def handed_callbacks(path: pathlib.Path, methods: set[str], shown: str | None = None) -> list[str]:
+    """Call arguments in a trainer module that hand the callee one of the trainers' own ``methods``
+    (``self.<method>``) or a lambda that reads ``self``."""
+    shown = shown or str(path.relative_to(PACKAGE))
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        for arg in (*node.args, *(k.value for k in node.keywords)):
+            bound = (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "self"
+                     and arg.attr in methods)
+            closure = isinstance(arg, ast.Lambda) and any(isinstance(n, ast.Name) and n.id == "self"
+                                                          for n in ast.walk(arg.body))
+            if bound or closure:
+                what = f"self.{arg.attr}" if bound else "a lambda over self"
+                bad.append(f"{shown}:{arg.lineno} hands {what} to {ast.unparse(node.func)}(): "
+                           "a call back into the trainer")
+    return bad
+
+
+def test_the_callback_scan_sees_a_planted_call_back(tmp_path):
+    hook = tmp_path / "hook.py"
+    hook.write_text("def f(trainer, x):\n    return trainer._rc_reduce(x, 'sum')\n")
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text("class T:\n    def _r(self, x):\n        return x\n"
+                       "    def step(self, x):\n        g(x, reduce_fn=self._r)\n"
+                       "        return h(lambda: self._r(x))\n")
+    assert [b for b in trainer_calls(hook, "hook.py") if "trainer._rc_reduce()" in b]
+    found = handed_callbacks(trainer, {"_r"}, "trainer.py")
+    assert len(found) == 2 and "self._r" in found[0] and "lambda" in found[1], found
+    assert not handed_callbacks(trainer, set(), "trainer.py")[:-1]  # not a method of a trainer: only the lambda
+
+
+@pytest.mark.parametrize("path", library_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_nothing_below_the_trainers_calls_back_into_a_trainer(path):
+    layer = folder(module_name(path))
+    bad = (trainer_calls(path) if layer in BELOW_THE_TRAINERS else []) + (
+        handed_callbacks(path, trainer_methods()) if layer in TRAINER_FOLDERS else [])
+    assert not bad, "\n".join(bad)

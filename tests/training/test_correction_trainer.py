@@ -16,7 +16,7 @@ from trl_rollout_corr.core.stats import RolloutStats
 from trl_rollout_corr.training.correction_trainer import (ALL_REJECTED, CorrectionTrainerMixin, micro_batch_counts,
                                                  require_correction_config)
 
-SHARED = ("_rc_freeze", "_rc_reduce", "_rc_metrics", "save_model")
+SHARED = ("_rc_freeze", "_rc_metrics", "save_model")
 
 
 @pytest.mark.parametrize("trainer", [RolloutCorrGRPOTrainer, RolloutCorrAsyncGRPOTrainer])

@@ -46,9 +46,9 @@ from ..core.flat import padded_layout, per_row, to_rows, to_terms
 from ..core.lag import lag_stats
 from ..core.metric_names import metric
 from ..core.pipeline import finite_rows_mask
-from ..core.stats import STAT_DTYPE, RolloutStats
+from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
 from ..training.correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
-from ..core.losses import PI_ROLLOUT, weights_advantage
+from ..core.losses import loss_patch, mode_correction
 from ..trl_hooks import async_grpo as trl_async
 from ..trl_hooks.async_grpo_data import ADDED_KEYS, carrying_sample_versions
 from .config import RolloutCorrAsyncGRPOConfig
@@ -69,8 +69,26 @@ def served_model_ids(body: Any) -> list[str] | None:
 
 
 class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
-    """``AsyncGRPOTrainer`` with rollout correction (see the module docstring). Takes ``AsyncGRPOTrainer``'s arguments;
-    ``args`` must be a :class:`RolloutCorrAsyncGRPOConfig`."""
+    """``AsyncGRPOTrainer`` with rollout correction (see the module docstring).
+
+    Its loss is TRL's PPO-clip on TRL's flat terms, patched per term by the synchronous trainer's
+    :func:`~trl_rollout_corr.core.losses.loss_patch` (A' = A * w * z, the anchor of TRL's ratio by
+    :func:`~trl_rollout_corr.core.losses.loss_anchor`), with A' = 0 on rejected terms and the kept terms as TRL's
+    token count.
+
+    Args:
+        model: the model id or path (TRL's asynchronous trainer loads it; the vLLM server serves the same string).
+        reward_funcs: TRL's reward functions.
+        args: a :class:`RolloutCorrAsyncGRPOConfig`; None: the default config named after the model.
+        *rest: TRL's further positional arguments.
+        weight_transfer: TRL's weight transfer; None: TRL's (NCCL) with CUDA, the file transfer on a CPU.
+        **kwargs: TRL's keyword arguments (``rollout_worker``: TRL's injection point; no server is probed then).
+
+    Raises:
+        TypeError: ``args`` is not a :class:`RolloutCorrAsyncGRPOConfig`.
+        ValueError: an invalid correction field, or a server serving another model, naming the fix.
+        RuntimeError: on a CPU without a ``weight_transfer``, no server answers at ``vllm_server_base_url``.
+    """
 
     _RC_ALL_REJECTED_REMEDY = ("Loosen rollout_rs_threshold / rollout_token_veto_threshold, lower max_staleness or "
                                "check the server.")
@@ -195,6 +213,20 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ 2. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's own loss on the corrected micro-batch, orchestrated downward: the packed forward from ``trl_hooks``,
+        the correction from ``core`` (:meth:`_correct_terms`), TRL's loss answered with that forward
+        (``trl_hooks``' :class:`~trl_rollout_corr.trl_hooks.async_grpo.AnsweredForward`).
+
+        Args:
+            model: the policy.
+            inputs: one packed micro-batch: TRL's keys (``advantages``, ``old_log_probs``, ``token_index`` (1, M_pad),
+                ``global_n_tokens`` (1,), ...) plus this package's (``rc_sample_version``, ``rc_term_col``,
+                ``rc_row_mask`` (1, B, T), ``rc_packed_sizes``).
+            return_outputs, num_items_in_batch: TRL's.
+
+        Returns:
+            TRL's loss (a 0-dim tensor with grad).
+        """
         trl_async.check_loss_inputs(inputs, added=ADDED_KEYS)
         outputs, forward_kwargs, forward_s = trl_async.packed_forward(model, inputs, self.aux_loss_enabled,
                                                                       self.accelerator.process_index)
@@ -233,7 +265,7 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
             self._require_finite(rollout_rows, mask)
         adv_rows = to_rows(adv, layout, 0.0)  # (B, T) TRL's A: M2PO's trust region and grad_share_*
         result = compute_rollout_correction_stats(train_rows, rollout_rows, mask, cfg.params(),
-                                                  reduce_fn=self._rc_reduce, advantages=adv_rows)
+                                                  reduce_fn=process_all_reduce, advantages=adv_rows)
         keep_rows = result.modified_response_mask.bool()  # (B, T)
         lag = self._rc_policy_version - per_row(versions, layout)  # (B,)
         valid_rows = finite_rows_mask(mask, train_rows, rollout_rows)  # (B, T) what the statistics average over
@@ -241,16 +273,18 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
             lag_stats(train_rows, rollout_rows, mask, valid_rows, keep_rows, lag, self._rc_max_lag, result.is_weights))
         keep = to_terms(keep_rows, layout) & valid  # (M_pad,)
         weights = None if result.is_weights is None else to_terms(result.is_weights, layout).float()  # (M_pad,)
+        zero = None if result.advantage_mask is None else to_terms(result.advantage_mask, layout)  # (M_pad,) M2PO
+        # the terms as one row, (1, M_pad): the shapes of TRL's own advantages and old_log_probs
+        terms = [None if t is None else t.unsqueeze(0) for t in (keep, weights, zero, rollout, log_probs, adv)]
+        keep1, weights1, zero1, rollout1, log_probs1, adv1 = terms
         # pi_rollout: TRL's ratio pi_theta / pi_rollout has the IS weight in it already; pi_old (= pi_prox, pi_theta
         # detached) or pi_theta: ratio 1, the gradient is -w A grad log pi_theta
-        anchor = rollout if cfg.loss_anchor == PI_ROLLOUT else log_probs  # (M_pad,)
-        if weights is not None and weights_advantage(cfg.loss_anchor):
-            adv = adv * weights
-        if result.advantage_mask is not None:  # M2PO's trust region: A = 0, the term kept in the count (any mode)
-            adv = adv * to_terms(result.advantage_mask, layout).to(adv.dtype)  # (M_pad,)
-        anchor = torch.where(keep & torch.isfinite(anchor), anchor, log_probs)  # (M_pad,) rejected: ratio 1 ...
-        adv = torch.where(keep, adv, torch.zeros_like(adv))  # ... and no gradient
-        kept_total = self._rc_reduce(keep.sum(dtype=torch.float32).reshape(1), "sum")  # (1,)
+        correction = mode_correction(cfg.loss_anchor, keep1, weights1, zero1, rollout_anchor=rollout1,
+                                     old_anchor=log_probs1)
+        patch = loss_patch(adv1, correction, log_probs1, keep1, sequence_level=False)  # the synchronous trainer's
+        anchor = log_probs if patch.anchor is None else patch.anchor[0]  # (M_pad,) rejected: ratio 1 ...
+        adv = torch.where(keep, patch.advantages[0], torch.zeros_like(adv))  # (M_pad,) ... and no gradient
+        kept_total = process_all_reduce(keep.sum(dtype=torch.float32).reshape(1), "sum")  # (1,)
         once = float(self.accelerator.is_main_process)  # a micro-batch spans every process: count it once
         stats.update(micro_batch_counts(kept_total.to(STAT_DTYPE).reshape(()), once))
         self._rc_stats.update(stats)

@@ -26,10 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats
+from .criterion import StatFloats, stat_key
+from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, safe_div
 
 BASELINE_METRICS = ("rollout_rs_baseline_excluded_fraction",)
 """The share of the generation batch's samples left out of the group baselines (every token rejected)."""
+BASELINE_N = stat_key("baseline.n", __name__)
+"""Samples of the generation batch (all processes, counted once)."""
+BASELINE_EXCLUDED_N = stat_key("baseline.excluded_n", __name__)
+"""Of those, the samples left out of their group's baseline."""
 
 
 def nan_std(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -104,14 +109,15 @@ def fully_rejected(keep: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 def baseline_stats(excluded: torch.Tensor) -> RolloutStats:
     """Counts of one generation batch's samples (global, ``excluded`` (N,) bool) for
     ``rollout_rs_baseline_excluded_fraction``; count them on one process only."""
-    return RolloutStats(sums={"baseline.excluded_n": excluded.sum(dtype=STAT_DTYPE),
-                              "baseline.n": torch.tensor(float(excluded.numel()), dtype=STAT_DTYPE,
+    return RolloutStats(sums={BASELINE_EXCLUDED_N: excluded.sum(dtype=STAT_DTYPE),
+                              BASELINE_N: torch.tensor(float(excluded.numel()), dtype=STAT_DTYPE,
                                                          device=excluded.device)})
 
 
-def finalize_baseline(f: dict[str, float]) -> dict[str, float]:
-    """``rollout_rs_baseline_excluded_fraction`` from the reduced counts (nothing when the option is off)."""
-    if "sum:baseline.n" not in f:
+def finalize_baseline(floats: dict[str, float]) -> dict[str, float]:
+    """``rollout_rs_baseline_excluded_fraction`` from the reduced counts (nothing when the option is off), read by
+    declared name through :class:`~.criterion.StatFloats`."""
+    f = StatFloats(floats)
+    if not f.has(BASELINE_N):
         return {}
-    n = f["sum:baseline.n"]
-    return {METRIC_PREFIX + BASELINE_METRICS[0]: f["sum:baseline.excluded_n"] / n if n > 0 else 0.0}
+    return {METRIC_PREFIX + BASELINE_METRICS[0]: safe_div(f.sum(BASELINE_EXCLUDED_N), f.sum(BASELINE_N))}

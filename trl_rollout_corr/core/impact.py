@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
+from .criterion import StatFloats, stat_key
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_max, masked_sum
+from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_max, masked_sum, safe_div
 from .weights import SAFETY_BOUND
 
 #: completion-length buckets (tokens): [0, 64), [64, 256), [256, 1024), [1024, 4096), [4096, inf)
@@ -45,6 +46,28 @@ def bucket_names(buckets: tuple[int, ...] = LENGTH_BUCKETS) -> tuple[str, ...]:
     """``len_0_63``, ``len_64_255``, ..., ``len_ge_4096``: one name per bucket, in order."""
     edges = (0, *buckets)
     return (*(f"len_{lo}_{hi - 1}" for lo, hi in zip(edges, edges[1:])), f"len_ge_{edges[-1]}")
+
+
+SHARE_ABS_ADV = stat_key("share.abs_adv_sum", __name__)
+"""sum_t m_t |A_t| over the trained tokens."""
+SHARE_PINNED = stat_key("share.pinned_abs_adv_sum", __name__)
+"""sum |A_t| over the pinned tokens (IS weight clipped to a bound)."""
+SHARE_DROPPED = stat_key("share.dropped_abs_adv_sum", __name__)
+"""sum |A_t| over the dropped tokens (gradient removed)."""
+TKL_SEQ_N = stat_key("tkl.seq_n", __name__)
+"""Sequences with a valid token."""
+TKL_SUM = stat_key("tkl.sum", __name__)
+"""sum over sequences of T*KL."""
+TKL_ABOVE_N = stat_key("tkl.above_n", __name__)
+"""Sequences with T*KL > :data:`T_KL_THRESHOLD`."""
+TKL_MAX = stat_key("tkl.max", __name__)
+"""max over sequences of T*KL (a max)."""
+
+
+def length_key(bucket: int, name: str) -> str:
+    """The statistic ``len.<bucket>.<name>`` (``tok_n``, ``k3_sum``) of length bucket ``bucket``, declared here (one
+    per bucket: the buckets are an argument)."""
+    return stat_key(f"len.{bucket}.{name}", __name__)
 
 
 GRAD_SHARE_METRICS = ("grad_share_pinned", "grad_share_masked")
@@ -63,9 +86,9 @@ def gradient_share_stats(advantages: torch.Tensor, mask: torch.Tensor, pinned: t
     a = advantages.detach().to(STAT_DTYPE).abs()  # (B,), (B, 1) or (B, T)
     a = (a.reshape(-1, 1) if a.dim() == 1 else a).expand(mask.shape)  # (B, T)
     return RolloutStats(sums={
-        "share.abs_adv_sum": masked_sum(a, mask),
-        "share.pinned_abs_adv_sum": masked_sum(a, mask & pinned.bool()),
-        "share.dropped_abs_adv_sum": masked_sum(a, mask & dropped.bool()),
+        SHARE_ABS_ADV: masked_sum(a, mask),
+        SHARE_PINNED: masked_sum(a, mask & pinned.bool()),
+        SHARE_DROPPED: masked_sum(a, mask & dropped.bool()),
     })
 
 
@@ -86,33 +109,30 @@ def length_stats(log_ratio: torch.Tensor, valid: torch.Tensor,
     for i, lower in enumerate(edges):
         in_bucket = (lengths >= lower) & (lengths < edges[i + 1] if i + 1 < len(edges) else has_tokens)  # (B,)
         tokens = valid & in_bucket.unsqueeze(1)  # (B, T)
-        sums[f"len.{i}.tok_n"] = count(tokens)
-        sums[f"len.{i}.k3_sum"] = masked_sum(k3, tokens)
-    sums["tkl.seq_n"] = count_rows(valid)
-    sums["tkl.sum"] = masked_sum(t_kl, has_tokens)
-    sums["tkl.above_n"] = count(has_tokens & (t_kl > T_KL_THRESHOLD))
-    return RolloutStats(sums=sums, maxes={"tkl.max": masked_max(t_kl, has_tokens)})
+        sums[length_key(i, "tok_n")] = count(tokens)
+        sums[length_key(i, "k3_sum")] = masked_sum(k3, tokens)
+    sums[TKL_SEQ_N] = count_rows(valid)
+    sums[TKL_SUM] = masked_sum(t_kl, has_tokens)
+    sums[TKL_ABOVE_N] = count(has_tokens & (t_kl > T_KL_THRESHOLD))
+    return RolloutStats(sums=sums, maxes={TKL_MAX: masked_max(t_kl, has_tokens)})
 
 
-def _div(num: float, den: float) -> float:
-    return num / den if den > 0 else 0.0
-
-
-def finalize_impact(f: dict[str, float], buckets: tuple[int, ...] = LENGTH_BUCKETS) -> dict[str, float]:
-    """``{"rollout_corr/<name>": float}`` from reduced statistics (:meth:`RolloutStats.to_floats` form); only the
-    families present in ``f``."""
+def finalize_impact(floats: dict[str, float], buckets: tuple[int, ...] = LENGTH_BUCKETS) -> dict[str, float]:
+    """``{"rollout_corr/<name>": float}`` from reduced statistics (:meth:`RolloutStats.to_floats` form, read by
+    declared name through :class:`~.criterion.StatFloats`); only the families present."""
+    f = StatFloats(floats)
     metrics: dict[str, float] = {}
-    if "sum:share.abs_adv_sum" in f:
-        total = f["sum:share.abs_adv_sum"]
-        metrics[PREFIX + "grad_share_pinned"] = _div(f["sum:share.pinned_abs_adv_sum"], total)
-        metrics[PREFIX + "grad_share_masked"] = _div(f["sum:share.dropped_abs_adv_sum"], total)
-    if "sum:tkl.seq_n" in f:
-        seq_n = f["sum:tkl.seq_n"]
-        metrics[PREFIX + "t_kl_mean"] = _div(f["sum:tkl.sum"], seq_n)
-        metrics[PREFIX + "t_kl_max"] = f["max:tkl.max"] if seq_n > 0 else 0.0
-        metrics[PREFIX + "t_kl_above_1_fraction"] = _div(f["sum:tkl.above_n"], seq_n)
+    if f.has(SHARE_ABS_ADV):
+        total = f.sum(SHARE_ABS_ADV)
+        metrics[PREFIX + "grad_share_pinned"] = safe_div(f.sum(SHARE_PINNED), total)
+        metrics[PREFIX + "grad_share_masked"] = safe_div(f.sum(SHARE_DROPPED), total)
+    if f.has(TKL_SEQ_N):
+        seq_n = f.sum(TKL_SEQ_N)
+        metrics[PREFIX + "t_kl_mean"] = safe_div(f.sum(TKL_SUM), seq_n)
+        metrics[PREFIX + "t_kl_max"] = f.max(TKL_MAX) if seq_n > 0 else 0.0
+        metrics[PREFIX + "t_kl_above_1_fraction"] = safe_div(f.sum(TKL_ABOVE_N), seq_n)
         for i, name in enumerate(bucket_names(buckets)):
-            tok_n = f.get(f"sum:len.{i}.tok_n", 0.0)
+            tok_n = f.sum(length_key(i, "tok_n"), 0.0)
             if tok_n > 0:
-                metrics[f"{PREFIX}k3_kl_{name}"] = f[f"sum:len.{i}.k3_sum"] / tok_n
+                metrics[f"{PREFIX}k3_kl_{name}"] = f.sum(length_key(i, "k3_sum")) / tok_n
     return metrics

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from .criterion import StatFloats, stat_key
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_sum
+from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_sum, safe_div
 from .impact import T_KL_THRESHOLD
 from .weights import SAFETY_BOUND
 
@@ -30,6 +31,19 @@ LAG_METRICS = ("kl", "k3_kl", "is_weight_mean", "rejected_token_fraction", "samp
                "t_kl_above_1_fraction")
 """Logged per lag k as ``lag_<k>/<name>``."""
 LAG_SUMMARY_METRICS = ("lag_mean", "lag_max")
+ALL_SEQ_N = stat_key("lag.all_seq_n", __name__)
+"""Samples with a trained token (every lag)."""
+LAG_SUM = stat_key("lag.lag_sum", __name__)
+"""sum of the lags of those samples."""
+LAG_MAX = stat_key("lag.max", __name__)
+"""The largest lag of those samples (a max; -1 when none)."""
+
+
+def lag_key(k: int, name: str) -> str:
+    """The statistic ``lag.<k>.<name>`` of lag bucket ``k`` (``seq_n``, ``input_tok_n``, ``kept_tok_n``, ``tok_n``,
+    ``kl_sum``, ``k3_sum``, ``tkl_seq_n``, ``tkl_sum``, ``tkl_above_n``, ``w_sum``), declared here (one set per lag:
+    the largest lag is the trainer's ``max_staleness + 1``)."""
+    return stat_key(f"lag.{k}.{name}", __name__)
 
 
 def lag_stats(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, input_mask: torch.Tensor,
@@ -50,48 +64,50 @@ def lag_stats(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, inpu
         at_k = (bucket == k).unsqueeze(1)  # (B, 1)
         valid_k = valid_mask & at_k  # (B, T)
         input_k = input_mask.bool() & at_k  # (B, T)
-        sums[f"lag.{k}.seq_n"] = count_rows(input_k)
-        sums[f"lag.{k}.input_tok_n"] = count(input_k)
-        sums[f"lag.{k}.kept_tok_n"] = count(kept_mask.bool() & input_k)
-        sums[f"lag.{k}.tok_n"] = count(valid_k)
-        sums[f"lag.{k}.kl_sum"] = masked_sum(-log_ratio, valid_k)
-        sums[f"lag.{k}.k3_sum"] = masked_sum(torch.exp(log_ratio) - log_ratio - 1.0, valid_k)
+        sums[lag_key(k, "seq_n")] = count_rows(input_k)
+        sums[lag_key(k, "input_tok_n")] = count(input_k)
+        sums[lag_key(k, "kept_tok_n")] = count(kept_mask.bool() & input_k)
+        sums[lag_key(k, "tok_n")] = count(valid_k)
+        sums[lag_key(k, "kl_sum")] = masked_sum(-log_ratio, valid_k)
+        sums[lag_key(k, "k3_sum")] = masked_sum(torch.exp(log_ratio) - log_ratio - 1.0, valid_k)
         rows_k = has_valid & at_k[:, 0]  # (B,)
-        sums[f"lag.{k}.tkl_seq_n"] = count(rows_k)
-        sums[f"lag.{k}.tkl_sum"] = masked_sum(t_kl, rows_k)
-        sums[f"lag.{k}.tkl_above_n"] = count(rows_k & (t_kl > T_KL_THRESHOLD))
+        sums[lag_key(k, "tkl_seq_n")] = count(rows_k)
+        sums[lag_key(k, "tkl_sum")] = masked_sum(t_kl, rows_k)
+        sums[lag_key(k, "tkl_above_n")] = count(rows_k & (t_kl > T_KL_THRESHOLD))
         if is_weights is not None:
-            sums[f"lag.{k}.w_sum"] = masked_sum(is_weights.detach().to(STAT_DTYPE), valid_k)
+            sums[lag_key(k, "w_sum")] = masked_sum(is_weights.detach().to(STAT_DTYPE), valid_k)
     has_tokens = input_mask.bool().any(1)  # (B,)
-    sums["lag.all_seq_n"] = has_tokens.sum(dtype=STAT_DTYPE)
-    sums["lag.lag_sum"] = torch.where(has_tokens, lag.to(STAT_DTYPE), torch.zeros_like(lag, dtype=STAT_DTYPE)).sum()
+    sums[ALL_SEQ_N] = has_tokens.sum(dtype=STAT_DTYPE)
+    sums[LAG_SUM] = torch.where(has_tokens, lag.to(STAT_DTYPE), torch.zeros_like(lag, dtype=STAT_DTYPE)).sum()
     lag_max = torch.where(has_tokens, lag.to(STAT_DTYPE), torch.full_like(lag, -1, dtype=STAT_DTYPE))  # (B,)
-    maxes = {"lag.max": torch.cat([lag_max, lag_max.new_full((1,), -1.0)]).amax()}
+    maxes = {LAG_MAX: torch.cat([lag_max, lag_max.new_full((1,), -1.0)]).amax()}
     return RolloutStats(sums=sums, maxes=maxes)
 
 
-def finalize_lag(f: dict[str, float]) -> dict[str, float]:
-    """``{"rollout_corr/lag_<k>/<name>": float}`` from reduced statistics (``RolloutStats.to_floats`` form)."""
-    all_seq = f.get("sum:lag.all_seq_n", 0.0)
+def finalize_lag(floats: dict[str, float]) -> dict[str, float]:
+    """``{"rollout_corr/lag_<k>/<name>": float}`` from reduced statistics (``RolloutStats.to_floats`` form, read by
+    declared name through :class:`~.criterion.StatFloats`)."""
+    f = StatFloats(floats)
+    all_seq = f.sum(ALL_SEQ_N, 0.0)
     metrics: dict[str, float] = {}
     if all_seq > 0:
-        metrics[PREFIX + "lag_mean"] = f["sum:lag.lag_sum"] / all_seq
-        metrics[PREFIX + "lag_max"] = f["max:lag.max"]
+        metrics[PREFIX + "lag_mean"] = f.sum(LAG_SUM) / all_seq
+        metrics[PREFIX + "lag_max"] = f.max(LAG_MAX)
     k = 0
-    while f"sum:lag.{k}.seq_n" in f:
-        g = lambda name, k=k: f[f"sum:lag.{k}.{name}"]  # noqa: E731
+    while f.has(lag_key(k, "seq_n")):
+        g = lambda name, k=k: f.sum(lag_key(k, name))  # noqa: E731
         if g("seq_n") > 0:
             tok_n = g("tok_n")
             name = f"{PREFIX}lag_{k}/"
-            metrics[name + "kl"] = g("kl_sum") / tok_n if tok_n > 0 else 0.0
-            metrics[name + "k3_kl"] = g("k3_sum") / tok_n if tok_n > 0 else 0.0
-            if f"sum:lag.{k}.w_sum" in f:
-                metrics[name + "is_weight_mean"] = g("w_sum") / tok_n if tok_n > 0 else 0.0
+            metrics[name + "kl"] = safe_div(g("kl_sum"), tok_n)
+            metrics[name + "k3_kl"] = safe_div(g("k3_sum"), tok_n)
+            if f.has(lag_key(k, "w_sum")):
+                metrics[name + "is_weight_mean"] = safe_div(g("w_sum"), tok_n)
             input_n = g("input_tok_n")
             metrics[name + "rejected_token_fraction"] = 1.0 - g("kept_tok_n") / input_n if input_n > 0 else 0.0
-            metrics[name + "sample_fraction"] = g("seq_n") / all_seq if all_seq > 0 else 0.0
+            metrics[name + "sample_fraction"] = safe_div(g("seq_n"), all_seq)
             tkl_n = g("tkl_seq_n")
-            metrics[name + "t_kl_mean"] = g("tkl_sum") / tkl_n if tkl_n > 0 else 0.0
-            metrics[name + "t_kl_above_1_fraction"] = g("tkl_above_n") / tkl_n if tkl_n > 0 else 0.0
+            metrics[name + "t_kl_mean"] = safe_div(g("tkl_sum"), tkl_n)
+            metrics[name + "t_kl_above_1_fraction"] = safe_div(g("tkl_above_n"), tkl_n)
         k += 1
     return metrics

@@ -17,7 +17,7 @@ from .criteria import CRITERIA
 from .criterion import TOK_N, StatFloats, ratio, stat_key
 from .family import WEIGHT_FAMILY_METRICS, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
+from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean, safe_div
 from .group_baseline import finalize_baseline
 from .impact import finalize_impact
 from .lag import finalize_lag
@@ -37,6 +37,12 @@ MISSING_SEQ_N = stat_key("mask.missing_seq_n", __name__)
 """Sequences without pi_rollout (left uncorrected)."""
 KEPT_TOK_N = stat_key("mask.kept_tok_n", __name__)
 """Tokens left in the mask after every rejection."""
+_OFFPOLICY_SUMS = ("tok_n", "seq_n", "training_ppl_sum", "rollout_ppl_sum", "training_log_ppl_sum",
+                   "rollout_log_ppl_sum", "log_ppl_diff_sum", "log_ppl_abs_diff_sum", "ppl_ratio_sum", "kl_sum",
+                   "k3_sum", "chi2_token_sum", "chi2_seq_sum", "max_prob_diff_sum", "mean_prob_diff_sum",
+                   "log_ppl_diff_max", "max_prob_diff_max", "log_ppl_diff_min")
+OFFPOLICY = {name: stat_key("offpolicy." + name, __name__) for name in _OFFPOLICY_SUMS}
+"""The off-policy diagnostics' statistics (``offpolicy.<name>``: sums, and the ``*_max`` / ``*_min`` extremes)."""
 OFFPOLICY_METRICS = (
     "training_ppl", "rollout_ppl", "training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff",
     "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "kl", "k3_kl", "chi2_token", "chi2_seq",
@@ -93,9 +99,9 @@ def offpolicy_stats(
     }
     mins = {"log_ppl_diff_min": masked_min(log_ppl_diff, seq_valid)}
     return RolloutStats(
-        sums={"offpolicy." + k: v for k, v in sums.items()},
-        maxes={"offpolicy." + k: v for k, v in maxes.items()},
-        mins={"offpolicy." + k: v for k, v in mins.items()},
+        sums={OFFPOLICY[k]: v for k, v in sums.items()},
+        maxes={OFFPOLICY[k]: v for k, v in maxes.items()},
+        mins={OFFPOLICY[k]: v for k, v in mins.items()},
     )
 
 
@@ -106,34 +112,30 @@ def compute_offpolicy_metrics(
     return finalize_stats(offpolicy_stats(old_log_prob, rollout_log_prob, response_mask))
 
 
-def _div(num: float, den: float) -> float:
-    return num / den if den > 0 else 0.0
-
-
 def _extreme(value: float, count: float) -> float:
     return value if count > 0 else 0.0
 
 
-def _finalize_offpolicy(f: dict[str, float]) -> dict[str, float]:
-    g = lambda tag, k: f[f"{tag}:offpolicy.{k}"]  # noqa: E731
+def _finalize_offpolicy(f: StatFloats) -> dict[str, float]:
+    g = lambda tag, k: getattr(f, tag)(OFFPOLICY[k])  # noqa: E731  tag: "sum", "max" or "min"
     tok_n, seq_n = g("sum", "tok_n"), g("sum", "seq_n")
     out = {
-        "training_ppl": _div(g("sum", "training_ppl_sum"), seq_n),
-        "rollout_ppl": _div(g("sum", "rollout_ppl_sum"), seq_n),
-        "training_log_ppl": _div(g("sum", "training_log_ppl_sum"), seq_n),
-        "rollout_log_ppl": _div(g("sum", "rollout_log_ppl_sum"), seq_n),
-        "log_ppl_diff": _div(g("sum", "log_ppl_diff_sum"), seq_n),
-        "log_ppl_abs_diff": _div(g("sum", "log_ppl_abs_diff_sum"), seq_n),
+        "training_ppl": safe_div(g("sum", "training_ppl_sum"), seq_n),
+        "rollout_ppl": safe_div(g("sum", "rollout_ppl_sum"), seq_n),
+        "training_log_ppl": safe_div(g("sum", "training_log_ppl_sum"), seq_n),
+        "rollout_log_ppl": safe_div(g("sum", "rollout_log_ppl_sum"), seq_n),
+        "log_ppl_diff": safe_div(g("sum", "log_ppl_diff_sum"), seq_n),
+        "log_ppl_abs_diff": safe_div(g("sum", "log_ppl_abs_diff_sum"), seq_n),
         "log_ppl_diff_max": _extreme(g("max", "log_ppl_diff_max"), seq_n),
         "log_ppl_diff_min": _extreme(g("min", "log_ppl_diff_min"), seq_n),
-        "ppl_ratio": _div(g("sum", "ppl_ratio_sum"), seq_n),
-        "kl": _div(g("sum", "kl_sum"), tok_n),
-        "k3_kl": _div(g("sum", "k3_sum"), tok_n),
-        "chi2_token": _div(g("sum", "chi2_token_sum"), tok_n),
-        "chi2_seq": _div(g("sum", "chi2_seq_sum"), seq_n),
-        "max_prob_diff": _div(g("sum", "max_prob_diff_sum"), seq_n),
+        "ppl_ratio": safe_div(g("sum", "ppl_ratio_sum"), seq_n),
+        "kl": safe_div(g("sum", "kl_sum"), tok_n),
+        "k3_kl": safe_div(g("sum", "k3_sum"), tok_n),
+        "chi2_token": safe_div(g("sum", "chi2_token_sum"), tok_n),
+        "chi2_seq": safe_div(g("sum", "chi2_seq_sum"), seq_n),
+        "max_prob_diff": safe_div(g("sum", "max_prob_diff_sum"), seq_n),
         "max_prob_diff_max": _extreme(g("max", "max_prob_diff_max"), seq_n),
-        "mean_prob_diff": _div(g("sum", "mean_prob_diff_sum"), seq_n),
+        "mean_prob_diff": safe_div(g("sum", "mean_prob_diff_sum"), seq_n),
     }
     return {PREFIX + k: v for k, v in out.items()}
 
@@ -150,8 +152,8 @@ def finalize_floats(floats: dict[str, float]) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for criterion in CRITERIA:
         metrics.update(criterion.finalize(f))
-    if "sum:offpolicy.tok_n" in floats:
-        metrics.update(_finalize_offpolicy(floats))
+    if f.has(OFFPOLICY["tok_n"]):
+        metrics.update(_finalize_offpolicy(f))
     metrics.update(finalize_truncation(floats))
     metrics.update(finalize_lag(floats))
     metrics.update(finalize_baseline(floats))

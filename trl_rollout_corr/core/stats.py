@@ -81,6 +81,11 @@ def summed(floats: dict[str, float], family: str) -> dict[str, float]:
     return {key.removeprefix(SUM): value for key, value in floats.items() if key.startswith(SUM + family)}
 
 
+def safe_div(num: float, den: float) -> float:
+    """num / den, 0.0 where den <= 0: a metric over an empty batch (no token, no sequence) reports 0.0."""
+    return num / den if den > 0 else 0.0
+
+
 def process_all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """A :data:`ReduceFn` over every process of the default group (``op`` in sum / max / min); the tensor itself
     when there is one process or no process group."""

@@ -21,21 +21,19 @@ when used.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from ..core import compute_rollout_correction_stats
 from ..core.group_baseline import baseline_stats, fully_rejected, group_advantages
 from ..core.pipeline import rollout_usable_mask
 from ..core.metric_names import metric
-from ..core.stats import STAT_DTYPE, RolloutStats
-from ..core.truncation import SamplingTruncation, truncated_support_logprobs, truncation_stats
+from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
+from ..core.truncation import SamplingTruncation
 from ..training.correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
 from .config import RolloutCorrGRPOConfig
-from ..core.losses import (PI_ROLLOUT, PI_THETA, corrected_loss_mask, safe_anchor, vespo_sampler_ratio,
-                     weighted_advantages, zeroed_advantages)
+from ..core.losses import Correction, batch_correction, corrected_loss_mask, loss_patch
 from ..training.resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from ..rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from ..rollout.logprobs import check_rollout_logprobs
@@ -49,16 +47,6 @@ from ..trl_hooks.grpo_forwards import FORWARD_MISMATCH, TrlForwardCalls
 logger = logging.getLogger(__name__)
 
 __all__ = ["RolloutCorrGRPOConfig", "RolloutCorrGRPOTrainer"]
-
-
-class Correction(NamedTuple):
-    """What the correction changes in one batch, as TRL's loss consumes it (all (B, T), detached)."""
-
-    keep: torch.Tensor  # kept mask (loss-mask dtype)
-    is_weights: torch.Tensor | None  # multiplies A (None: no IS weight applied)
-    anchor: torch.Tensor | None  # old_per_token_logps for TRL (None: pi_theta detached)
-    sampler_ratio: torch.Tensor | None  # VESPO's importance_sampling_ratio (decoupled mode only)
-    advantage_mask: torch.Tensor | None = None  # 0/1, multiplies A in every mode, token kept in the count (M2PO)
 
 
 def _checked_rollout_func(rollout_func):
@@ -104,10 +92,27 @@ def pi_rollout_modifiers(args: Any, repetition_penalty: float | None = None) -> 
 class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
     """``GRPOTrainer`` that keeps pi_rollout with every completion and applies rollout correction in the loss.
 
-    Args (beyond ``GRPOTrainer``'s):
+    The loss is TRL's own, on a micro-batch patched by :func:`~trl_rollout_corr.core.losses.loss_patch`: per token,
+    A' = A * w * z with w = min(rho, C) (rho = pi_old / pi_rollout in decoupled mode, pi_theta / pi_rollout in
+    bypass policy gradient; no w in bypass PPO, whose ratio pi_theta / pi_rollout already is rho), rejected tokens
+    out of TRL's loss mask, and the anchor of TRL's ratio pi_theta / anchor set by
+    :func:`~trl_rollout_corr.core.losses.loss_anchor`.
+
+    Args:
+        model: TRL's ``model`` (a model id or a ``PreTrainedModel``).
+        reward_funcs: TRL's reward functions.
+        args: a :class:`RolloutCorrGRPOConfig` (``GRPOConfig`` plus the correction fields); None: the default
+            config named after the model, as TRL names its own.
+        *rest: TRL's further positional arguments (datasets, processing class, ...).
         rollout_sampler: optional ``generate``-compatible object standing in for the rollout engine on the
             transformers path (see ``trl_rollout_corr.rollout.emulated``); it must have ``sync(policy, step)``
             and ``generate(**kwargs)``.
+        **kwargs: TRL's keyword arguments.
+
+    Raises:
+        TypeError: ``args`` is not a :class:`RolloutCorrGRPOConfig`.
+        ValueError: an invalid correction field, or a setting that contradicts the correction (continuous
+            batching, beam search), naming the fix.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, *rest: Any,
@@ -220,11 +225,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
     # ------------------------------------------------------------------ 2. scoring a generation batch
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's calls only (this trainer's own forwards call ``GRPOTrainer``'s directly): see ``TrlForwardCalls``."""
-        return self._trl_forwards.answer(
-            model, input_ids, attention_mask, logits_to_keep,
-            trl_grpo.forward_keywords(self._trl_forwards.input_names, args, kwargs),
-            lambda: trl_grpo.per_token_logps(self, __class__, model, input_ids, attention_mask, logits_to_keep,
-                                             *args, **kwargs))
+        return trl_grpo.answer_forward(self, __class__, self._trl_forwards, model, input_ids, attention_mask,
+                                       logits_to_keep, args, kwargs)
 
     def _generate_and_score_completions(self, inputs):
         return self._rc_generate_and_score(inputs)
@@ -353,43 +355,41 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
                                               **kwargs, **model_inputs)
         return result, probe.result()
 
-    def _correction(self, train_logps: torch.Tensor, batch: dict, loss_mask: torch.Tensor, support, mode: str):
-        """IS weights, kept mask, PPO anchor (and VESPO's ratio) from pi_train = ``train_logps`` and pi_rollout.
+    def _correction(self, train_logps: torch.Tensor, batch: dict, loss_mask: torch.Tensor, support,
+                    mode: str) -> Correction:
+        """The correction of ``batch`` from pi_train = ``train_logps`` and pi_rollout
+        (:func:`~trl_rollout_corr.core.losses.batch_correction`), its statistics added to this mode's.
 
         pi_train is pi_old (decoupled: a forward, or pi_theta detached when pi_old = pi_theta) or pi_theta
-        (bypass); on a truncating sampler the ratio uses pi_train renormalized over the sampler's kept set.
-        Anchor: decoupled with a forward: pi_old; decoupled otherwise and policy gradient: None (TRL uses pi_theta
-        detached: ratio 1, so every TRL loss type's gradient is -w A grad log pi_theta); bypass PPO: pi_rollout
-        (shifted by log M on a truncated support, so TRL's ratio is pi_theta^trunc / pi_rollout).
+        (bypass); on a truncating sampler the ratio uses pi_train renormalized over the sampler's kept set. The
+        anchor is the generation-time forward only when the plan's ``pi_old`` is ``"forward"`` (training).
         """
         cfg = self.rollout_correction
-        rollout = batch["sampling_per_token_logps"]  # (B, T)
-        ratio_logps = train_logps  # (B, T)
-        if support is not None:
-            log_mass, in_support = support  # (B, T), (B, T)
-            self._rc_stats[mode].update(truncation_stats(log_mass, in_support, loss_mask))
-            if self._rc_apply_truncation:
-                ratio_logps = truncated_support_logprobs(train_logps, log_mass, in_support)  # (B, T)
-        advantages = batch["advantages"]  # (B,) TRL's A: M2PO's trust region, grad_share_* (before any correction)
-        result = compute_rollout_correction_stats(ratio_logps, rollout, loss_mask, cfg.params(),
-                                                  reduce_fn=self._rc_reduce, rollout_seen=batch.get("rc_rollout_seen"),
-                                                  advantages=advantages)
-        self._rc_stats[mode].update(result.stats)
-        keep = result.modified_response_mask.to(loss_mask.dtype)  # (B, T)
-        zero = result.advantage_mask  # (B, T) or None: applies in every mode
-        if cfg.loss_anchor == PI_ROLLOUT:  # bypass PPO: the IS weight feeds the metrics only
-            return Correction(keep, None, rollout + (train_logps - ratio_logps), None, zero)
-        if cfg.loss_anchor == PI_THETA:  # bypass policy gradient
-            return Correction(keep, result.is_weights, None, None, zero)
-        # decoupled: pi_old from the plan's forward, else pi_theta detached (None)
-        anchor = train_logps if self.correction_plan.pi_old == "forward" and mode == "train" else None
-        if self.loss_type == "vespo" and result.is_weights is not None:  # phi consumes the ratio; A is not weighted
-            return Correction(keep, None, anchor, vespo_sampler_ratio(result.is_weights, keep), zero)
-        return Correction(keep, result.is_weights, anchor, None, zero)
+        correction, stats = batch_correction(
+            train_logps, batch["sampling_per_token_logps"], loss_mask, cfg.params(), anchor_mode=cfg.loss_anchor,
+            forward_anchor=self.correction_plan.pi_old == "forward" and mode == "train",
+            vespo=self.loss_type == "vespo", advantages=batch["advantages"],  # TRL's A, before any correction
+            rollout_seen=batch.get("rc_rollout_seen"), support=support, renormalize=self._rc_apply_truncation,
+            reduce_fn=process_all_reduce)
+        self._rc_stats[mode].update(stats)
+        return correction
 
     # ------------------------------------------------------------------ 3. the corrected loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's own loss on the corrected micro-batch (see :mod:`trl_rollout_corr.core.losses`)."""
+        """TRL's own loss on the corrected micro-batch, orchestrated downward: the policy forward from ``trl_hooks``
+        (with the kept-mass probe of ``rollout`` when the sampler truncates), the correction from ``core`` (carried
+        from generation time, or :func:`~trl_rollout_corr.core.losses.batch_correction` now), the patched inputs
+        from ``core.losses``, TRL's loss from ``trl_hooks`` (:func:`~trl_rollout_corr.trl_hooks.grpo.trl_loss`).
+
+        Args:
+            model: the (wrapped) policy.
+            inputs: one micro-batch of TRL's buffered generation batch: TRL's keys ((B, P) prompt, (B, T)
+                completion, (B,) advantages, (B, T) sampling_per_token_logps) plus this trainer's ``rc_*`` keys.
+            return_outputs, num_items_in_batch: TRL's.
+
+        Returns:
+            TRL's loss (a 0-dim tensor with grad).
+        """
         mode = self._mode()
         carried = mode == "train" and self.correction_plan.at_generation
         lost = [k for k in ("rc_rollout_seen", "rc_keep_mask" if carried else None) if k and k not in inputs]
@@ -421,9 +421,8 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         patched = self._corrected_inputs(inputs, correction, logps, loss_mask, tool_mask, whole_batch=not carried)
         with torch.no_grad():  # each process counts its own micro-batches
             self._rc_stats[mode].update(micro_batch_counts((loss_mask * correction.keep).sum(dtype=STAT_DTYPE)))
-        with self._trl_forwards.loss(model, input_ids, attention_mask, completion_ids.size(1), inputs, forward):
-            loss = super().compute_loss(model, patched, return_outputs, num_items_in_batch)
-        mismatch = self._trl_forwards.take_mismatch()  # (), read with the metrics at the next log
+        loss, mismatch = trl_grpo.trl_loss(self, __class__, self._trl_forwards, model, inputs, patched, forward,
+                                           input_ids, attention_mask, return_outputs, num_items_in_batch)
         if mismatch is not None:
             self._rc_stats[mode].update(RolloutStats(maxes={FORWARD_MISMATCH: mismatch.to(STAT_DTYPE)}))
         return loss
@@ -435,11 +434,10 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         patched = dict(inputs)
         kept_mask = loss_mask * correction.keep.to(loss_mask.dtype)  # (B, T)
         patched["tool_mask"] = corrected_loss_mask(inputs["completion_mask"], tool_mask, correction.keep)  # (B, T)
-        patched["advantages"] = zeroed_advantages(
-            weighted_advantages(inputs["advantages"], correction.is_weights, cfg.rollout_is == "sequence"),
-            correction.advantage_mask)  # (B,), (B, 1) or (B, T)
-        if correction.anchor is not None:
-            patched["old_per_token_logps"] = safe_anchor(correction.anchor, logps, kept_mask)  # (B, T)
+        patch = loss_patch(inputs["advantages"], correction, logps, kept_mask, cfg.rollout_is == "sequence")
+        patched["advantages"] = patch.advantages  # (B,), (B, 1) or (B, T)
+        if patch.anchor is not None:
+            patched["old_per_token_logps"] = patch.anchor  # (B, T)
         else:
             patched.pop("old_per_token_logps", None)  # TRL then uses pi_theta detached
         if correction.sampler_ratio is not None:
@@ -448,7 +446,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         patched["sampling_per_token_logps"] = torch.where(torch.isfinite(sampling), sampling, logps.detach())
         if whole_batch and cfg.masks_tokens and self.loss_type in KEPT_TOKEN_NORMALIZER_LOSSES:
             # the micro-batch is the whole generation batch here (plan): its kept tokens, across processes
-            patched["num_items_in_batch"] = self._rc_reduce(kept_mask.sum().to(torch.float32), "sum")
+            patched["num_items_in_batch"] = process_all_reduce(kept_mask.sum().to(torch.float32), "sum")
         return patched
 
     # ------------------------------------------------------------------ 4. logging and saving
@@ -466,7 +464,7 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         """TRL's checkpoint, plus the engine's state (in checkpoints only: never pushed with the model)."""
         trl_grpo.save_checkpoint(self, __class__, model, trial)
         if self.args.should_save:
-            save_rollout_state(checkpoint_dir(self, trial), self.rollout_sampler,
+            save_rollout_state(checkpoint_dir(self, __class__, trial), self.rollout_sampler,
                                getattr(self, "vllm_sync_steps", None))
 
     # ------------------------------------------------------------------ 5. resuming (trl_rollout_corr.training.resume)

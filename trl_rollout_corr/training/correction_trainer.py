@@ -1,7 +1,6 @@
 """The layer both trainers share: what ``RolloutCorrGRPOTrainer`` and ``RolloutCorrAsyncGRPOTrainer`` do alike.
 
 * the args check (:func:`require_correction_config`) and the freeze of the correction once the trainer is built;
-* the cross-process reduce of every batch statistic (:meth:`CorrectionTrainerMixin._rc_reduce`);
 * the loss's micro-batch counts (:func:`micro_batch_counts`) and, at each log, the ``rollout_corr/*`` metrics with the
   all-rejected count and warning (:meth:`CorrectionTrainerMixin._rc_metrics`);
 * saving the resolved correction next to the model (``save_model``).
@@ -24,6 +23,7 @@ import torch
 
 from ..config.correction import RolloutCorrectionConfig
 from ..config.fields import freeze_correction, resolve_correction
+from ..core.criterion import stat_key
 from ..core.metric_names import metric
 from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce, summed
 from ..trl_hooks.grpo_forwards import check_forward_mismatch
@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 
 ALL_REJECTED = metric("all_rejected_micro_batches")
 """Micro-batches since the last log whose every token the correction rejected (their loss is 0)."""
-_EMPTY, _MICRO_BATCHES = "loss.empty_micro_batches", "loss.micro_batches"
+_EMPTY = stat_key("loss.empty_micro_batches", __name__)
+"""Micro-batches whose every token the correction rejected (summed)."""
+_MICRO_BATCHES = stat_key("loss.micro_batches", __name__)
+"""Micro-batches the loss ran on (summed)."""
 
 
 def require_correction_config(args: Any, config_class: type, trainer_name: str) -> None:
@@ -79,16 +82,12 @@ class CorrectionTrainerMixin:
         ``args`` raises, naming this trainer."""
         self.rollout_correction = freeze_correction(self.args, type(self).__name__)
 
-    def _rc_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """Sum / max / min over every process (a batch statistic is global)."""
-        return process_all_reduce(tensor, op)
-
     def _rc_metrics(self, stats: RolloutStats) -> dict[str, float]:
         """The ``rollout_corr/*`` metrics of everything every process saw since the last log (one host sync), with
         ``all_rejected_micro_batches`` where the loss counted micro-batches; warns (main process) if any was empty."""
         from ..core.metrics import finalize_floats
 
-        floats = stats.all_reduce(self._rc_reduce).to_floats()  # the one host sync of this logging step
+        floats = stats.all_reduce(process_all_reduce).to_floats()  # the one host sync of this logging step
         check_forward_mismatch(floats)  # the trainer's deferred check of TRL's forward request (trl_hooks)
         metrics = finalize_floats(floats)
         counts = summed(floats, "loss.")

@@ -21,7 +21,10 @@ Written against TRL 1.16. What is assumed, and how it is checked:
 
 The trainer calls TRL's private methods only through this module (:func:`generate_single_turn`, :func:`generate`,
 :func:`per_token_logps`, :func:`generate_and_score`, :func:`save_checkpoint`, ...): ``super(owner, trainer)``, as the
-trainer's own ``super()`` would. :func:`check_hooks` checks at construction that every private method it overrides
+trainer's own ``super()`` would. Its ``compute_loss`` asks this module for TRL's loss (:func:`trl_loss`), and its
+override of ``_get_per_token_logps_and_entropies`` passes TRL's calls to :func:`answer_forward`. Nothing here calls a
+method of the trainer (``tests/repo/test_layers.py``): only TRL's own, through ``super``.
+:func:`check_hooks` checks at construction that every private method it overrides
 (:data:`OVERRIDDEN_HOOKS`) is still defined by TRL: a renamed hook would otherwise never be called.
 
 Every check that reads a TRL method (its signature, whether it is still defined) reads the method the trainer really
@@ -83,14 +86,15 @@ def forward_input_names(owner: type, cls: type | None = None) -> tuple[str, ...]
     return tuple(params[len(_FORWARD_CONTROL_ARGS):])
 
 
-def checkpoint_dir(trainer: Any, trial: Any) -> str:
+def checkpoint_dir(trainer: Any, owner: type, trial: Any) -> str:
     """The directory ``Trainer._save_checkpoint`` writes this step's checkpoint into (as TRL's own override reads
-    it)."""
+    it: ``Trainer._get_output_dir``, the one ``owner`` inherits)."""
     import os
 
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    return os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    output_dir = super(owner, trainer)._get_output_dir(trial=trial)
+    return os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
 
 
 def trl_runs_pi_old_forward(trainer: Any) -> bool:
@@ -133,6 +137,34 @@ def per_token_logps(trainer: Any, owner: type, model: Any, input_ids: Any, atten
     """TRL's forward, ``GRPOTrainer._get_per_token_logps_and_entropies``: (log-probs, entropies, aux loss)."""
     return super(owner, trainer)._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                                     *args, **kwargs)
+
+
+def answer_forward(trainer: Any, owner: type, forwards: Any, model: Any, input_ids: Any, attention_mask: Any,
+                   logits_to_keep: int, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """TRL's call to ``_get_per_token_logps_and_entropies`` (overridden by the trainer): the answer ``forwards`` (a
+    :class:`~trl_rollout_corr.trl_hooks.grpo_forwards.TrlForwardCalls`) has for it, else TRL's own forward
+    (:func:`per_token_logps`). Returns (log-probs (B, T), entropies (B, T) or None, aux loss or None)."""
+    answer = forwards.answer(model, input_ids, attention_mask, logits_to_keep,
+                             forward_keywords(forwards.input_names, args, kwargs))
+    if answer is not None:
+        return answer
+    return per_token_logps(trainer, owner, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+
+def trl_loss(trainer: Any, owner: type, forwards: Any, model: Any, inputs: dict[str, Any], patched: dict[str, Any],
+             forward: tuple, input_ids: Any, attention_mask: Any, return_outputs: bool = False,
+             num_items_in_batch: Any = None) -> tuple[Any, Any]:
+    """TRL's own ``GRPOTrainer.compute_loss`` on the ``patched`` micro-batch, its request for the policy forward
+    answered with ``forward`` (the trainer's, for ``inputs`` and ``input_ids`` / ``attention_mask`` (B, P+T)).
+
+    Returns:
+        TRL's loss, and the 0-dim device flag of :meth:`TrlForwardCalls.take_mismatch` (None: no cached answer
+        compared values), which the trainer reads with its metrics at the next log.
+    """
+    logits_to_keep = inputs["completion_ids"].size(1)
+    with forwards.loss(model, input_ids, attention_mask, logits_to_keep, inputs, forward):
+        loss = super(owner, trainer).compute_loss(model, patched, return_outputs, num_items_in_batch)
+    return loss, forwards.take_mismatch()
 
 
 def fused_lm_head(model: Any, temperature: float, cast_lm_head_to_fp32: bool) -> None:

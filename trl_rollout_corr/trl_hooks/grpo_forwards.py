@@ -10,12 +10,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..core.criterion import stat_key
+from ..core.stats import MAX
 from .base import TrlInternalsChanged
 
 
@@ -23,7 +25,7 @@ from .base import TrlInternalsChanged
 class _Expected:
     name: str  # "pi_old" | "ref"
     model: Any
-    answer: Callable[[Callable[[], Any], torch.Tensor, int], Any]  # (run TRL's forward, input_ids, logits_to_keep)
+    placeholder: bool  # True: answered with a NaN placeholder; False: TRL's own forward runs
 
 
 @dataclass
@@ -85,9 +87,9 @@ class TrlForwardCalls:
         placeholder, the reference forward (if ``ref_model``) runs."""
         expected = []
         if pi_old_model is not None:
-            expected.append(_Expected("pi_old", pi_old_model, self._placeholder))
+            expected.append(_Expected("pi_old", pi_old_model, placeholder=True))
         if ref_model is not None:
-            expected.append(_Expected("ref", ref_model, lambda run, input_ids, width: run()))
+            expected.append(_Expected("ref", ref_model, placeholder=False))
         scope = ScoringCalls(expected)
         self._scoring = scope
         try:
@@ -100,7 +102,7 @@ class TrlForwardCalls:
                 f"GRPOTrainer._generate_and_score_completions did not request the {' and '.join(missing)} forward(s) "
                 f"it requests under this configuration (requested: {scope.answered or 'none'})")
 
-    def _placeholder(self, run: Callable[[], Any], input_ids: torch.Tensor, width: int) -> tuple:
+    def _placeholder(self, input_ids: torch.Tensor, width: int) -> tuple:
         tensor = input_ids.new_full((input_ids.size(0), width), float("nan"), dtype=torch.float32)  # (B, T) unread
         self._scoring.placeholders["pi_old"] = tensor
         return tensor, None, None
@@ -132,8 +134,9 @@ class TrlForwardCalls:
                                       "through _get_per_token_logps_and_entropies (the correction would be lost)")
 
     def answer(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-               kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
-        """The result for one TRL call; ``run()`` runs TRL's own forward."""
+               kwargs: dict[str, Any]) -> tuple | None:
+        """The answer to one TRL call, or None where TRL's own forward must run (the caller runs it:
+        :func:`~trl_rollout_corr.trl_hooks.grpo.answer_forward`; nothing here calls back into the trainer)."""
         if self._scoring is not None:
             scope = self._scoring
             if torch.is_grad_enabled() or len(scope.answered) == len(scope.expected):
@@ -148,13 +151,13 @@ class TrlForwardCalls:
                     f"{type(model).__name__} where this package expects the {nxt.name} forward (of "
                     f"{type(nxt.model).__name__}) after {scope.answered or 'none'}")
             scope.answered.append(nxt.name)
-            return nxt.answer(run, input_ids, logits_to_keep)
+            return self._placeholder(input_ids, logits_to_keep) if nxt.placeholder else None
         cached = self._loss
         if cached is not None and not cached.used and self._is_cached_forward(cached, model, input_ids,
                                                                                attention_mask, logits_to_keep, kwargs):
             cached.used = True
             return cached.result
-        return run()
+        return None
 
     def _is_cached_forward(self, cached: _LossForward, model: Any, input_ids: torch.Tensor,
                            attention_mask: torch.Tensor, logits_to_keep: int, kwargs: dict[str, Any]) -> bool:
@@ -169,7 +172,7 @@ class TrlForwardCalls:
         return same
 
 
-FORWARD_MISMATCH = "loss.forward_mismatch"
+FORWARD_MISMATCH = stat_key("loss.forward_mismatch", __name__)
 """The key under which the trainer carries :meth:`TrlForwardCalls.take_mismatch` in its statistics (a max); its
 metrics transfer, once per log, raises :class:`~trl_rollout_corr.trl_hooks.base.TrlInternalsChanged` when it is
 set: TRL asked for the policy forward of other token values than the trainer ran."""
@@ -177,7 +180,7 @@ set: TRL asked for the policy forward of other token values than the trainer ran
 
 def check_forward_mismatch(floats: dict[str, float]) -> None:
     """Raise if the statistics' transfer (``RolloutStats.to_floats``) says a cached forward answered other values."""
-    if floats.get("max:" + FORWARD_MISMATCH, 0.0) > 0:
+    if floats.get(MAX + FORWARD_MISMATCH, 0.0) > 0:  # absent (no cached answer compared values): 0
         raise TrlInternalsChanged(
             "GRPOTrainer.compute_loss requested the micro-batch's policy forward for input_ids/attention_mask of the "
             "same shape but other values than the micro-batch the trainer ran it for (its loss used the wrong forward "
