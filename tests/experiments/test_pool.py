@@ -1,5 +1,4 @@
-"""experiments/pool.py, the one runner of N worker processes J at a time: the bound holds, every job runs once in
-order, a failure's output reaches the report, a log file keeps stdout and stderr, bad ``parallel`` is refused."""
+"""experiments/pool.py, the one runner of N worker processes J at a time: the bound holds, every job runs once, a failure's output reaches the report, a log file keeps stdout and stderr, bad ``parallel`` is refused."""
 
 from __future__ import annotations
 
@@ -25,7 +24,9 @@ def test_at_most_parallel_jobs_run_at_once_and_each_runs_once(tmp_path):
     assert [done for _, _, done in ended] == [1, 2, 3, 4, 5]
     spans = [tuple(map(float, p.read_text().split())) for p in paths]
     starts = sorted(s for s, _ in spans)
-    assert starts == [s for s, _ in spans]  # started in the given order
+    # (the order of the children's own start stamps is not checked: under load a child's interpreter start-up can
+    # reorder two jobs the pool started 0.05 s apart; a child's stamped span lies inside its real lifetime, so the
+    # overlap count below is a valid bound)
     for t in starts:  # at every start, the jobs running then (started, not yet ended) number at most 2
         assert sum(1 for s, e in spans if s <= t < e) <= 2
     assert max(sum(1 for s, e in spans if s <= t < e) for t in starts) == 2  # and the pool did use 2
