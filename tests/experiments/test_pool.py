@@ -1,4 +1,5 @@
-"""experiments/pool.py, the one runner of N worker processes J at a time: the bound holds, every job runs once, a failure's output reaches the report, a log file keeps stdout and stderr, bad ``parallel`` is refused."""
+"""experiments/pool.py, the one runner of N worker processes J at a time: the bound holds, every job runs once,
+a failure's output reaches the report, a log file keeps stdout and stderr, bad ``parallel`` is refused."""
 
 from __future__ import annotations
 
