@@ -9,7 +9,9 @@ It runs TRL's default correction (no preset: TRL 1.16's own sequence_mask, C = 3
 docs/probe.md); ``--preset`` names another preset where the probe's row says so.
 
 vLLM returns each sampled token's processed log-prob; TRL hands them over as ``sampling_per_token_logps``
-and RolloutCorrGRPOTrainer corrects with them. TRL's own vllm_importance_sampling_correction stays off.
+and RolloutCorrGRPOTrainer corrects with them: with no preset it applies TRL's own default correction, once (TRL's
+vllm_importance_sampling_* fields read False / None after construction, so TRL's code does not apply it a second time;
+docs/trainer.md, "TRL's own correction, and the default").
 """
 
 import argparse

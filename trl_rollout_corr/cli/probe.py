@@ -612,7 +612,7 @@ MAP_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def nearest_map_cell(regime: dict[str, float], path: str = MAP_CSV) -> dict[str, Any] | None:
     """The estimator map's cell nearest to the user's regime: the smallest |log T - log T_u| + |log T*KL - log
-    T*KL_u| over the map's (T, source, level) cells (experiments/estimator_map.py; docs/benchmarks.md, "Estimator
+    T*KL_u| over the map's (T, source, level) cells (experiments/estimator_map.py; docs/evidence.md, "Estimator
     map"). Returns the cell's regime and each method's row, or None when the map's CSV is not there."""
     import csv
 
@@ -640,7 +640,7 @@ def nearest_map_cell(regime: dict[str, float], path: str = MAP_CSV) -> dict[str,
 
 def format_map_cell(cell: dict[str, Any] | None) -> list[str]:
     if cell is None:
-        return ["The estimator map's results are not in this installation: see docs/benchmarks.md (\"Estimator map\")."]
+        return ["The estimator map's results are not in this installation: see docs/evidence.md (\"Estimator map\")."]
     ranked = sorted(cell["methods"].items(), key=lambda kv: kv[1]["mse"])
     resolved = [name for name, m in ranked if m["bias2_se"] > 0 and m["bias2"] >= 2 * m["bias2_se"]]
     lines = [f"Nearest estimator-map cell: T {cell['T']}, source {cell['source']} {cell['level']}, per-token KL "
@@ -652,7 +652,7 @@ def format_map_cell(cell: dict[str, Any] | None) -> list[str]:
                      f"{m['masked_seq']:>10.1%}")
     lines.append("  bias resolved (>= 2 s.e.) for: " + (", ".join(resolved) if resolved else "no method")
                  + ". The map ranks estimators on one batch; whether that trains better is the training "
-                 "benchmark's question (docs/benchmarks.md).")
+                 "benchmark's question (docs/evidence.md).")
     return lines
 
 

@@ -9,7 +9,7 @@ The tokens are drawn from pi_rollout, so
 * a sequence's log-weight is sum_t log rho_t; with T tokens at per-token KL kappa it is roughly normal with variance
   ~2 T kappa under a small mismatch, so the effective sample size of sequence-level weights falls like
   exp(-2 T kappa) (Kong 1992's ESS of log-normal weights): T*KL, not KL alone, decides whether sequence-level
-  corrections still see a batch (see docs/benchmarks.md, "Estimator map").
+  corrections still see a batch (see docs/evidence.md, "Estimator map").
 
 Uncertainty: the sequences are the independent units (the tokens of one sequence share its prompt and its prefix, so
 they are not independent). With K_i = sum_t k_t and T_i the token count of sequence i (i = 1..S), the per-token KL is

@@ -113,7 +113,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
 
         Why TRL's default: the evidence cannot decide yet. The old mismatch benchmark's case for ``token_truncate``
         (T <= 9 tokens, per-token KL 0.14-0.30) does not survive a paired, Holm-corrected analysis and had no
-        held-out seeds (docs/trainer.md, "TRL's own correction and the default"; docs/benchmarks.md).
+        held-out seeds (docs/trainer.md, "TRL's own correction and the default"; docs/evidence.md).
         """
         if self.__dict__.get("_rc_trl_base") is not None:
             return RolloutCorrectionConfig(**self._rc_trl_base).to_dict()

@@ -1,7 +1,7 @@
 """What the monitor advises after a policy collapse: only remedies a benchmark's confirmed analysis supports.
 
 A remedy is listed in ``REMEDIES`` only where a pre-registered, paired, Holm-corrected analysis confirms it above TRL's
-default for that kind's scenario (``SCENARIOS``) of ``experiments/mismatch_train.py`` (docs/benchmarks.md, "Training
+default for that kind's scenario (``SCENARIOS``) of ``experiments/mismatch_train.py`` (docs/evidence.md, "Training
 in the regime of real runs"); ``tests/experiments/test_mismatch_benchmark.py`` checks that ``REMEDIES`` is exactly what
 its ``confirmed_methods()`` returns from the committed results (``experiments/results/mismatch_train*_results.csv``).
 
@@ -59,7 +59,7 @@ from ..core.stats import METRIC_PREFIX
 KINDS = {"stale": "a stale engine", "persistent": "a persistent precision gap"}
 SCENARIOS = {"stale": "S2", "persistent": "S1"}  # experiments/mismatch_train.py's scenarios
 BENCHMARK = "experiments/mismatch_train.py"
-BENCHMARK_PAGE = 'docs/benchmarks.md, "Training in the regime of real runs"'
+BENCHMARK_PAGE = 'docs/evidence.md, "Training in the regime of real runs"'
 # what the benchmark found for a kind without a remedy (the message says it, with its regime)
 FOUND = {
     "stale": "no method was confirmed above TRL's default in its S2 scenario",
@@ -156,7 +156,7 @@ ASYNC_S4_FOUND = ("in TRL's asynchronous trainer itself (experiments/async_misma
 # says TRUNCATION_FOUND once at start when its sampler truncates (tests/experiments/test_vllm_truncation.py holds the
 # numbers to the committed CSVs).
 TRUNCATION_FOUND = (
-    "measured (experiments/vllm_truncation.py, docs/benchmarks.md S3V: vLLM bf16, T = 49, per-token KL of the "
+    "measured (experiments/vllm_truncation.py, docs/evidence.md S3V: vLLM bf16, T = 49, per-token KL of the "
     "truncation 7.5e-3-9.9e-3, T * KL 0.37-0.48, a 465k-parameter model, 30 steps on a CPU): training rollouts sampled "
     "at top_p 0.8 scored +0.055 [+0.017, +0.092] held-out reward below the same bf16 engine at top_p 1 (15 seeds, "
     "Holm p 0.0093; 5 held-out seeds: +0.039, the same sign), and +0.054 [+0.022, +0.086] below training on the full "
