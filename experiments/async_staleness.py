@@ -63,8 +63,7 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     from transformers.utils import logging as hf_logging
 
     from experiments.async_trainers import build_async_trainer
-    from trl_rollout_corr.testing.harness import (HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder,
-                                                 warmed_up_policy)
+    from experiments.harness import HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
     from trl_rollout_corr.testing.toy_task import build_model, reverse_chat_reward, reverse_prompts
 
     hf_logging.set_verbosity_error()
@@ -129,7 +128,7 @@ def ranges_table(output_dir: str) -> str:
 
 
 def run_sync(seed: int, steps: int, eval_every: int, out: str) -> None:
-    from trl_rollout_corr.demo.run import run_worker
+    from experiments.harness import run_worker
 
     run_worker("on_policy", seed, steps, 1, "vllm", eval_every, out)
 
