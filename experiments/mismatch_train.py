@@ -990,29 +990,6 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float |
                       f"(elapsed {time.time() - t_start:.0f} s)", flush=True)
 
 
-def eval_recorder(evaluator, steps: int, eval_every: int, on_eval, rows: list[dict]):
-    """The evaluation schedule of the benchmarks that train on a served copy (``async_mismatch.py``,
-    ``vllm_truncation.py``), as a ``TrainerCallback``: at every ``eval_every``-th step, every ``TAIL_EVAL_EVERY``-th
-    step of the last ``TAIL`` of ``steps`` and at the last, ``evaluator`` gets the trained model's weights and
-    ``on_eval(step, evaluator)`` runs; every training log's numbers (not its booleans) are appended to ``rows``."""
-    from transformers import TrainerCallback
-
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            step = state.global_step
-            tail_step = step >= (1 - TAIL) * steps and step % TAIL_EVAL_EVERY == 0
-            if step % eval_every == 0 or tail_step or step == steps:
-                evaluator.load_state_dict(model.state_dict())
-                on_eval(step, evaluator)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                rows.append({"step": state.global_step, **numbers})
-
-    return Recorder()
-
-
 def load_runs(out: str) -> list[dict]:
     runs_dir = os.path.join(out, "runs")
     runs = []
