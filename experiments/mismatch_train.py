@@ -436,18 +436,12 @@ def top_p_truncation(top_p: float):
     """S3's engine processing of a batch of logits (B, V): top-p (nucleus) truncation as transformers' and vLLM's
     samplers do it: sort ascending, remove the tokens whose cumulative probability is <= 1 - top_p, always keep the
     most likely one; removed tokens get -inf, so the log-softmax is log p - log M over the kept set (M = kept mass)
-    and the exact KL(engine || policy) per position is -log M."""
-    import torch
+    and the exact KL(engine || policy) per position is -log M. The main job's rule
+    (:func:`trl_rollout_corr.demo.task.top_p_truncation`), as ``perturb(logits, generator)``."""
+    from trl_rollout_corr.demo.task import top_p_truncation as truncation
 
-    def perturb(logits, generator):
-        ordered, order = torch.sort(logits, dim=-1)  # ascending  # (B, V)
-        cumulative = torch.softmax(ordered, -1).cumsum(-1)  # (B, V)
-        remove_sorted = cumulative <= 1 - top_p
-        remove_sorted[:, -1] = False  # the most likely token is always kept
-        remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocabulary order  # (B, V)
-        return logits.masked_fill(remove, float("-inf"))
-
-    return perturb
+    truncate = truncation(top_p)
+    return lambda logits, generator: truncate(logits)  # (B, V) -> (B, V)
 
 
 def top_k_truncation(top_k: int):
