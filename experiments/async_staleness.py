@@ -64,7 +64,8 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
 
     from experiments.async_trainers import build_async_trainer
     from experiments.harness import HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
-    from trl_rollout_corr.testing.toy_task import build_model, reverse_chat_reward, reverse_prompts
+    from experiments.harness import reverse_chat_reward
+    from trl_rollout_corr.testing.toy_task import build_model, reverse_prompts
 
     hf_logging.set_verbosity_error()
     t0 = time.time()
@@ -178,7 +179,8 @@ def main() -> None:
             for s in seeds]
     runs = [("sync", s, 0) for s in seeds if "sync" in variants] + runs
     from experiments.server import free_port, running_server
-    from trl_rollout_corr.testing.toy_task import build_chat_tokenizer, build_model
+    from experiments.harness import build_chat_tokenizer
+    from trl_rollout_corr.testing.toy_task import build_model
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

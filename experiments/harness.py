@@ -5,7 +5,7 @@ rest: one warmed-up policy, one held-out prompt set, one recorder of the policy'
 logged rows, and the GRPO settings every one of these runs uses.
 
 A variant is judged by the **policy's own** mean reward on :data:`HELD_OUT_N` fixed held-out prompts (temperature 1,
-:func:`~trl_rollout_corr.testing.toy_task.held_out_reward`), not by the training reward, which measures the sampler.
+:func:`held_out_reward`), not by the training reward, which measures the sampler.
 Moved out of the package (``trl_rollout_corr/testing/harness.py``, ``trl_rollout_corr/demo/run.py``) by issue 53: only
 the experiments and the tests use it.
 """
@@ -22,8 +22,8 @@ import time
 from transformers import TrainerCallback
 
 from trl_rollout_corr.core.metric_names import metric
-from trl_rollout_corr.testing.toy_task import (build_chat_tokenizer, build_model, build_tokenizer, held_out_reward,
-                                              reverse_prompts, supervised_warmup)
+from trl_rollout_corr.testing.toy_task import (VOCAB, build_model, build_tokenizer, reverse_prompts, reverse_reward,
+                                              supervised_warmup)
 
 HIDDEN_SIZE, NUM_LAYERS = 64, 2  # the toy policy: a Qwen2-style model, hidden 64, 2 layers
 N_DIGITS = 6  # "reverse 6 digits"
@@ -38,6 +38,56 @@ TOY_GRPO_ARGS = dict(
     lr_scheduler_type="constant", adam_beta2=0.99, max_grad_norm=1.0, temperature=1.0, save_strategy="no",
     report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, disable_tqdm=True,
 )
+
+
+def held_out_reward(model, tokenizer, prompts: list[str], seed: int = 1234, max_new_tokens: int = 9) -> float:
+    """The policy's own mean reward on held-out prompts: sampled at temperature 1, no truncation, with a fixed seed.
+
+    Judges a variant by the model being trained, not by its sampler. The caller's RNG state and train/eval mode
+    are restored, so evaluating does not perturb the run.
+    """
+    import statistics
+
+    import torch
+
+    rng = torch.get_rng_state()
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        seqs = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=1)  # (N, P+S)
+    texts = tokenizer.batch_decode(seqs[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
+    model.train(was_training)
+    torch.set_rng_state(rng)
+    return statistics.fmean(reverse_reward(prompts, texts))
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a user turn renders as the plain prompt
+
+
+def build_chat_tokenizer():
+    """``toy_task.build_tokenizer`` with a chat template that renders ``[{"role": "user", "content": p}]`` as ``p`` (the
+    same token ids as the plain prompt) and TRL's Qwen3 response template, as TRL's asynchronous trainer needs."""
+    from trl.chat_template_utils import qwen3_template
+
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.response_template = qwen3_template
+    return tok
+
+
+def _text(x) -> str:
+    return x[-1]["content"] if isinstance(x, list) else x
+
+
+def reverse_chat_reward(prompts, completions, completion_ids=None, **_) -> list[float]:
+    """``reverse_reward`` on conversational prompts (TRL's asynchronous trainer); the completion read from its
+    token ids (TRL's response parser, made for chat models, would leave the prompt in a plain completion's text)."""
+    texts = ([" ".join(VOCAB[i] for i in ids) for ids in completion_ids] if completion_ids is not None
+             else [_text(c) or "" for c in completions])
+    return reverse_reward([_text(p) for p in prompts], texts)
 
 
 def held_out_prompts() -> list[str]:
@@ -68,7 +118,7 @@ class HeldOutRewardRecorder(TrainerCallback):
     ``evaluator``: a model of the policy's architecture that generates in its place (its weights loaded from the
     policy before each evaluation): the asynchronous trainer's policy is not one ``generate`` can run. The
     evaluation restores the RNG state and the train/eval mode
-    (:func:`~trl_rollout_corr.testing.toy_task.held_out_reward`), so recording does not perturb the run.
+    (:func:`held_out_reward`), so recording does not perturb the run.
     """
 
     def __init__(self, model, tokenizer, eval_every: int, prompts: list[str] | None = None, evaluator=None):

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from experiments.harness import HELD_OUT_N, HELD_OUT_SEED, HeldOutRewardRecorder, held_out_prompts
-from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, held_out_reward, reverse_prompts
+from experiments.harness import HELD_OUT_N, HELD_OUT_SEED, HeldOutRewardRecorder, held_out_prompts, held_out_reward
+from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
