@@ -49,6 +49,7 @@ if not __package__:  # run as a script: this checkout's root first, for experime
 
 from experiments import mismatch_train as mt  # noqa: E402
 from experiments.preregistrations import preregistered_rules  # noqa: E402
+from trl_rollout_corr.demo.task import eval_recorder, freeze_added_bias, served_model  # noqa: E402,F401
 
 # -------------------- pre-registration 17: experiments/preregistrations/17-s4-async-trainer.md
 ARMS = {  # arm -> this package's correction fields (None: TRL's AsyncGRPOTrainer itself, unmodified)
@@ -133,7 +134,7 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
     held_out = psum_prompts(sz["n_eval"], n_digits, seed=777_777)  # mismatch_train's held-out prompts
     curve = [(0, mt.policy_reward(model, tok, held_out, n_digits))]
     logs: list[dict] = []
-    recorder = mt.eval_recorder(evaluator, steps, sz["eval_every"], lambda step, ev: curve.append(
+    recorder = eval_recorder(evaluator, steps, sz["eval_every"], lambda step, ev: curve.append(
         (step, mt.policy_reward(ev, tok, held_out, n_digits))), logs)
     prompts = [[{"role": "user", "content": p}] for p in psum_prompts(steps * PER_STEP * 4 + 256, n_digits, seed=seed)]
     common = dict(per_device_train_batch_size=PER_STEP, num_generations=mt.NUM_GENERATIONS,
@@ -165,73 +166,6 @@ def run_one(arm: str, seed: int, sigma: float, url: str, model_dir: str, base: s
                   dropped=sum(row.get("sample/dropped_stale_total", 0.0) for row in logs),
                   logs=logs, seconds=time.time() - t0)
     return mt.save_run(result, out_path)
-
-
-SERVED_HEAD_DIM = 32  # vLLM's CPU attention supports head sizes 32, 64, 80, ... (not the task model's 24)
-
-
-def served_model(qwen2, head_dim: int = SERVED_HEAD_DIM):
-    """The same function as the task's Qwen2 model (``qwen2``) as a Llama model whose attention heads are zero-padded
-    from d = hidden / heads to ``head_dim`` (vLLM's Qwen2 fixes d = hidden / heads; its Llama reads ``head_dim``).
-
-    Per head, dims [0, d/2) and [d/2, d) of q, k, v go to [0, d/2) and [D/2, D/2 + d/2) (D = ``head_dim``), so
-    rotate_half pairs (j, j + D/2) are the original pairs (j, j + d/2); RoPE's frequencies theta'^(-2j/D) equal
-    theta^(-2j/d) with theta' = theta^(D/d); q (weight and bias) is scaled by sqrt(D/d), which turns the attention
-    scale D^-1/2 back into d^-1/2; o_proj reads the same dims (zero bias: Llama's ``attention_bias`` covers o_proj
-    too: :func:`freeze_added_bias` keeps it at 0). The padded dims have zero gradient (q_pad . k_pad = 0 and o_proj's
-    padded columns are 0), so training moves exactly the original parameters: the trainer trains the task model, the
-    server serves it."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = qwen2.config
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    d = c.hidden_size // heads
-    theta = c.rope_parameters["rope_theta"]
-    rope = {"rope_type": "default", "rope_theta": theta ** (head_dim / d)}
-    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, head_dim=head_dim,
-                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                         rope_parameters=rope,
-                         attention_bias=True, mlp_bias=False, tie_word_embeddings=False, pad_token_id=c.pad_token_id,
-                         eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id, hidden_act=c.hidden_act)
-    llama = LlamaForCausalLM(config)
-    half = d // 2
-    dim_map = torch.cat([torch.arange(half), head_dim // 2 + torch.arange(half)])  # (d,) original dim -> padded dim
-
-    def pad_rows(weight, n_heads, scale=1.0):  # (n_heads * d, ...) -> (n_heads * D, ...)
-        out = weight.new_zeros((n_heads, head_dim) + weight.shape[1:])
-        out[:, dim_map] = weight.reshape((n_heads, d) + weight.shape[1:]) * scale
-        return out.reshape((n_heads * head_dim,) + weight.shape[1:])
-
-    source = qwen2.state_dict()
-    state = {k: v.clone() for k, v in source.items() if ".self_attn." not in k}
-    for i in range(c.num_hidden_layers):
-        a = f"model.layers.{i}.self_attn."
-        scale = (head_dim / d) ** 0.5
-        state[a + "q_proj.weight"] = pad_rows(source[a + "q_proj.weight"], heads, scale)
-        state[a + "q_proj.bias"] = pad_rows(source[a + "q_proj.bias"], heads, scale)
-        for name in ("k_proj", "v_proj"):
-            state[a + name + ".weight"] = pad_rows(source[a + name + ".weight"], kv_heads)
-            state[a + name + ".bias"] = pad_rows(source[a + name + ".bias"], kv_heads)
-        state[a + "o_proj.weight"] = pad_rows(source[a + "o_proj.weight"].T, heads).T.contiguous()
-        state[a + "o_proj.bias"] = torch.zeros_like(llama.state_dict()[a + "o_proj.bias"])
-    llama.load_state_dict(state)
-    llama.generation_config.pad_token_id = c.pad_token_id
-    llama.generation_config.eos_token_id = c.eos_token_id
-    return llama
-
-
-def freeze_added_bias(llama) -> None:
-    """Freeze the o_proj biases :func:`served_model` adds (Llama's ``attention_bias`` covers o_proj, Qwen2 has none):
-    at 0 and out of the optimizer, so the trained parameters are exactly the task model's (TRL's weight sync skips
-    frozen parameters; the server's copy is 0 too). Raises if one is not 0."""
-    for layer in llama.model.layers:
-        bias = layer.self_attn.o_proj.bias
-        if bias.detach().abs().max() != 0:
-            raise ValueError(f"{bias.shape} o_proj bias is not 0: not a served_model() of a Qwen2 model")
-        bias.requires_grad_(False)
 
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a user turn renders as the plain prompt

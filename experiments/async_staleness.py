@@ -63,9 +63,9 @@ def run_async(variant: str, seed: int, steps: int, staleness: int, url: str, eva
     from transformers.utils import logging as hf_logging
 
     from experiments.async_trainers import build_async_trainer
-    from trl_rollout_corr.testing.harness import (HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder,
-                                                 warmed_up_policy)
-    from trl_rollout_corr.testing.toy_task import build_model, reverse_chat_reward, reverse_prompts
+    from experiments.harness import HIDDEN_SIZE, NUM_LAYERS, TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
+    from experiments.harness import reverse_chat_reward
+    from trl_rollout_corr.testing.toy_task import build_model, reverse_prompts
 
     hf_logging.set_verbosity_error()
     t0 = time.time()
@@ -129,7 +129,7 @@ def ranges_table(output_dir: str) -> str:
 
 
 def run_sync(seed: int, steps: int, eval_every: int, out: str) -> None:
-    from trl_rollout_corr.demo.run import run_worker
+    from experiments.harness import run_worker
 
     run_worker("on_policy", seed, steps, 1, "vllm", eval_every, out)
 
@@ -179,7 +179,8 @@ def main() -> None:
             for s in seeds]
     runs = [("sync", s, 0) for s in seeds if "sync" in variants] + runs
     from experiments.server import free_port, running_server
-    from trl_rollout_corr.testing.toy_task import build_chat_tokenizer, build_model
+    from experiments.harness import build_chat_tokenizer
+    from trl_rollout_corr.testing.toy_task import build_model
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -108,7 +108,7 @@ def _engine(scenario: str, method: str) -> str:
 
 
 def worker(scenario: str, method: str, seed: int, steps: int, eval_every: int, out: str) -> None:
-    from trl_rollout_corr.demo.run import run_worker
+    from experiments.harness import run_worker
 
     engine, lag, fields, reference = SCENARIOS[scenario]
     if method == "on_policy":

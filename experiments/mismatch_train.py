@@ -436,18 +436,12 @@ def top_p_truncation(top_p: float):
     """S3's engine processing of a batch of logits (B, V): top-p (nucleus) truncation as transformers' and vLLM's
     samplers do it: sort ascending, remove the tokens whose cumulative probability is <= 1 - top_p, always keep the
     most likely one; removed tokens get -inf, so the log-softmax is log p - log M over the kept set (M = kept mass)
-    and the exact KL(engine || policy) per position is -log M."""
-    import torch
+    and the exact KL(engine || policy) per position is -log M. The main job's rule
+    (:func:`trl_rollout_corr.demo.task.top_p_truncation`), as ``perturb(logits, generator)``."""
+    from trl_rollout_corr.demo.task import top_p_truncation as truncation
 
-    def perturb(logits, generator):
-        ordered, order = torch.sort(logits, dim=-1)  # ascending  # (B, V)
-        cumulative = torch.softmax(ordered, -1).cumsum(-1)  # (B, V)
-        remove_sorted = cumulative <= 1 - top_p
-        remove_sorted[:, -1] = False  # the most likely token is always kept
-        remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocabulary order  # (B, V)
-        return logits.masked_fill(remove, float("-inf"))
-
-    return perturb
+    truncate = truncation(top_p)
+    return lambda logits, generator: truncate(logits)  # (B, V) -> (B, V)
 
 
 def top_k_truncation(top_k: int):
@@ -988,29 +982,6 @@ def run_all(todo_cells, steps: int, out: str, jobs: int, size: dict, lr: float |
             else:
                 print(f"[{done}] {os.path.basename(path)} {time.time() - t0:.0f} s "
                       f"(elapsed {time.time() - t_start:.0f} s)", flush=True)
-
-
-def eval_recorder(evaluator, steps: int, eval_every: int, on_eval, rows: list[dict]):
-    """The evaluation schedule of the benchmarks that train on a served copy (``async_mismatch.py``,
-    ``vllm_truncation.py``), as a ``TrainerCallback``: at every ``eval_every``-th step, every ``TAIL_EVAL_EVERY``-th
-    step of the last ``TAIL`` of ``steps`` and at the last, ``evaluator`` gets the trained model's weights and
-    ``on_eval(step, evaluator)`` runs; every training log's numbers (not its booleans) are appended to ``rows``."""
-    from transformers import TrainerCallback
-
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            step = state.global_step
-            tail_step = step >= (1 - TAIL) * steps and step % TAIL_EVAL_EVERY == 0
-            if step % eval_every == 0 or tail_step or step == steps:
-                evaluator.load_state_dict(model.state_dict())
-                on_eval(step, evaluator)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                rows.append({"step": state.global_step, **numbers})
-
-    return Recorder()
 
 
 def load_runs(out: str) -> list[dict]:

@@ -46,7 +46,7 @@ def record_one(scenario: str, seed: int, steps: int, out: str, eval_every: int =
     from transformers.utils import logging as hf_logging
 
     from trl_rollout_corr.rollout.emulated import EmulatedRolloutEngine
-    from trl_rollout_corr.testing.harness import TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
+    from experiments.harness import TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
     from trl_rollout_corr.testing.toy_task import reverse_prompts, reverse_reward
     from trl_rollout_corr.grpo.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 

@@ -16,7 +16,7 @@ model, schedule, seeds' recipe and arms with vLLM itself generating:
   own colocated sync for TRL's trainer, this package's default schedule for its own).
 * **Task and schedule**: experiment P's (``mismatch_train.py``): running prefix sums of 48 digits (T = 49), the
   465k-parameter Qwen2-style model from the shared base checkpoint after each seed's warm-up, served as an
-  equivalent Llama whose attention heads are zero-padded to vLLM's CPU head size 32 (``async_mismatch.served_model``:
+  equivalent Llama whose attention heads are zero-padded to vLLM's CPU head size 32 (``demo.task.served_model``:
   the same function, the same trained parameters), 8 prompts x 8 completions per generation, two optimizer steps per
   generation (the PPO clip against pi_old is live), lr ``mismatch_train.LR``, 30 steps; score = the policy's own
   held-out reward (64 fixed prompts, full distribution, no engine) averaged over the evaluations in the last 30%.
@@ -188,7 +188,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
 
-    from experiments.async_mismatch import freeze_added_bias, served_model
+    from trl_rollout_corr.demo.task import eval_recorder, freeze_added_bias, served_model
     from trl_rollout_corr.core.metric_names import metric
     from trl_rollout_corr.testing.psum_task import psum_prompts
     from trl_rollout_corr.trl_hooks.vllm import colocated_llm, vllm_generation
@@ -221,7 +221,7 @@ def run_one(arm: str, seed: int, out_path: str, base: str, sz: dict, steps: int)
         dataset = Dataset.from_dict({"prompt": psum_prompts(steps * mt.GEN_PROMPTS + 64, n_digits, seed=seed)})
         fields = mt.grpo_fields(os.path.join(tmp, "out"), steps, n_digits, mt.LR, seed)
         trainer = build_trainer(arm, model_dir, tok, dataset, fields,
-                                [mt.eval_recorder(evaluator, steps, sz["eval_every"], on_eval, logs)])
+                                [eval_recorder(evaluator, steps, sz["eval_every"], on_eval, logs)])
         freeze_added_bias(trainer.model)
         trainer.train()
         engine = colocated_llm(vllm_generation(trainer)).llm_engine  # read through the package's checked accessors

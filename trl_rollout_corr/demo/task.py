@@ -208,7 +208,9 @@ def served_model(qwen2, head_dim: int = SERVED_HEAD_DIM):
     rotate_half pairs (j, j + D/2) are the original pairs (j, j + d/2); RoPE's frequencies theta'^(-2j/D) equal
     theta^(-2j/d) with theta' = theta^(D/d); q is scaled by sqrt(D/d), which turns the attention scale D^-1/2 back
     into d^-1/2; o_proj reads the same dims (its added bias is 0 and frozen: :func:`freeze_added_bias`). The padded
-    dims have zero gradient, so training moves exactly the original parameters."""
+    dims have zero gradient (q_pad . k_pad = 0 and o_proj's padded columns are 0), so training moves exactly the
+    original parameters: the trainer trains the task model, vLLM serves it. The experiments
+    (``experiments/async_mismatch.py``, ``experiments/vllm_truncation.py``) import it from here."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

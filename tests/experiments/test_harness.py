@@ -1,4 +1,4 @@
-"""The run harness the demo and the experiments share (``trl_rollout_corr/testing/harness.py``): the recorder's
+"""The run harness the demo and the experiments share (``experiments/harness.py``): the recorder's
 evaluation schedule, the rows it keeps, its score and means (against hand-computed values), its evaluator stand-in,
 and that the held-out reward is evaluated in that one place."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_rollout_corr.testing.harness import HELD_OUT_N, HELD_OUT_SEED, HeldOutRewardRecorder, held_out_prompts
-from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, held_out_reward, reverse_prompts
+from experiments.harness import HELD_OUT_N, HELD_OUT_SEED, HeldOutRewardRecorder, held_out_prompts, held_out_reward
+from trl_rollout_corr.testing.toy_task import build_model, build_tokenizer, reverse_prompts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -82,4 +82,4 @@ def test_the_held_out_reward_is_evaluated_in_the_harness_only():
     times)."""
     files = [*sorted((ROOT / "trl_rollout_corr").rglob("*.py")), *sorted((ROOT / "experiments").glob("*.py"))]
     callers = [str(p.relative_to(ROOT)) for p in files if calls_of(p, "held_out_reward")]
-    assert callers == ["trl_rollout_corr/testing/harness.py"]
+    assert callers == ["experiments/harness.py"]
