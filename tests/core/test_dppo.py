@@ -335,7 +335,7 @@ def test_two_processes_give_the_one_process_step(tmp_path):
 
 
 @pytest.mark.parametrize("shape", DPPO_SHAPES)
-@pytest.mark.parametrize("divergence,delta", [("binary_tv", 0.01), ("binary_kl", 0.002)])
+@pytest.mark.parametrize("divergence,delta", [("binary_tv", 0.01), ("binary_kl", 0.0002)])
 def test_decoupled_each_step_matches_the_float64_gradient_of_verl_s_loss(tmp_path, divergence, delta, shape):
     """Two SGD steps of the real trainer (dapo) with decoupled DPPO (the policy loss between pi_theta and pi_old,
     C_dppo = 1.5) under token TIS on pi_old vs pi_rollout (C = 2): the update is -lr times the float64 gradient of
