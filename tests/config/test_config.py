@@ -24,6 +24,8 @@ PRESETS = {
     "dppo_tv_bypass": ("token", 1e4, False, None, None, None, None, True, True, None, "truncate"),
     "dppo_kl_bypass": ("token", 1e4, False, None, None, None, None, True, True, None, "truncate"),
     "dppo_tv_prime_rl": ("token", float("inf"), False, None, None, None, None, True, True, None, "truncate"),
+    "decoupled_dppo_tv": ("token", 2.0, False, None, None, None, None, False, False, None, "truncate"),
+    "decoupled_dppo_kl": ("token", 2.0, False, None, None, None, None, False, False, None, "truncate"),
 }
 
 

@@ -166,18 +166,53 @@ def test_a_call_without_advantages_is_refused():
      "rollout_dppo_mask_high must be a finite number > 0"),
     (dict(rollout_dppo="binary_kl", rollout_dppo_mask_low=-0.1), "rollout_dppo_mask_low must be a finite number"),
     (dict(rollout_dppo="binary_kl", rollout_dppo_mask_low="0.1"), "rollout_dppo_mask_low must be"),
-    (dict(rollout_dppo_mask_low=0.1), "rollout_dppo_mask_low / rollout_dppo_mask_high are set but rollout_dppo is"),
+    (dict(rollout_dppo_mask_low=0.1), "rollout_dppo_mask_high / rollout_dppo_clip_ratio_c are set but"),
 ])
 def test_bad_fields_are_refused_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         Cfg(rollout_is=None, bypass_mode=True, **fields)
 
 
-def test_decoupled_mode_and_the_baseline_exclusion_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"rollout_dppo='binary_tv' needs bypass_mode=True .*verl's setting"):
-        Cfg(rollout_dppo="binary_tv")
+def test_the_baseline_exclusion_and_a_bypass_clip_ratio_c_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="rollout_rs_exclude_from_baseline=True with rollout_dppo='binary_kl'"):
         Cfg.dppo_kl_bypass(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_exclude_from_baseline=True)
+    with pytest.raises(ValueError, match="rollout_dppo_clip_ratio_c=2.0 with bypass_mode=True"):
+        Cfg.dppo_tv_bypass(rollout_dppo_clip_ratio_c=2.0)
+    with pytest.raises(ValueError, match="rollout_dppo_clip_ratio_c are set but rollout_dppo is None"):
+        Cfg(rollout_dppo_clip_ratio_c=2.0)
+
+
+@pytest.mark.parametrize("c", [0.0, -1.0, float("nan"), float("inf"), "2", True])
+def test_decoupled_clip_ratio_c_must_be_finite_positive(c):
+    with pytest.raises(ValueError, match="rollout_dppo_clip_ratio_c must be a finite number > 0"):
+        Cfg(rollout_dppo="binary_tv", rollout_dppo_clip_ratio_c=c)
+
+
+def test_decoupled_mode_is_the_policy_loss_not_a_pipeline_criterion():
+    cfg = Cfg(rollout_dppo="binary_kl")  # decoupled: C defaults to verl's DPPO example's clip_ratio_c
+    assert cfg.policy_loss == ("dppo_kl", 0.05, 0.05, 1e4)
+    assert cfg.params().rollout_dppo is None and cfg.params().rollout_dppo_mask_low is None
+    assert Cfg.dppo_kl_bypass().policy_loss is None and Cfg.dppo_kl_bypass().params().rollout_dppo == "binary_kl"
+    tv, kl = Cfg.decoupled_dppo_tv(), Cfg.decoupled_dppo_kl()
+    for cfg in (tv, kl):  # decoupled PPO's token TIS (pi_old vs pi_rollout) under the DPPO policy loss
+        assert (cfg.bypass_mode, cfg.use_policy_gradient, cfg.rollout_is, cfg.rollout_is_threshold) == (
+            False, False, "token", 2.0)
+    assert tv.policy_loss == ("dppo_tv", 0.15, 0.15, 1e4) and kl.policy_loss == ("dppo_kl", 0.05, 0.05, 1e4)
+    assert Cfg.from_json_string(tv.to_json_string()) == tv
+
+
+def test_decoupled_stats_match_a_hand_count():
+    from trl_rollout_corr.core.dppo import decoupled_dppo_stats
+    from trl_rollout_corr.core.stats import RolloutStats  # noqa: F401
+    p = torch.tensor([[0.8, 0.6, 0.3, 0.45], [0.2, 0.9, 0.5, 0.5]], dtype=torch.float64)
+    q = torch.full_like(p, 0.5)
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    st = decoupled_dppo_stats(p.log(), q.log(), valid, torch.tensor([1.0, -1.0]), "binary_tv", 0.15, 0.15)
+    # row 0 (A > 0): +0.3 masked; row 1 (A < 0): -0.3 masked, +0.4 not (rises are kept for A < 0)
+    assert {k.split(".")[-1]: float(v) for k, v in st.sums.items()} == pytest.approx(dict(
+        tok_n=6.0, dppo_masked_tok_n=2.0, masked_pos_tok_n=1.0, masked_neg_tok_n=1.0,
+        value_sum=0.3 + 0.1 + 0.2 + 0.05 + 0.3 + 0.4))
+    assert float(next(iter(st.maxes.values()))) == pytest.approx(0.4)
 
 
 def test_unset_thresholds_are_the_divergence_s_defaults_written_back():
@@ -297,3 +332,74 @@ def test_two_processes_give_the_one_process_step(tmp_path):
     assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == [False] * 3
     assert all(run["metrics"][P + "rollout_dppo_masked_fraction"] > 0 for run in results[case].values())
     assert_same_step(case, tmp_path, results[case])
+
+
+@pytest.mark.parametrize("shape", DPPO_SHAPES)
+@pytest.mark.parametrize("divergence,delta", [("binary_tv", 0.01), ("binary_kl", 0.0002)])
+def test_decoupled_each_step_matches_the_float64_gradient_of_verl_s_loss(tmp_path, divergence, delta, shape):
+    """Two SGD steps of the real trainer (dapo) with decoupled DPPO (the policy loss between pi_theta and pi_old,
+    C_dppo = 1.5) under token TIS on pi_old vs pi_rollout (C = 2): the update is -lr times the float64 gradient of
+
+        (1 / N_gen) sum_t -(1 - masked_t) min(p_t / o_t, 1.5) min(o_t / q_t, 2) A_t log p_t     (all but log p_t sg)
+
+    with p = pi_theta at the micro-batch's step, o = pi_old (the policy that generated the batch), q = pi_rollout, and
+    the mask re-derived here on p vs o."""
+    from tests.grpo.test_gradients import LR, SHAPES, forward64, load, train
+    from trl_rollout_corr.testing.toy_task import build_model
+
+    case = dict(preset="decoupled_dppo_tv", rollout_dppo=divergence, rollout_dppo_mask_low=delta,
+                rollout_dppo_mask_high=delta, rollout_dppo_clip_ratio_c=1.5)
+    trainer, recorder, _, final = train(tmp_path, build_model(hidden_size=32), case, SHAPES[shape])
+    assert trainer.rollout_correction.policy_loss[0] == POLICY_NAMES[divergence]
+    model = build_model(hidden_size=32).double()
+    args = trainer.args
+    ga, spg = args.gradient_accumulation_steps, args.steps_per_generation
+    after = recorder.params_at_step[1:] + [final]
+    born = {}  # generation index -> the first optimizer step that consumed it (pi_old's parameters)
+    for mb_step, gen_index, _ in recorder.micro_batches:
+        born.setdefault(gen_index, mb_step)
+    n_masked = n_valid = 0
+    for step in range(2):
+        theta = recorder.params_at_step[step]
+        grads = None
+        for mb_step, gen_index, mb in recorder.micro_batches:
+            if mb_step != step:
+                continue
+            n_gen = recorder.generations[gen_index]["completion_mask"].sum()
+            mask = mb["completion_mask"].bool()  # (B, T)
+            load(model, recorder.params_at_step[born[gen_index]])
+            with torch.no_grad():
+                old = forward64(model, mb)  # (B, T) log pi_old
+            load(model, theta)
+            for p in model.parameters():
+                p.grad = None
+            logps = forward64(model, mb)  # (B, T) with grad
+            sampling = mb["sampling_per_token_logps"].double()  # (B, T)
+            adv = mb["advantages"].double()  # (B,)
+            lp32, lo32 = logps.detach().float().double(), old.float().double()
+            masked = torch.tensor([[bool(mask[i, t]) and ref_masked(
+                float(lp32[i, t]), float(lo32[i, t]), float(adv[i]), divergence, delta, delta)
+                for t in range(mask.shape[1])] for i in range(mask.shape[0])])  # (B, T)
+            n_masked += int(masked.sum())
+            n_valid += int(mask.sum())
+            r = torch.exp((logps.detach() - old).clamp(-20, 20)).clamp(max=1.5)  # (B, T)
+            w = torch.exp((old - sampling).clamp(-20, 20)).clamp(max=2.0)  # (B, T)
+            per_token = -(~masked).double() * r * w * adv[:, None] * logps  # (B, T)
+            loss = (per_token * mask.double()).sum() / (n_gen * ga / spg)
+            loss.backward()
+            step_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = step_grads if grads is None else {n: grads[n] + g for n, g in step_grads.items()}
+        update = torch.cat([(after[step][n] - theta[n]).flatten().double() for n in grads])
+        expected = torch.cat([(-LR * g).flatten() for g in grads.values()])
+        assert update.abs().max() > 1e-6
+        assert ((update - expected).norm() / expected.norm()).item() <= 1e-4, (divergence, shape, step)
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logged) == 2 and all(math.isfinite(log[P + "rollout_dppo_masked_fraction"]) for log in logged)
+    if shape in ("steps_per_generation_2", "num_iterations_2"):  # pi_theta moved away from pi_old at step 2
+        assert 0 < n_masked < n_valid
+        assert logged[1][P + "rollout_dppo_masked_fraction"] > 0
+    else:  # pi_old = pi_theta at every loss: nothing to mask, r = 1
+        assert n_masked == 0 and all(log[P + "rollout_dppo_masked_fraction"] == 0 for log in logged)
+
+
+POLICY_NAMES = {"binary_tv": "dppo_tv", "binary_kl": "dppo_kl"}

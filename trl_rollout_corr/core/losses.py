@@ -27,10 +27,12 @@ anchor (the one loss patch). Nothing here calls back into a trainer: the cross-p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from .dppo import dppo_mask
 from .params import CorrectionParams
 from .pipeline import compute_rollout_correction_stats
 from .stats import ReduceFn, RolloutStats
@@ -287,3 +289,140 @@ def loss_patch(advantages: torch.Tensor, correction: Correction, pi_theta: torch
                                 correction.advantage_mask)  # (B,), (B, 1) or (B, T)
     anchor = None if correction.anchor is None else safe_anchor(correction.anchor, pi_theta, kept)  # (B, T)
     return LossPatch(patched, anchor)
+
+
+# ---------------------------------------------------------------------------------------------- policy losses
+# A policy loss replaces the PPO ratio-clip term between pi_theta and pi_old (decoupled mode), layered on TRL's
+# loss: TRL's anchor is pi_theta detached (r_t = exp(log pi_theta - sg(log pi_theta)) = 1, so every TRL loss type's
+# clip is inactive and its per-token gradient is -A''_t grad log pi_theta(a_t)), and the policy loss hands back the
+# detached per-token coefficient c_t that multiplies the advantage:  A''_t = A_t * c_t * w_t, with w_t this package's
+# IS weight on pi_old vs pi_rollout. One function per loss, registered by name in POLICY_LOSSES (verl's
+# ``register_policy_loss`` pattern); the gradient equals verl's loss -A_t sg(c_t) w_t log pi_theta(a_t) aggregated
+# by TRL's loss type (the loss *value* is TRL's -A''_t r_t, not verl's, which carries log pi_theta).
+POLICY_LOG_RATIO_BOUND = 20.0
+"""verl clamps log(pi_theta / pi_old) to [-20, 20] before exponentiating (core_algos ``dppo_tv`` / ``dppo_kl``)."""
+
+
+class PolicyLossTerms(NamedTuple):
+    """A policy loss's per-token result (all detached).
+
+    Attributes:
+        coefficient: c_t >= 0, multiplies A (0 on masked and invalid tokens).   (B, T) float64
+        masked: the tokens the loss's trust region took out (a subset of ``valid``).   (B, T) bool
+    """
+
+    coefficient: torch.Tensor
+    masked: torch.Tensor
+
+
+PolicyLossFn = Callable[..., PolicyLossTerms]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+"""The policy losses by name: ``register_policy_loss`` adds one; :func:`policy_loss_terms` looks one up."""
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register ``fn(theta_log_prob, old_log_prob, valid, advantages, *, low, high, clip_ratio_c) -> PolicyLossTerms``
+    under ``name`` (refuses a name registered twice)."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice ({POLICY_LOSSES[name].__name__}, "
+                             f"{fn.__name__}): give the new one another name.")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def truncated_policy_ratio(theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor,
+                           clip_ratio_c: float) -> torch.Tensor:
+    """sg(min(r_t, C)), r_t = pi_theta(a_t) / pi_old(a_t) with log r_t clamped to [-20, 20] (verl); 0 off ``valid``.
+
+    Args:
+        theta_log_prob: log pi_theta (detached here).   (B, T)
+        old_log_prob: log pi_old.   (B, T)
+        valid: the tokens in the loss (bool).   (B, T)
+        clip_ratio_c: C > 0, the truncation (verl's ``clip_ratio_c``).
+
+    Returns:
+        min(r_t, C) on ``valid``, 0 elsewhere, float64, detached.   (B, T)
+    """
+    log_r = (theta_log_prob.detach().double() - old_log_prob.detach().double())  # (B, T)
+    log_r = torch.where(valid, log_r, 0.0).clamp(-POLICY_LOG_RATIO_BOUND, POLICY_LOG_RATIO_BOUND)  # (B, T) finite
+    return torch.where(valid, log_r.exp().clamp(max=clip_ratio_c), 0.0)  # (B, T)
+
+
+def _dppo_terms(divergence: str, theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor,
+                advantages: torch.Tensor, low: float, high: float, clip_ratio_c: float) -> PolicyLossTerms:
+    """Decoupled DPPO: c_t = (1 - masked_t) * sg(min(pi_theta / pi_old, C)), masked_t DPPO's binary mask
+    (:func:`~.dppo.dppo_mask`) with p_t = pi_theta(a_t), q_t = pi_old(a_t)."""
+    ok = valid.bool() & torch.isfinite(theta_log_prob) & torch.isfinite(old_log_prob)  # (B, T)
+    safe_old = torch.where(ok, old_log_prob.detach(), theta_log_prob.detach())  # (B, T) finite where pi_theta is
+    masked, _, _, _ = dppo_mask(theta_log_prob.detach(), safe_old, ok, advantages, divergence, low, high)  # (B, T)
+    ratio_c = truncated_policy_ratio(theta_log_prob, safe_old, ok, clip_ratio_c)  # (B, T)
+    return PolicyLossTerms(torch.where(masked, 0.0, ratio_c), masked)  # (B, T), (B, T)
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv_policy_loss(theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor,
+                        advantages: torch.Tensor, *, low: float, high: float, clip_ratio_c: float) -> PolicyLossTerms:
+    """DPPO-Binary-TV as the policy loss between pi_theta and pi_old (verl ``compute_policy_loss_dppo_tv``):
+
+        grad L = -sum_t A_t (1 - masked_t) sg(min(r_t, C)) w_t grad log pi_theta(a_t) / (TRL's normalizer),
+        masked_t = 1[A_t > 0] 1[p_t - q_t > delta_high] + 1[A_t < 0] 1[p_t - q_t < -delta_low],
+
+    p_t = pi_theta(a_t), q_t = pi_old(a_t), r_t = p_t / q_t, w_t the IS weight on pi_old vs pi_rollout.
+
+    Args:
+        theta_log_prob: log pi_theta (detached here).   (B, T)
+        old_log_prob: log pi_old.   (B, T)
+        valid: the tokens in the loss.   (B, T)
+        advantages: A.   (B,), (B, 1) or (B, T)
+        low, high: delta_low, delta_high in (0, 1].
+        clip_ratio_c: C > 0.
+
+    Returns:
+        :class:`PolicyLossTerms`: c_t and masked_t.
+    """
+    return _dppo_terms("binary_tv", theta_log_prob, old_log_prob, valid, advantages, low, high, clip_ratio_c)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl_policy_loss(theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor,
+                        advantages: torch.Tensor, *, low: float, high: float, clip_ratio_c: float) -> PolicyLossTerms:
+    """DPPO-Binary-KL as the policy loss between pi_theta and pi_old (verl ``compute_policy_loss_dppo_kl``): as
+    :func:`dppo_tv_policy_loss` with masked_t = 1[A_t > 0] 1[p_t > q_t] 1[D_t > delta_high] + 1[A_t < 0] 1[p_t < q_t]
+    1[D_t > delta_low], D_t = KL(Bern(q_t) || Bern(p_t)) (:func:`~.dppo.dppo_divergence`); low, high > 0 (nats)."""
+    return _dppo_terms("binary_kl", theta_log_prob, old_log_prob, valid, advantages, low, high, clip_ratio_c)
+
+
+def policy_loss_terms(name: str, theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor,
+                      advantages: torch.Tensor, *, low: float, high: float, clip_ratio_c: float) -> PolicyLossTerms:
+    """The registered policy loss ``name``'s terms (:data:`POLICY_LOSSES`).
+
+    Raises:
+        ValueError: ``name`` is not registered (the error lists the names).
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"policy loss must be one of {sorted(POLICY_LOSSES)}, got {name!r}.")
+    return POLICY_LOSSES[name](theta_log_prob, old_log_prob, valid, advantages, low=low, high=high,
+                               clip_ratio_c=clip_ratio_c)
+
+
+def policy_loss_advantages(advantages: torch.Tensor, terms: PolicyLossTerms,
+                           is_weights: torch.Tensor | None) -> torch.Tensor:
+    """A''_t = A_t * sg(c_t) * sg(w_t), in A's dtype, for TRL's loss with anchor pi_theta detached (r_t = 1).
+
+    Args:
+        advantages: A.   (B,), (B, 1) or (B, T)
+        terms: the policy loss's :class:`PolicyLossTerms`.   (B, T)
+        is_weights: w_t on pi_old vs pi_rollout (None: 1).   (B, T)
+
+    Returns:
+        A''.   (B, T)
+    """
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, 1) or (B, T)
+    coefficient = terms.coefficient.detach()  # (B, T) float64
+    if is_weights is not None:
+        coefficient = coefficient * is_weights.detach().double()  # (B, T)
+    return adv * coefficient.to(adv.dtype)  # (B, T)

@@ -33,7 +33,9 @@ from ..core.stats import STAT_DTYPE, RolloutStats, process_all_reduce
 from ..core.truncation import SamplingTruncation
 from ..training.correction_trainer import CorrectionTrainerMixin, micro_batch_counts, require_correction_config
 from .config import RolloutCorrGRPOConfig
-from ..core.losses import Correction, batch_correction, corrected_loss_mask, loss_patch
+from ..core.dppo import decoupled_dppo_stats
+from ..core.losses import (Correction, batch_correction, corrected_loss_mask, loss_patch, policy_loss_advantages,
+                           policy_loss_terms)
 from ..training.resume import resolve_checkpoint, restore_rollout_state, save_rollout_state
 from ..rollout.capture import capture_sampling_logprobs, refuse_beam_search
 from ..rollout.logprobs import check_rollout_logprobs
@@ -181,6 +183,10 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
                 "generate (use_transformers_continuous_batching=False), vLLM or a rollout_func.")
         if not self.use_vllm and self.rollout_func is None:  # beam search has no pi_rollout: say so before training
             refuse_beam_search(self.generation_config.num_beams)
+        if self.rollout_correction.policy_loss is not None and self.loss_type == "vespo":
+            raise ValueError("loss_type='vespo' with decoupled DPPO (rollout_dppo set, bypass_mode=False): DPPO is the "
+                             "policy loss between pi_theta and pi_old, and VESPO's phi reads that ratio itself. Use "
+                             "another loss_type (e.g. 'dapo'), or bypass_mode=True (dppo_tv_bypass, dppo_kl_bypass).")
 
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
@@ -436,10 +442,20 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         patched["tool_mask"] = corrected_loss_mask(inputs["completion_mask"], tool_mask, correction.keep)  # (B, T)
         patch = loss_patch(inputs["advantages"], correction, logps, kept_mask, cfg.rollout_is == "sequence")
         patched["advantages"] = patch.advantages  # (B,), (B, 1) or (B, T)
-        if patch.anchor is not None:
+        if patch.anchor is not None and cfg.policy_loss is None:
             patched["old_per_token_logps"] = patch.anchor  # (B, T)
         else:
             patched.pop("old_per_token_logps", None)  # TRL then uses pi_theta detached
+        if cfg.policy_loss is not None:  # decoupled DPPO: A'' = A w z c, r = 1 (core.losses policy losses)
+            name, low, high, clip_c = cfg.policy_loss
+            pi_old = logps.detach() if correction.anchor is None else correction.anchor  # (B, T)
+            kept = kept_mask.bool()  # (B, T)
+            terms = policy_loss_terms(name, logps.detach(), pi_old, kept, inputs["advantages"], low=low, high=high,
+                                      clip_ratio_c=clip_c)  # (B, T) each
+            patched["advantages"] = policy_loss_advantages(patch.advantages, terms, None)  # (B, T)
+            with torch.no_grad():
+                self._rc_stats[self._mode()].update(decoupled_dppo_stats(
+                    logps.detach(), pi_old, kept, inputs["advantages"], cfg.rollout_dppo, low, high))
         if correction.sampler_ratio is not None:
             patched["importance_sampling_ratio"] = correction.sampler_ratio  # (B, T), read by VESPO only
         sampling = patched["sampling_per_token_logps"]  # (B, T) read by TRL's off-policy mask only
