@@ -1,6 +1,6 @@
 """A long-completion toy task: running prefix sums mod 10, where an early error ruins the rest (as in chain of
 thought). Tiny, locally built model and tokenizer (no download), for the training benchmark
-``benchmarks/mismatch_train.py``.
+``experiments/mismatch_train.py`` and the main job (``trl_rollout_corr/demo/``).
 
 Task "psum": the prompt ``psum 3 1 4 ... =`` (``n_digits`` digits, 48 by default) asks for the running sums mod 10,
 ``3 4 8 ... <eos>`` (y_t = (x_1 + ... + x_t) mod 10): a completion of ``n_digits + 1`` tokens. The reward is the
