@@ -394,11 +394,12 @@ def _fmt_closed(r: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """docs/benchmarks.md's table: one block of rows per scenario, best first; **bold** where a method is above TRL's
+    """docs/evidence.md's table: one block of rows per scenario, best first; **bold** where a method is above TRL's
     default after Holm over the whole table (paired t), ↓ where below; ``on_policy`` is the ceiling (no mismatch),
     ``uncorrected`` the floor; gap closed only where the gap is significant (Fieller's interval)."""
-    out = ["| scenario | method | n | held-out reward (95% CI) | vs `trl_default`, paired (95% CI) | p | Holm p | "
-           "sign-flip p | gap closed (Fieller 95% CI) | kl | rejected |",
+    out = ["| scenario (~0.13M model, T ≤ 9) | method | n | held-out reward (95% CI) | "
+           "vs `trl_default`, paired (95% CI) | p | Holm p | sign-flip p | gap closed (Fieller 95% CI) | kl | "
+           "rejected |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     p_fmt = lambda p: f"{p:.2g}" if math.isfinite(p) else "—"  # noqa: E731
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
