@@ -123,7 +123,8 @@ def _h200_section() -> str:
     return doc[doc.index("**A third run, on one NVIDIA H200"):doc.index("Read it as (the H100 runs)")]
 
 
-NOT_RUN_ON_A_GPU = {"dppo_tv_bypass", "dppo_kl_bypass", "dppo_tv_prime_rl"}  # added 2026-12-06, no GPU since
+NOT_RUN_ON_A_GPU = {"dppo_tv_bypass", "dppo_kl_bypass", "dppo_tv_prime_rl", "decoupled_dppo_tv",
+                    "decoupled_dppo_kl"}  # added 2026-12-06, no GPU since
 
 
 def test_the_h200_runs_cover_every_preset_with_finite_values_and_two_syncs_per_step():
