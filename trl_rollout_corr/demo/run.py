@@ -83,8 +83,8 @@ def run_demo_cli(argv: list[str]) -> None:
 
     p = argparse.ArgumentParser(prog="trl-rollout-corr demo", description=truncation.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", default=",".join(truncation.ARMS), help="comma-separated subset of "
-                   + ", ".join(truncation.ARMS))
+    p.add_argument("--arms", default=",".join(truncation.DEFAULT_ARMS), help="comma-separated subset of "
+                   + ", ".join(truncation.ARMS) + " (default: all but on_policy)")
     p.add_argument("--seeds", default=",".join(map(str, truncation.SEEDS)), help="default: 230-234, S3V's held-out "
                    "seeds of pre-registration 20")
     p.add_argument("--engine", default="auto", help="auto (default): vllm if installed, else emulated; vllm: the "
