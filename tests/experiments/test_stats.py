@@ -73,6 +73,16 @@ def test_sign_flip_p_monte_carlo_beyond_twenty():
     assert stats.sign_flip_p(d, n_mc=5000) == stats.sign_flip_p(d, n_mc=5000)
 
 
+def test_sign_flip_p_one_sided_by_hand():
+    # d = (1, 2, -0.5): signed sums of the 8 patterns: 3.5, 2.5, -0.5, -1.5, 1.5, 0.5, -2.5, -3.5 (+-1, +-2, +-0.5)
+    # observed sum 2.5: patterns with sum >= 2.5 are 3.5 and 2.5 -> 2/8
+    assert stats.sign_flip_p_one_sided([1.0, 2.0, -0.5]) == pytest.approx(2 / 8)
+    assert stats.sign_flip_p_one_sided([0.1] * 10) == pytest.approx(1 / 1024)  # all ten positive
+    assert stats.sign_flip_p_one_sided([-0.1] * 10) == pytest.approx(1.0)  # the other direction: every pattern
+    with pytest.raises(ValueError, match="2\\*\\*n"):
+        stats.sign_flip_p_one_sided([0.1] * 21)
+
+
 def test_holm_on_known_p_values():
     # sorted: 0.005 (x4 = 0.02), 0.01 (x3 = 0.03), 0.03 (x2 = 0.06), 0.04 (x1 = 0.04 -> monotone max 0.06)
     assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
