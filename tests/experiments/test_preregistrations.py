@@ -16,7 +16,7 @@ from experiments import vllm_truncation as vt
 from experiments.preregistrations import HERE, document, preregistered_rules
 
 ROOT = Path(__file__).resolve().parents[2]
-NUMBERS = range(1, 25)
+NUMBERS = range(1, 26)
 
 
 def test_one_document_per_number_each_naming_its_commit():
