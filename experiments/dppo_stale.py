@@ -172,7 +172,7 @@ def analyse(scenario: str, out: str) -> tuple[list[str], dict]:
     lines = [f"### Scenario {scenario}: the engine {G_LAG[scenario]} optimizer steps stale, T = "
              f"{mt.X_DIGITS + 1 if scenario == 'S2X' else 49}\n"]
     rep = result["reproduced"]
-    lines.append("Reproduction of the committed reference arms at seed " + str(G_REPRODUCE[scenario]) + ": " + "; ".join(
+    lines.append(f"Reproduction of the committed reference arms at seed {G_REPRODUCE[scenario]}: " + "; ".join(
         f"{m} committed {a:.6f}, re-run " + ("not run" if b is None else f"{b:.6f}") + (" (equal)" if ok else
                                                                                       " (NOT equal)")
         for m, (a, b, ok) in rep.items()) + f". Family analysed on the {source} M1 / M3 runs.\n")
@@ -267,9 +267,8 @@ def held_out_cells(scenario: str, out: str) -> list:
 def write_results(out: str, path: str = RESULTS) -> None:
     rows = []
     for scenario in G_SCENARIOS:
-        for m, by_seed in sorted(fresh(out, scenario).items()):
-            for s, r in sorted(by_seed.items()):
-                rows.append({k: r.get(k, "") for k in CSV_COLUMNS})
+        for _, by_seed in sorted(fresh(out, scenario).items()):
+            rows += [{k: r.get(k, "") for k in CSV_COLUMNS} for _, r in sorted(by_seed.items())]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
