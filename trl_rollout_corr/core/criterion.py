@@ -203,11 +203,6 @@ SEQ_N = stat_key("mask.seq_n", __name__)
 """Sequences with a valid token."""
 
 
-def ratio(num: float, den: float) -> float:
-    """num / den, 0.0 where den <= 0 (an empty batch reports 0.0)."""
-    return num / den if den > 0 else 0.0
-
-
 # ---------------------------------------------------------------------------------------------------- criterion
 @dataclass
 class CorrectionState:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .criterion import SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, stat_key
-from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, masked_max
+from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, masked_max, safe_div
 from .weights import SAFETY_BOUND
 
 DIVERGENCE_CRITERIA = (
@@ -264,7 +264,6 @@ def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) ->
         One entry per metric of each criterion present in ``floats``.
     """
     metrics: dict[str, float] = {}
-    div = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731
     f = StatFloats(floats)
     for name in DIVERGENCE_CRITERIA:
         key = functools.partial(divergence_key, name)
@@ -273,10 +272,10 @@ def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) ->
         n = f.sum(key("n"))
         stat_max = f.max(key("stat_max"))
         metric = f"{METRIC_PREFIX}rollout_rs_{name}"
-        metrics[f"{metric}_mean"] = div(f.sum(key("stat_sum")), n)
+        metrics[f"{metric}_mean"] = safe_div(f.sum(key("stat_sum")), n)
         metrics[f"{metric}_max"] = stat_max if math.isfinite(stat_max) else 0.0
-        metrics[f"{metric}_masked_fraction"] = div(f.sum(key("rejected_tok_n")), tok_n)
-        metrics[f"{metric}_seq_masked_fraction"] = div(f.sum(key("rejected_seq_n")), seq_n)
+        metrics[f"{metric}_masked_fraction"] = safe_div(f.sum(key("rejected_tok_n")), tok_n)
+        metrics[f"{metric}_seq_masked_fraction"] = safe_div(f.sum(key("rejected_seq_n")), seq_n)
     return metrics
 
 

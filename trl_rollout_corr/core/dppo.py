@@ -56,10 +56,9 @@ from typing import Any
 
 import torch
 
-from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
-                        stat_key)
+from .criterion import TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, stat_key
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import RolloutStats, count, masked_max, masked_sum
+from .stats import RolloutStats, count, extreme_or_zero, masked_max, masked_sum, safe_div
 
 DPPO_DIVERGENCES = ("binary_tv", "binary_kl")
 """The divergences: DPPO-Binary-TV (the probability difference) and DPPO-Binary-KL (the Bernoulli KL)."""
@@ -296,11 +295,11 @@ class DivergenceTrustRegion(Criterion):
             return {}
         tok_n = f.sum(DPPO_TOK_N, 0.0) if f.has(DPPO_TOK_N) else f.sum(TOK_N, 0.0)
         return {
-            PREFIX + "rollout_dppo_masked_fraction": ratio(f.sum(DPPO_MASKED_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_masked_fraction_pos": ratio(f.sum(DPPO_MASKED_POS_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_masked_fraction_neg": ratio(f.sum(DPPO_MASKED_NEG_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_divergence_mean": ratio(f.sum(DPPO_VALUE_SUM, 0.0), tok_n),
-            PREFIX + "rollout_dppo_divergence_max": f.max(DPPO_VALUE_MAX) if tok_n > 0 else 0.0,
+            PREFIX + "rollout_dppo_masked_fraction": safe_div(f.sum(DPPO_MASKED_TOK_N, 0.0), tok_n),
+            PREFIX + "rollout_dppo_masked_fraction_pos": safe_div(f.sum(DPPO_MASKED_POS_TOK_N, 0.0), tok_n),
+            PREFIX + "rollout_dppo_masked_fraction_neg": safe_div(f.sum(DPPO_MASKED_NEG_TOK_N, 0.0), tok_n),
+            PREFIX + "rollout_dppo_divergence_mean": safe_div(f.sum(DPPO_VALUE_SUM, 0.0), tok_n),
+            PREFIX + "rollout_dppo_divergence_max": extreme_or_zero(f.max(DPPO_VALUE_MAX), tok_n),
         }
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from .criteria import CRITERIA
-from .criterion import TOK_N, StatFloats, ratio, stat_key
+from .criterion import TOK_N, StatFloats, stat_key
 from .family import WEIGHT_FAMILY_METRICS, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean, safe_div
+from .stats import (STAT_DTYPE, RolloutStats, extreme_or_zero, masked_max, masked_min, masked_sum, per_sequence_mean,
+                    safe_div)
 from .group_baseline import finalize_baseline
 from .impact import finalize_impact
 from .lag import finalize_lag
@@ -112,10 +113,6 @@ def compute_offpolicy_metrics(
     return finalize_stats(offpolicy_stats(old_log_prob, rollout_log_prob, response_mask))
 
 
-def _extreme(value: float, count: float) -> float:
-    return value if count > 0 else 0.0
-
-
 def _finalize_offpolicy(f: StatFloats) -> dict[str, float]:
     g = lambda tag, k: getattr(f, tag)(OFFPOLICY[k])  # noqa: E731  tag: "sum", "max" or "min"
     tok_n, seq_n = g("sum", "tok_n"), g("sum", "seq_n")
@@ -126,15 +123,15 @@ def _finalize_offpolicy(f: StatFloats) -> dict[str, float]:
         "rollout_log_ppl": safe_div(g("sum", "rollout_log_ppl_sum"), seq_n),
         "log_ppl_diff": safe_div(g("sum", "log_ppl_diff_sum"), seq_n),
         "log_ppl_abs_diff": safe_div(g("sum", "log_ppl_abs_diff_sum"), seq_n),
-        "log_ppl_diff_max": _extreme(g("max", "log_ppl_diff_max"), seq_n),
-        "log_ppl_diff_min": _extreme(g("min", "log_ppl_diff_min"), seq_n),
+        "log_ppl_diff_max": extreme_or_zero(g("max", "log_ppl_diff_max"), seq_n),
+        "log_ppl_diff_min": extreme_or_zero(g("min", "log_ppl_diff_min"), seq_n),
         "ppl_ratio": safe_div(g("sum", "ppl_ratio_sum"), seq_n),
         "kl": safe_div(g("sum", "kl_sum"), tok_n),
         "k3_kl": safe_div(g("sum", "k3_sum"), tok_n),
         "chi2_token": safe_div(g("sum", "chi2_token_sum"), tok_n),
         "chi2_seq": safe_div(g("sum", "chi2_seq_sum"), seq_n),
         "max_prob_diff": safe_div(g("sum", "max_prob_diff_sum"), seq_n),
-        "max_prob_diff_max": _extreme(g("max", "max_prob_diff_max"), seq_n),
+        "max_prob_diff_max": extreme_or_zero(g("max", "max_prob_diff_max"), seq_n),
         "mean_prob_diff": safe_div(g("sum", "mean_prob_diff_sum"), seq_n),
     }
     return {PREFIX + k: v for k, v in out.items()}
@@ -160,8 +157,8 @@ def finalize_floats(floats: dict[str, float]) -> dict[str, float]:
     metrics.update(finalize_impact(floats))
     if f.has(TOK_N):
         input_n = f.sum(INPUT_TOK_N, 0.0)
-        metrics[PREFIX + "invalid_logprob_fraction"] = ratio(f.sum(INVALID_TOK_N, 0.0), input_n)
-        metrics[PREFIX + "rejected_token_fraction"] = ratio(input_n - f.sum(KEPT_TOK_N, 0.0), input_n)
-        metrics[PREFIX + "missing_rollout_logprobs_fraction"] = ratio(f.sum(MISSING_SEQ_N, 0.0),
-                                                                      f.sum(ALL_SEQ_N, 0.0))
+        metrics[PREFIX + "invalid_logprob_fraction"] = safe_div(f.sum(INVALID_TOK_N, 0.0), input_n)
+        metrics[PREFIX + "rejected_token_fraction"] = safe_div(input_n - f.sum(KEPT_TOK_N, 0.0), input_n)
+        metrics[PREFIX + "missing_rollout_logprobs_fraction"] = safe_div(f.sum(MISSING_SEQ_N, 0.0),
+                                                                         f.sum(ALL_SEQ_N, 0.0))
     return metrics

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, ratio,
-                        require_positive, stat_key)
+from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, require_positive,
+                        stat_key)
 from .family import declare_family, family_metrics, finalize_family, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import count, count_rows
+from .stats import count, count_rows, safe_div
 from .weights import SAFETY_BOUND, sequence_log_ratio
 
 RS_LEVELS = ("token", "sequence", "geometric")
@@ -206,9 +206,9 @@ class RejectionSampling(Criterion):
     def finalize(self, f: StatFloats) -> dict[str, float]:
         metrics = finalize_family("rollout_rs", f)
         if f.has(TOK_N) and f.has(RS_REJECTED_TOK_N):
-            metrics[PREFIX + "rollout_rs_masked_fraction"] = ratio(f.sum(RS_REJECTED_TOK_N, 0.0), f.sum(TOK_N, 0.0))
-            metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = ratio(f.sum(RS_REJECTED_SEQ_N, 0.0),
-                                                                       f.sum(SEQ_N, 0.0))
+            metrics[PREFIX + "rollout_rs_masked_fraction"] = safe_div(f.sum(RS_REJECTED_TOK_N, 0.0), f.sum(TOK_N, 0.0))
+            metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = safe_div(f.sum(RS_REJECTED_SEQ_N, 0.0),
+                                                                          f.sum(SEQ_N, 0.0))
         return metrics
 
 
@@ -245,9 +245,9 @@ class CatastrophicTokenVeto(Criterion):
         if not f.has(TOK_N):
             return {}
         # without the veto its metrics are 0.0
-        return {PREFIX + "rollout_is_veto_fraction": ratio(f.sum(VETOED_SEQ_N, 0.0), f.sum(SEQ_N, 0.0)),
-                PREFIX + "rollout_is_catastrophic_token_fraction": ratio(f.sum(CATASTROPHIC_TOK_N, 0.0),
-                                                                         f.sum(TOK_N, 0.0))}
+        return {PREFIX + "rollout_is_veto_fraction": safe_div(f.sum(VETOED_SEQ_N, 0.0), f.sum(SEQ_N, 0.0)),
+                PREFIX + "rollout_is_catastrophic_token_fraction": safe_div(f.sum(CATASTROPHIC_TOK_N, 0.0),
+                                                                            f.sum(TOK_N, 0.0))}
 
 
 REJECTION = RejectionSampling()

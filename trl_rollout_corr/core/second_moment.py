@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
+from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset,
                         require_positive, stat_key)
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import ReduceFn, count, masked_sum
+from .stats import ReduceFn, count, masked_sum, safe_div
 
 M2_SCOPES = ("all", "trust_region")
 """Which tokens the second-moment mask may remove: every valid one (AReaL's ``m2_threshold``: rejected) or those on
@@ -242,15 +242,15 @@ class SecondMomentMask(Criterion):
         metrics: dict[str, float] = {}
         tok_n, masked_n = f.sum(TOK_N, 0.0), f.sum(M2_MASKED_TOK_N, 0.0)
         if f.has(M2_MASKED_TOK_N):  # mean (log rho)^2 before / after, tokens masked
-            metrics[PREFIX + "rollout_m2"] = ratio(f.sum(M2_V_SUM, 0.0), tok_n)
-            metrics[PREFIX + "rollout_m2_kept"] = ratio(f.sum(M2_V_KEPT_SUM, 0.0), tok_n - masked_n)
-            metrics[PREFIX + "rollout_m2_masked_fraction"] = ratio(masked_n, tok_n)
+            metrics[PREFIX + "rollout_m2"] = safe_div(f.sum(M2_V_SUM, 0.0), tok_n)
+            metrics[PREFIX + "rollout_m2_kept"] = safe_div(f.sum(M2_V_KEPT_SUM, 0.0), tok_n - masked_n)
+            metrics[PREFIX + "rollout_m2_masked_fraction"] = safe_div(masked_n, tok_n)
         if f.has(M2_REGION_TOK_N):  # the trust-region scope: the candidates' share and mean before / after
             region_n = f.sum(M2_REGION_TOK_N, 0.0)
-            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = ratio(region_n, tok_n)
-            metrics[PREFIX + "rollout_m2_trust_region"] = ratio(f.sum(M2_REGION_V_SUM, 0.0), region_n)
-            metrics[PREFIX + "rollout_m2_trust_region_kept"] = ratio(f.sum(M2_REGION_V_KEPT_SUM, 0.0),
-                                                                     region_n - masked_n)
+            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = safe_div(region_n, tok_n)
+            metrics[PREFIX + "rollout_m2_trust_region"] = safe_div(f.sum(M2_REGION_V_SUM, 0.0), region_n)
+            metrics[PREFIX + "rollout_m2_trust_region_kept"] = safe_div(f.sum(M2_REGION_V_KEPT_SUM, 0.0),
+                                                                        region_n - masked_n)
         return metrics
 
 

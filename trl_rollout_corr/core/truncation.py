@@ -20,11 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .criterion import StatFloats, stat_key
 from .stats import METRIC_PREFIX, RolloutStats, count, masked_min, masked_sum
 
 TRUNCATION_METRICS = ("kept_mass_mean", "kept_mass_min", "outside_support_fraction")
 # working set of one chunk in logits elements: TRL's fused LM head tile (4096 tokens x 32768 vocab entries)
 DEFAULT_CHUNK_ELEMENTS = 4096 * 32768 // 4  # the sort keeps ~4 (n, V) buffers alive
+TRUNC_N = stat_key("trunc.n", __name__)
+"""Valid tokens the kept mass M was computed on."""
+TRUNC_KEPT_MASS_SUM = stat_key("trunc.kept_mass_sum", __name__)
+"""sum_t M_t over them (float64)."""
+TRUNC_OUTSIDE_N = stat_key("trunc.outside_n", __name__)
+"""Those whose sampled token lies outside the training side's kept set K."""
+TRUNC_KEPT_MASS_MIN = stat_key("trunc.kept_mass_min", __name__)
+"""min_t M_t (min-reduced)."""
 
 
 @dataclass(frozen=True)
@@ -121,20 +130,28 @@ def truncation_stats(log_mass: torch.Tensor, in_support: torch.Tensor, mask: tor
     valid = mask.bool()  # (B, T)
     mass = log_mass.double().exp()  # (B, T) float64: summed over many tokens
     return RolloutStats(
-        sums={"trunc.n": count(valid), "trunc.kept_mass_sum": masked_sum(mass, valid),
-              "trunc.outside_n": count(valid & ~in_support)},
-        mins={"trunc.kept_mass_min": masked_min(mass, valid)},
+        sums={TRUNC_N: count(valid), TRUNC_KEPT_MASS_SUM: masked_sum(mass, valid),
+              TRUNC_OUTSIDE_N: count(valid & ~in_support)},
+        mins={TRUNC_KEPT_MASS_MIN: masked_min(mass, valid)},
     )
 
 
 def finalize_truncation(floats: dict[str, float]) -> dict[str, float]:
-    """rollout_corr/kept_mass_mean, kept_mass_min, outside_support_fraction from reduced sums (0.0 when empty)."""
-    n = floats.get("sum:trunc.n")
-    if n is None:
+    """rollout_corr/kept_mass_mean, kept_mass_min, outside_support_fraction from reduced sums (0.0 when empty), read
+    by declared name through :class:`~.criterion.StatFloats`; nothing where the truncation statistics are absent.
+
+    Args:
+        floats: the reduced statistics (:meth:`RolloutStats.to_floats` form).
+
+    Returns:
+        ``{"rollout_corr/<name>": float}`` for the names of :data:`TRUNCATION_METRICS`, or ``{}``.
+    """
+    f = StatFloats(floats)
+    if not f.has(TRUNC_N):
         return {}
+    n = f.sum(TRUNC_N)
     if n <= 0:
-        return {METRIC_PREFIX + "kept_mass_mean": 0.0, METRIC_PREFIX + "kept_mass_min": 0.0,
-                METRIC_PREFIX + "outside_support_fraction": 0.0}
-    return {METRIC_PREFIX + "kept_mass_mean": floats["sum:trunc.kept_mass_sum"] / n,
-            METRIC_PREFIX + "kept_mass_min": floats["min:trunc.kept_mass_min"],
-            METRIC_PREFIX + "outside_support_fraction": floats["sum:trunc.outside_n"] / n}
+        return {METRIC_PREFIX + name: 0.0 for name in TRUNCATION_METRICS}
+    return {METRIC_PREFIX + "kept_mass_mean": f.sum(TRUNC_KEPT_MASS_SUM) / n,
+            METRIC_PREFIX + "kept_mass_min": f.min(TRUNC_KEPT_MASS_MIN),
+            METRIC_PREFIX + "outside_support_fraction": f.sum(TRUNC_OUTSIDE_N) / n}

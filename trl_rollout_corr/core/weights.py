@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
+from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset,
                         require_positive, stat_key)
 from .family import declare_family, family_metrics, finalize_family, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import SAFETY_BOUND, ReduceFn, count, count_rows, masked_sum, per_sequence_mean, stat_constant
+from .stats import (SAFETY_BOUND, ReduceFn, count, count_rows, masked_sum, per_sequence_mean, safe_div,
+                    stat_constant)
 
 IS_LEVELS = ("token", "sequence")
 IS_BOUNDS = ("truncate", "mask")
@@ -287,11 +288,11 @@ class ImportanceWeights(Criterion):
     def finalize(self, f: StatFloats) -> dict[str, float]:
         metrics = finalize_family("rollout_is", f)
         if f.has(IS_NORM_MEAN_SUM):
-            metrics[PREFIX + "rollout_is_batch_norm_factor"] = ratio(f.sum(IS_NORM_MEAN_SUM), f.sum(IS_NORM_N, 0.0))
+            metrics[PREFIX + "rollout_is_batch_norm_factor"] = safe_div(f.sum(IS_NORM_MEAN_SUM), f.sum(IS_NORM_N, 0.0))
         if f.has(TOK_N) and f.has(IS_MASKED_TOK_N):  # weights set to 0 (tokens stay in the mask)
             tok_n, seq_n = f.sum(TOK_N, 0.0), f.sum(SEQ_N, 0.0)
-            metrics[PREFIX + "rollout_is_masked_fraction"] = ratio(f.sum(IS_MASKED_TOK_N, 0.0), tok_n)
-            metrics[PREFIX + "rollout_is_seq_masked_fraction"] = ratio(f.sum(IS_MASKED_SEQ_N, 0.0), seq_n)
+            metrics[PREFIX + "rollout_is_masked_fraction"] = safe_div(f.sum(IS_MASKED_TOK_N, 0.0), tok_n)
+            metrics[PREFIX + "rollout_is_seq_masked_fraction"] = safe_div(f.sum(IS_MASKED_SEQ_N, 0.0), seq_n)
         return metrics
 
 
