@@ -54,7 +54,18 @@ DIVERGENCE_STATS = ("n", "stat_sum", "rejected_tok_n", "rejected_seq_n", "stat_m
 
 
 def divergence_key(criterion: str, stat: str) -> str:
-    """The declared statistic ``rs_div.<criterion>.<stat>``; ``KeyError`` for a name nothing declared."""
+    """The declared statistic ``rs_div.<criterion>.<stat>``.
+
+    Args:
+        criterion: one of ``DIVERGENCE_CRITERIA``.
+        stat: one of ``DIVERGENCE_STATS``.
+
+    Returns:
+        The statistic's key.
+
+    Raises:
+        KeyError: a name nothing declared.
+    """
     return _KEYS[criterion, stat]
 
 
@@ -79,12 +90,20 @@ class DivergenceCriterion:
 
     @property
     def estimator(self) -> str:
-        """``"k1"``, ``"k2"`` or ``"k3"``."""
+        """The estimator, from the name's suffix.
+
+        Returns:
+            ``"k1"``, ``"k2"`` or ``"k3"``.
+        """
         return self.name[-2:]
 
     @property
     def aggregation(self) -> str:
-        """``"token"``, ``"sum"``, ``"mean"`` or ``"max"``."""
+        """How the per-token estimates aggregate.
+
+        Returns:
+            ``"token"`` (none), or ``"sum"``, ``"mean"`` or ``"max"`` over the sequence's valid tokens.
+        """
         return self.name.split("_")[1] if self.name.startswith("seq_") else "token"
 
 
@@ -281,15 +300,30 @@ def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) ->
 
 # ---------------------------------------------------------------------------------------------------- the criterion
 def as_criteria(criteria: Any, thresholds: Any) -> list[DivergenceCriterion]:
-    """Already-parsed criteria pass through; strings/lists of names are parsed with their thresholds."""
+    """The criteria of a call: already-parsed criteria pass through; strings/lists of names are parsed with their
+    thresholds (:func:`parse_divergence_criteria`).
+
+    Args:
+        criteria: ``DivergenceCriterion`` objects, or names (comma-separated or a list), or ``None``.
+        thresholds: the thresholds for names (ignored for parsed criteria).
+
+    Returns:
+        The criteria, in order.
+    """
     if criteria and not isinstance(criteria, str) and all(isinstance(c, DivergenceCriterion) for c in criteria):
         return list(criteria)
     return parse_divergence_criteria(criteria, thresholds)
 
 
 class DivergenceRejection(Criterion):
-    """Divergence rejection (Schulman's k1/k2/k3 estimators, per token or per sequence; verl's criteria): keep a token
-    only if every configured criterion keeps it; ANDed with the other rejections."""
+    """Divergence rejection (Schulman's k1/k2/k3 estimators, "Approximating KL Divergence", 2020, per token or per
+    sequence; verl's criteria): keep a token only if every configured criterion keeps it; ANDed with the other
+    rejections.
+
+    Attributes:
+        fields: ``rollout_rs_criteria`` (names), ``rollout_rs_criteria_threshold`` (one bound per criterion).
+        metrics: ``rollout_rs_<criterion>_{mean,max,masked_fraction,seq_masked_fraction}``.
+    """
 
     name = "divergence"
     fields = (
@@ -304,6 +338,15 @@ class DivergenceRejection(Criterion):
     switches = {"rollout_rs_criteria": ("rollout_rs_criteria_threshold",)}
 
     def check(self, cfg: Any) -> None:
+        """Store YAML lists and bare numbers in the comma-separated form, then parse them
+        (:func:`parse_divergence_criteria`).
+
+        Args:
+            cfg: the ``RolloutCorrectionConfig`` being validated (both fields normalized in place).
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
         for name in ("rollout_rs_criteria", "rollout_rs_criteria_threshold"):
             value = getattr(cfg, name)
             if isinstance(value, (list, tuple)):  # YAML lists are stored in the comma-separated form
@@ -314,9 +357,24 @@ class DivergenceRejection(Criterion):
         parse_divergence_criteria(cfg.rollout_rs_criteria, cfg.rollout_rs_criteria_threshold)  # raises with the fix
 
     def removes_tokens(self, cfg: Any) -> bool:
+        """Whether a criterion is set.
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where it can reject tokens.
+        """
         return cfg.rollout_rs_criteria is not None
 
     def apply(self, p: Any, state: CorrectionState) -> None:
+        """Reject the tokens some criterion rejects (:func:`compute_divergence_rejection_mask`; ``state.reject``)
+        and add each criterion's statistics.
+
+        Args:
+            p: the call's ``CorrectionParams``.
+            state: the pipeline's :class:`~.criterion.CorrectionState`.
+        """
         criteria = as_criteria(p.rollout_rs_criteria, p.rollout_rs_criteria_threshold)
         if criteria:
             div_keep, div_stats = compute_divergence_rejection_mask(state.log_ratio, state.valid, criteria)
@@ -324,6 +382,14 @@ class DivergenceRejection(Criterion):
             state.reject(~div_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
+        """Each configured criterion's metrics (:func:`finalize_divergence`).
+
+        Args:
+            f: the reduced statistics.
+
+        Returns:
+            ``{"rollout_corr/rollout_rs_<criterion>_*": float}``.
+        """
         if not f.has(TOK_N):
             return {}
         return finalize_divergence(f.floats, f.sum(TOK_N, 0.0), f.sum(SEQ_N, 0.0))

@@ -131,7 +131,15 @@ def dppo_mask(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, vali
 
 
 def dppo_thresholds(divergence: str, low: float | None, high: float | None) -> tuple[float, float]:
-    """(delta_low, delta_high): each as given, else the divergence's default (``DEFAULT_THRESHOLDS``)."""
+    """(delta_low, delta_high): each as given, else the divergence's default (``DEFAULT_THRESHOLDS``).
+
+    Args:
+        divergence: ``"binary_tv"`` or ``"binary_kl"``.
+        low, high: ``rollout_dppo_mask_low`` / ``_high``, or ``None``.
+
+    Returns:
+        (delta_low, delta_high).
+    """
     default = DEFAULT_THRESHOLDS[divergence]
     return (default if low is None else low), (default if high is None else high)
 
@@ -160,7 +168,13 @@ class DivergenceTrustRegion(Criterion):
     """DPPO's trust region (arXiv:2602.04879): on the tokens whose probability moved past delta in the advantage's
     direction (Binary-TV: p - q; Binary-KL: KL(Bern(q) || Bern(p)) with p moving the advantage's way), the advantage
     is set to 0 and the token stays in the loss's count. Bypass mode: here, q = pi_rollout, p = pi_theta; decoupled
-    mode: the policy loss ``dppo_tv`` / ``dppo_kl`` of ``core/losses.py`` (q = pi_old), the trainer applying it."""
+    mode: the policy loss ``dppo_tv`` / ``dppo_kl`` of ``core/losses.py`` (q = pi_old), the trainer applying it.
+
+    Attributes:
+        fields: ``rollout_dppo`` (divergence), ``rollout_dppo_mask_low`` / ``_high`` (delta_low, delta_high),
+            ``rollout_dppo_clip_ratio_c`` (C, decoupled mode).
+        metrics: :data:`DPPO_METRICS`.
+    """
 
     name = "dppo"
     fields = (
@@ -256,7 +270,14 @@ class DivergenceTrustRegion(Criterion):
                              "advantages=(B,) or (B, T).")
 
     def zeroes_advantages(self, cfg: Any) -> bool:
-        """Whether DPPO is on (it zeroes the masked tokens' advantages)."""
+        """Whether DPPO is on (it zeroes the masked tokens' advantages).
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where ``rollout_dppo`` is set.
+        """
         return cfg.rollout_dppo is not None
 
     def apply(self, p: Any, state: CorrectionState) -> None:

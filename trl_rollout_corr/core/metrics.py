@@ -62,6 +62,14 @@ def offpolicy_stats(
     chi2_token = E_t[rho_t^2] - 1 (rho safety-bounded); chi2_seq = E_seq[exp(2 clamp(sum_t r_t))] - 1;
     per sequence: log_ppl = -mean_t log p, ppl = exp(log_ppl), log_ppl_diff = mean_t log p_rollout - mean_t log p_train,
     ppl_ratio = exp(log_ppl_diff); prob diffs |p_rollout - p_train| per token, max / mean per sequence.
+
+    Args:
+        training_log_prob: log pi_train.   (B, T)
+        rollout_log_prob: log pi_rollout.   (B, T)
+        response_mask: the tokens averaged over, any dtype.   (B, T)
+
+    Returns:
+        ``RolloutStats`` under the keys of :data:`OFFPOLICY` (float64 0-dim; no host sync).
     """
     mask = response_mask.bool()  # (B, T)
     seq_valid = mask.any(-1)  # (B,)
@@ -109,7 +117,16 @@ def offpolicy_stats(
 def compute_offpolicy_metrics(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, float]:
-    """Off-policy diagnostics as ``{"rollout_corr/<name>": float}`` (one host sync)."""
+    """Off-policy diagnostics as metrics (one host sync): :func:`offpolicy_stats`, finalized.
+
+    Args:
+        old_log_prob: log pi_train (pi_old in decoupled mode, pi_theta in bypass mode).   (B, T)
+        rollout_log_prob: log pi_rollout.   (B, T)
+        response_mask: the completion tokens, any dtype.   (B, T)
+
+    Returns:
+        ``{"rollout_corr/<name>": float}`` for the names of :data:`OFFPOLICY_METRICS`.
+    """
     return finalize_stats(offpolicy_stats(old_log_prob, rollout_log_prob, response_mask))
 
 
@@ -138,13 +155,27 @@ def _finalize_offpolicy(f: StatFloats) -> dict[str, float]:
 
 
 def finalize_stats(stats: RolloutStats) -> dict[str, float]:
-    """Turn (already reduced) statistics into ``{"rollout_corr/<name>": float}`` with one host sync."""
+    """Turn (already reduced) statistics into metrics with one host sync.
+
+    Args:
+        stats: the statistics, reduced across processes where there are several (:meth:`RolloutStats.all_reduce`).
+
+    Returns:
+        ``{"rollout_corr/<name>": float}`` (:func:`finalize_floats`).
+    """
     return finalize_floats(stats.to_floats())
 
 
 def finalize_floats(floats: dict[str, float]) -> dict[str, float]:
     """:func:`finalize_stats` on the output of :meth:`RolloutStats.to_floats` (no device access): the off-policy
-    diagnostics, each criterion's metrics (``Criterion.finalize``), the other families, the pipeline's own."""
+    diagnostics, each criterion's metrics (``Criterion.finalize``), the other families, the pipeline's own.
+
+    Args:
+        floats: ``{"sum:<name>" | "max:<name>" | "min:<name>": float}``.
+
+    Returns:
+        ``{"rollout_corr/<name>": float}``, only the families whose statistics are present.
+    """
     f = StatFloats(floats)
     metrics: dict[str, float] = {}
     for criterion in CRITERIA:

@@ -38,9 +38,14 @@ TRUNC_KEPT_MASS_MIN = stat_key("trunc.kept_mass_min", __name__)
 
 @dataclass(frozen=True)
 class SamplingTruncation:
-    """The sampler's processing: temperature, top-k (0 = off), top-p (1 = off), min-p (None/0 = off).
+    """The sampler's processing: temperature, top-k, top-p, min-p.
 
-    ``min_p_first``: apply min-p before top-k/top-p (vLLM's order) instead of after (transformers' order).
+    Attributes:
+        temperature: T > 0; the logits are divided by it first.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of mass >= top_p (1 = off).
+        min_p: keep p >= min_p * p_max (None/0 = off).
+        min_p_first: apply min-p before top-k/top-p (vLLM's order) instead of after (transformers' order).
     """
 
     temperature: float = 1.0
@@ -51,6 +56,11 @@ class SamplingTruncation:
 
     @property
     def truncates(self) -> bool:
+        """Whether the processing removes any token.
+
+        Returns:
+            ``True`` where top-k, top-p or min-p is on (a temperature alone truncates nothing).
+        """
         return self.top_k > 0 or self.top_p < 1.0 or bool(self.min_p and self.min_p > 0)
 
 
@@ -68,6 +78,13 @@ def truncated_logits(scaled_logits: torch.Tensor, truncation: SamplingTruncation
 
     Removed entries become -inf; ties at the top-k boundary are kept; top-p removes the tokens whose ascending
     cumulative probability is <= 1 - top_p and always keeps the most likely one; min-p removes p < min_p * p_max.
+
+    Args:
+        scaled_logits: z / T.   (N, V)
+        truncation: the sampler's processing.
+
+    Returns:
+        The logits with the removed entries at -inf (the kept set K finite).   (N, V)
     """
     z = scaled_logits  # (N, V)
     if truncation.min_p and truncation.min_p_first:
@@ -120,13 +137,31 @@ def truncated_support_logprobs(full_logprobs: torch.Tensor, log_mass: torch.Tens
     A sampled token that the training side would have cut (y not in K: the two sides disagree at the boundary)
     keeps its full-support log-prob, so its ratio is ~M instead of 0; such tokens are counted in
     ``outside_support_fraction``. ``log_mass`` enters as a constant (no gradient through M).
+
+    Args:
+        full_logprobs: log pi_train over the full vocabulary.   (B, T)
+        log_mass: log M (:func:`log_kept_mass`).   (B, T)
+        in_support: whether the sampled token is in K.   (B, T) bool
+
+    Returns:
+        log pi_train renormalized over K, in ``full_logprobs``' dtype.   (B, T)
     """
     shift = torch.where(in_support, log_mass.detach(), torch.zeros_like(log_mass))  # (B, T)
     return full_logprobs - shift.to(full_logprobs.dtype)  # (B, T)
 
 
 def truncation_stats(log_mass: torch.Tensor, in_support: torch.Tensor, mask: torch.Tensor) -> RolloutStats:
-    """Device sums for kept_mass_mean (token mean of M), kept_mass_min and outside_support_fraction."""
+    """Device sums for kept_mass_mean (token mean of M), kept_mass_min and outside_support_fraction.
+
+    Args:
+        log_mass: log M.   (B, T)
+        in_support: whether the sampled token is in K.   (B, T) bool
+        mask: the tokens counted, any dtype.   (B, T)
+
+    Returns:
+        ``RolloutStats`` under :data:`TRUNC_N`, :data:`TRUNC_KEPT_MASS_SUM`, :data:`TRUNC_OUTSIDE_N`,
+        :data:`TRUNC_KEPT_MASS_MIN` (float64 0-dim).
+    """
     valid = mask.bool()  # (B, T)
     mass = log_mass.double().exp()  # (B, T) float64: summed over many tokens
     return RolloutStats(
