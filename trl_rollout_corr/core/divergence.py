@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from .criterion import SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, stat_key
-from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, masked_max, safe_div
+from .stats import (METRIC_PREFIX, STAT_DTYPE, RolloutStats, count, count_rows, masked_max, masked_sum,
+                    per_sequence_mean, safe_div)
 from .weights import SAFETY_BOUND
 
 DIVERGENCE_CRITERIA = (
@@ -212,11 +213,10 @@ def divergence_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor,
     k = per_token_divergence(log_ratio, criterion.estimator)  # (B, T)
     if criterion.aggregation == "token":
         return k
-    zeros = torch.zeros_like(k)
     if criterion.aggregation == "sum":
-        row = torch.where(mask, k, zeros).sum(-1)  # (B,)
+        row = torch.where(mask, k, torch.zeros_like(k)).sum(-1)  # (B,)
     elif criterion.aggregation == "mean":
-        row = torch.where(mask, k, zeros).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        row = per_sequence_mean(k, mask)  # (B,)
     else:
         row = torch.where(mask, k, torch.full_like(k, -float("inf"))).amax(-1)  # (B,)
         row = torch.where(mask.any(-1), row, torch.zeros_like(row))
@@ -258,14 +258,14 @@ def compute_divergence_rejection_mask(
             keep &= ok
             key = functools.partial(divergence_key, criterion.name)
             if criterion.aggregation == "token":
-                sample, sample_mask, n = stat, mask, mask.sum(dtype=STAT_DTYPE)
+                sample, sample_mask, n = stat, mask, count(mask)
             else:
-                sample, sample_mask, n = stat[:, 0], seq_valid, seq_valid.sum(dtype=STAT_DTYPE)
+                sample, sample_mask, n = stat[:, 0], seq_valid, count(seq_valid)
             stats.sums.update({
                 key("n"): n,
-                key("stat_sum"): torch.where(sample_mask, sample, torch.zeros_like(sample)).sum(),
-                key("rejected_tok_n"): rejected.sum(dtype=STAT_DTYPE),
-                key("rejected_seq_n"): rejected.any(-1).sum(dtype=STAT_DTYPE),
+                key("stat_sum"): masked_sum(sample, sample_mask),
+                key("rejected_tok_n"): count(rejected),
+                key("rejected_seq_n"): count_rows(rejected),
             })
             stats.maxes[key("stat_max")] = masked_max(sample, sample_mask)
     return keep & mask, stats

@@ -15,7 +15,7 @@ import torch
 
 from .criterion import StatFloats, stat_key
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import (SAFETY_BOUND, STAT_DTYPE, RolloutStats, extreme_or_zero, masked_max, masked_min, masked_sum,
+from .stats import (SAFETY_BOUND, RolloutStats, count, extreme_or_zero, masked_max, masked_min, masked_sum,
                     per_sequence_mean, safe_div)
 
 WEIGHT_FAMILY_METRICS = (
@@ -62,28 +62,28 @@ def weight_family_stats(
     seq_means = per_sequence_mean(values, mask)  # (B,)
     seq_shift = seq_means - 1.0  # (B,)
     sums = {
-        "tok_n": mask.sum(dtype=STAT_DTYPE),
-        "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
+        "tok_n": count(mask),
+        "seq_n": count(seq_valid),
         "w_sum": masked_sum(values, mask),
         "c_shift_sum": masked_sum(shifted, mask),
         "c_shift_sq_sum": masked_sum(shifted * shifted, mask),
         "seq_shift_sum": masked_sum(seq_shift, seq_valid),
         "seq_shift_sq_sum": masked_sum(seq_shift * seq_shift, seq_valid),
-        "seq_high_n": (seq_valid & (seq_means > upper)).sum(dtype=STAT_DTYPE),
-        "seq_low_n": (seq_valid & (seq_means < lower)).sum(dtype=STAT_DTYPE),
+        "seq_high_n": count(seq_valid & (seq_means > upper)),
+        "seq_low_n": count(seq_valid & (seq_means < lower)),
     }
     maxes = {"seq_max": masked_max(seq_means, seq_valid), "seq_max_deviation": masked_max(seq_shift.abs(), seq_valid)}
     mins = {"seq_min": masked_min(seq_means, seq_valid)}
     if level == "token":
-        sums["high_n"] = (mask & (values > upper)).sum(dtype=STAT_DTYPE)
-        sums["low_n"] = (mask & (values < lower)).sum(dtype=STAT_DTYPE)
+        sums["high_n"] = count(mask & (values > upper))
+        sums["low_n"] = count(mask & (values < lower))
         sums["frac_den"] = sums["tok_n"]
         maxes["max"] = masked_max(values, mask)
         mins["min"] = masked_min(values, mask)
     else:
         seq_log = log_stat[:, 0] if log_stat.shape[-1] > 0 else log_stat.new_zeros(log_stat.shape[0])  # (B,)
-        sums["high_n"] = (seq_valid & (seq_log > math.log(upper))).sum(dtype=STAT_DTYPE)
-        sums["low_n"] = (seq_valid & (seq_log < math.log(lower))).sum(dtype=STAT_DTYPE)
+        sums["high_n"] = count(seq_valid & (seq_log > math.log(upper)))
+        sums["low_n"] = count(seq_valid & (seq_log < math.log(lower)))
         sums["frac_den"] = sums["seq_n"]
         maxes["max"] = torch.exp(masked_max(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
         mins["min"] = torch.exp(masked_min(seq_log, seq_valid).clamp(max=SAFETY_BOUND))  # finite even at +1e4

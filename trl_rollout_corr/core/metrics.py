@@ -17,7 +17,7 @@ from .criteria import CRITERIA
 from .criterion import TOK_N, StatFloats, stat_key
 from .family import WEIGHT_FAMILY_METRICS, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import (STAT_DTYPE, RolloutStats, extreme_or_zero, masked_max, masked_min, masked_sum, per_sequence_mean,
+from .stats import (RolloutStats, count, extreme_or_zero, masked_max, masked_min, masked_sum, per_sequence_mean,
                     safe_div)
 from .group_baseline import finalize_baseline
 from .impact import finalize_impact
@@ -86,8 +86,8 @@ def offpolicy_stats(
                          else mean_train * 0)  # (B,)
     # exp(-mean log p) can overflow for garbage inputs: bound it like every other exp.
     sums = {
-        "tok_n": mask.sum(dtype=STAT_DTYPE),
-        "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
+        "tok_n": count(mask),
+        "seq_n": count(seq_valid),
         "training_ppl_sum": masked_sum(torch.exp((-mean_train).clamp(max=SAFETY_BOUND * 4)), seq_valid),
         "rollout_ppl_sum": masked_sum(torch.exp((-mean_rollout).clamp(max=SAFETY_BOUND * 4)), seq_valid),
         "training_log_ppl_sum": masked_sum(-mean_train, seq_valid),

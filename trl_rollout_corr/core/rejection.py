@@ -141,7 +141,7 @@ def compute_veto_mask(
 RS_REJECTED_TOK_N = stat_key("mask.rs_rejected_tok_n", __name__)
 """Valid tokens rejection sampling rejected."""
 RS_REJECTED_SEQ_N = stat_key("mask.rs_rejected_seq_n", __name__)
-RS_FAMILY = declare_family("rollout_rs", __name__)
+declare_family("rollout_rs", __name__)  # the statistic family's statistics rollout_rs.<name>
 RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
 CATASTROPHIC_TOK_N = stat_key("mask.catastrophic_tok_n", __name__)
 """Valid tokens with rho_t < C_veto."""

@@ -193,7 +193,7 @@ IS_NORM_N = stat_key("rollout_is.norm_n", __name__)
 IS_MASKED_TOK_N = stat_key("mask.is_masked_tok_n", __name__)
 """Valid tokens whose weight ``rollout_is_bound="mask"`` set to 0."""
 IS_MASKED_SEQ_N = stat_key("mask.is_masked_seq_n", __name__)
-IS_FAMILY = declare_family("rollout_is", __name__)
+declare_family("rollout_is", __name__)  # the weight family's statistics rollout_is.<name>
 IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
 BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
 
