@@ -223,3 +223,7 @@ def test_truncation_statistics_are_declared_keys():
     assert set(stats.sums) | set(stats.mins) <= declared_stat_keys()
     with pytest.raises(KeyError, match="trunc.kept_mass"):
         StatFloats(stats.to_floats()).sum("trunc.kept_mass")
+    f = StatFloats(stats.to_floats())  # a min / max read by name too, with a default where absent
+    assert f.min("trunc.kept_mass_min") == 1.0 and f.max("trunc.kept_mass_min", -2.0) == -2.0
+    with pytest.raises(KeyError):
+        f.max("trunc.kept_mass_min")

@@ -187,9 +187,10 @@ class StatFloats:
         key = SUM + self._declared(name)
         return self.floats[key] if default is None else self.floats.get(key, default)
 
-    def max(self, name: str) -> float:
-        """The max-reduced statistic ``name``."""
-        return self.floats[MAX + self._declared(name)]
+    def max(self, name: str, default: float | None = None) -> float:
+        """The max-reduced statistic ``name``; ``default`` where absent (``None``: absent raises ``KeyError``)."""
+        key = MAX + self._declared(name)
+        return self.floats[key] if default is None else self.floats.get(key, default)
 
     def min(self, name: str) -> float:
         """The min-reduced statistic ``name``."""

@@ -109,9 +109,7 @@ def finalize_family(prefix: str, f: StatFloats) -> dict[str, float]:
     mean_c_sq = safe_div(g("sum", "c_shift_sq_sum") + 2.0 * g("sum", "c_shift_sum"), tok_n) + 1.0
     ess = 1.0 / (mean_c_sq / (mean_c + 1e-8) ** 2) if tok_n > 0 else 0.0
     seq_shift_mean = safe_div(g("sum", "seq_shift_sum"), seq_n)
-    seq_var = (
-        max(g("sum", "seq_shift_sq_sum") - seq_n * seq_shift_mean**2, 0.0) / (seq_n - 1) if seq_n > 1 else 0.0
-    )
+    seq_var = safe_div(max(g("sum", "seq_shift_sq_sum") - seq_n * seq_shift_mean**2, 0.0), seq_n - 1)  # n-1: unbiased
     out = {
         "mean": safe_div(g("sum", "w_sum"), tok_n),
         "std": math.sqrt(var) if tok_n > 1 else 0.0,
