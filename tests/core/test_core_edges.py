@@ -195,3 +195,35 @@ def test_truncated_support_logprobs_keeps_the_dtype_and_shifts_inside_the_suppor
     full = torch.tensor([[-1.0, -2.0]], dtype=torch.bfloat16)
     out = truncated_support_logprobs(full, torch.tensor([[-0.5, -0.5]]), torch.tensor([[True, False]]))
     assert out.dtype == torch.bfloat16 and out.tolist() == [[-0.5, -2.0]]
+
+
+def test_the_divide_helper_and_the_empty_extreme():
+    """core/stats.py's safe_div is every finalize step's divide (issue 53): num / den where den > 0, else the empty
+    value (0.0, or NaN where a report tells "no data" from 0); extreme_or_zero hides the +-inf of an empty max/min."""
+    from trl_rollout_corr.core.stats import extreme_or_zero, safe_div
+
+    assert safe_div(3.0, 4.0) == 0.75 and safe_div(3.0, 0.0) == 0.0 and safe_div(3.0, -1.0) == 0.0
+    assert math.isnan(safe_div(3.0, 0, float("nan"))) and safe_div(1.0, 8, float("nan")) == 0.125
+    assert extreme_or_zero(-math.inf, 0.0) == 0.0 and extreme_or_zero(2.5, 1.0) == 2.5
+    # an empty batch: every max / min metric reports 0.0, not the reduction's sentinel
+    empty = compute_rollout_correction_stats(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3),
+                                             rollout_is="token", rollout_is_threshold=2.0)
+    metrics = finalize_stats(empty.stats)
+    for name in ("rollout_is_max", "rollout_is_min", "rollout_is_seq_max", "log_ppl_diff_max", "t_kl_max"):
+        assert metrics[P + name] == 0.0, name
+
+
+def test_truncation_statistics_are_declared_keys():
+    """The truncation statistics are declared with stat_key (one statistics protocol): a finalize step reads them
+    by declared name, and a misspelt name raises instead of giving a missing metric."""
+    from trl_rollout_corr.core.criterion import StatFloats, declared_stat_keys
+
+    assert {"trunc.n", "trunc.kept_mass_sum", "trunc.outside_n", "trunc.kept_mass_min"} <= declared_stat_keys()
+    stats = truncation_stats(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2))
+    assert set(stats.sums) | set(stats.mins) <= declared_stat_keys()
+    with pytest.raises(KeyError, match="trunc.kept_mass"):
+        StatFloats(stats.to_floats()).sum("trunc.kept_mass")
+    f = StatFloats(stats.to_floats())  # a min / max read by name too, with a default where absent
+    assert f.min("trunc.kept_mass_min") == 1.0 and f.max("trunc.kept_mass_min", -2.0) == -2.0
+    with pytest.raises(KeyError):
+        f.max("trunc.kept_mass_min")

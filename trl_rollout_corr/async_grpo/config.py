@@ -25,6 +25,12 @@ class RolloutCorrAsyncGRPOConfig(RolloutCorrectionFields, VllmServerFields, Asyn
     is therefore pi_theta detached, with no extra forward. A "batch" statistic (``rollout_is_batch_normalize``, the
     kept-token count the loss divides by) has the scope of one micro-batch, all processes together: TRL's loss
     normalizes each micro-batch by its own token count.
+
+    Fields (keyword arguments; each field's ``help`` metadata says what it does): ``AsyncGRPOConfig``'s, the
+    correction's flat fields and the server's (as ``RolloutCorrGRPOConfig``'s), and ``server_unreachable_timeout_s``.
+
+    Raises:
+        ValueError: naming the field and the fix.
     """
 
     server_unreachable_timeout_s: float = field(default=60.0, metadata={

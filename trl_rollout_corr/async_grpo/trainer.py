@@ -60,8 +60,14 @@ __all__ = ["RolloutCorrAsyncGRPOConfig", "RolloutCorrAsyncGRPOTrainer"]
 
 
 def served_model_ids(body: Any) -> list[str] | None:
-    """The model ids in a vLLM server's ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``); None for an answer
-    of any other shape."""
+    """The model ids in a vLLM server's ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``).
+
+    Args:
+        body: the decoded JSON answer.
+
+    Returns:
+        The ids, or ``None`` for an answer of any other shape.
+    """
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
         return None
@@ -199,6 +205,11 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ 1. versions
     def get_train_dataloader(self):
+        """TRL's dataloader, built while its dataset and collator carry every sample's policy version (its lag).
+
+        Returns:
+            TRL's train dataloader.
+        """
         with carrying_sample_versions(self._rc_probe if self.accelerator.is_main_process else None):
             return super().get_train_dataloader()
 
@@ -302,6 +313,13 @@ class RolloutCorrAsyncGRPOTrainer(CorrectionTrainerMixin, AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ 3. logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with the correction's metrics of the training steps since the last log added (a log while not
+        training keeps them for the next one).
+
+        Args:
+            logs: the row TRL logs (updated in place).
+            start_time: as TRL's.
+        """
         if self.model.training and self._rc_stats.sums:  # a log while not training keeps them for the next one
             stats, self._rc_stats = self._rc_stats, RolloutStats()
             logs.update(self._rc_metrics(stats))

@@ -62,6 +62,10 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     ``from_pretrained(dir | file | repo_id)`` reads it, ``push_to_hub(repo_id)`` uploads it (``huggingface_hub``'s
     ``ModelHubMixin``).
 
+    Constructed with keyword arguments, one per field: the criteria's (``rollout_is`` ... ``rollout_dppo_mask_high``,
+    ``trl_rollout_corr.core.criteria.correction_fields()``) then ``MODE_FIELDS``; each defaults as its
+    ``CorrectionField`` says.
+
     Raises:
         ValueError: at construction, naming the field and the fix, for every invalid combination
             (``validate``).
@@ -203,7 +207,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
     def params(self) -> CorrectionParams:
         """The frozen view the core reads (``trl_rollout_corr.core.compute_rollout_correction_stats``), the RS
         lower bound resolved (``1 / rollout_rs_threshold`` where unset); decoupled DPPO left out (it is the policy
-        loss, :attr:`policy_loss`, between pi_theta and pi_old, not a criterion on pi_old vs pi_rollout)."""
+        loss, :attr:`policy_loss`, between pi_theta and pi_old, not a criterion on pi_old vs pi_rollout).
+
+        Returns:
+            The ``CorrectionParams`` of this config.
+        """
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(CorrectionParams)}
         if not self.bypass_mode and self.rollout_dppo is not None:  # decoupled DPPO: the policy loss, not the pipeline
             values.update(rollout_dppo=None, rollout_dppo_mask_low=None, rollout_dppo_mask_high=None,
@@ -212,7 +220,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         """``params`` as keyword arguments, e.g. of verl's signature,
-        ``trl_rollout_corr.core.compute_rollout_correction_and_rejection_mask``."""
+        ``trl_rollout_corr.core.compute_rollout_correction_and_rejection_mask``.
+
+        Returns:
+            ``{field: value}`` of :meth:`params`.
+        """
         return dataclasses.asdict(self.params())
 
     # ------------------------------------------------------------------ presets (config/presets.py)
@@ -249,7 +261,11 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (what ``from_dict`` reads back)."""
+        """The fields as a plain dict (what ``from_dict`` reads back).
+
+        Returns:
+            ``{field: value}`` of every field.
+        """
         return dataclasses.asdict(self)
 
     @classmethod
@@ -281,23 +297,45 @@ class RolloutCorrectionConfig(ModelHubMixin, library_name="trl_rollout_corr", ta
         return cls.from_preset(preset, **data) if preset else cls(**data)
 
     def to_json_string(self) -> str:
-        """The fields as indented JSON with sorted keys (the saved file's text)."""
+        """The fields as indented JSON with sorted keys (the saved file's text).
+
+        Returns:
+            The JSON text, newline-terminated.
+        """
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json_string(cls, text: str) -> RolloutCorrectionConfig:
-        """Build from a JSON object's text, as ``from_dict``."""
+        """Build from a JSON object's text, as ``from_dict``.
+
+        Args:
+            text: a JSON object of fields (and optionally ``preset``).
+
+        Returns:
+            The validated config.
+        """
         return cls.from_dict(json.loads(text))
 
     def to_yaml(self) -> str:
-        """The fields as YAML with sorted keys."""
+        """The fields as YAML with sorted keys.
+
+        Returns:
+            The YAML text.
+        """
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_yaml(cls, text: str) -> RolloutCorrectionConfig:
-        """Build from YAML text, as ``from_dict`` (empty text: the defaults)."""
+        """Build from YAML text, as ``from_dict`` (empty text: the defaults).
+
+        Args:
+            text: a YAML mapping of fields (and optionally ``preset``).
+
+        Returns:
+            The validated config.
+        """
         import yaml
 
         return cls.from_dict(yaml.safe_load(text) or {})

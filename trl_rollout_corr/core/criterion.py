@@ -187,9 +187,10 @@ class StatFloats:
         key = SUM + self._declared(name)
         return self.floats[key] if default is None else self.floats.get(key, default)
 
-    def max(self, name: str) -> float:
-        """The max-reduced statistic ``name``."""
-        return self.floats[MAX + self._declared(name)]
+    def max(self, name: str, default: float | None = None) -> float:
+        """The max-reduced statistic ``name``; ``default`` where absent (``None``: absent raises ``KeyError``)."""
+        key = MAX + self._declared(name)
+        return self.floats[key] if default is None else self.floats.get(key, default)
 
     def min(self, name: str) -> float:
         """The min-reduced statistic ``name``."""
@@ -201,11 +202,6 @@ TOK_N = stat_key("mask.tok_n", __name__)
 """Valid tokens: in the mask, pi_rollout known, every log-prob of the sequence finite."""
 SEQ_N = stat_key("mask.seq_n", __name__)
 """Sequences with a valid token."""
-
-
-def ratio(num: float, den: float) -> float:
-    """num / den, 0.0 where den <= 0 (an empty batch reports 0.0)."""
-    return num / den if den > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- criterion

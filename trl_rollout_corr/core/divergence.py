@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from .criterion import SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, stat_key
-from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, masked_max
+from .stats import (METRIC_PREFIX, STAT_DTYPE, RolloutStats, count, count_rows, masked_max, masked_sum,
+                    per_sequence_mean, safe_div)
 from .weights import SAFETY_BOUND
 
 DIVERGENCE_CRITERIA = (
@@ -54,7 +55,18 @@ DIVERGENCE_STATS = ("n", "stat_sum", "rejected_tok_n", "rejected_seq_n", "stat_m
 
 
 def divergence_key(criterion: str, stat: str) -> str:
-    """The declared statistic ``rs_div.<criterion>.<stat>``; ``KeyError`` for a name nothing declared."""
+    """The declared statistic ``rs_div.<criterion>.<stat>``.
+
+    Args:
+        criterion: one of ``DIVERGENCE_CRITERIA``.
+        stat: one of ``DIVERGENCE_STATS``.
+
+    Returns:
+        The statistic's key.
+
+    Raises:
+        KeyError: a name nothing declared.
+    """
     return _KEYS[criterion, stat]
 
 
@@ -79,12 +91,20 @@ class DivergenceCriterion:
 
     @property
     def estimator(self) -> str:
-        """``"k1"``, ``"k2"`` or ``"k3"``."""
+        """The estimator, from the name's suffix.
+
+        Returns:
+            ``"k1"``, ``"k2"`` or ``"k3"``.
+        """
         return self.name[-2:]
 
     @property
     def aggregation(self) -> str:
-        """``"token"``, ``"sum"``, ``"mean"`` or ``"max"``."""
+        """How the per-token estimates aggregate.
+
+        Returns:
+            ``"token"`` (none), or ``"sum"``, ``"mean"`` or ``"max"`` over the sequence's valid tokens.
+        """
         return self.name.split("_")[1] if self.name.startswith("seq_") else "token"
 
 
@@ -193,11 +213,10 @@ def divergence_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor,
     k = per_token_divergence(log_ratio, criterion.estimator)  # (B, T)
     if criterion.aggregation == "token":
         return k
-    zeros = torch.zeros_like(k)
     if criterion.aggregation == "sum":
-        row = torch.where(mask, k, zeros).sum(-1)  # (B,)
+        row = torch.where(mask, k, torch.zeros_like(k)).sum(-1)  # (B,)
     elif criterion.aggregation == "mean":
-        row = torch.where(mask, k, zeros).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        row = per_sequence_mean(k, mask)  # (B,)
     else:
         row = torch.where(mask, k, torch.full_like(k, -float("inf"))).amax(-1)  # (B,)
         row = torch.where(mask.any(-1), row, torch.zeros_like(row))
@@ -239,14 +258,14 @@ def compute_divergence_rejection_mask(
             keep &= ok
             key = functools.partial(divergence_key, criterion.name)
             if criterion.aggregation == "token":
-                sample, sample_mask, n = stat, mask, mask.sum(dtype=STAT_DTYPE)
+                sample, sample_mask, n = stat, mask, count(mask)
             else:
-                sample, sample_mask, n = stat[:, 0], seq_valid, seq_valid.sum(dtype=STAT_DTYPE)
+                sample, sample_mask, n = stat[:, 0], seq_valid, count(seq_valid)
             stats.sums.update({
                 key("n"): n,
-                key("stat_sum"): torch.where(sample_mask, sample, torch.zeros_like(sample)).sum(),
-                key("rejected_tok_n"): rejected.sum(dtype=STAT_DTYPE),
-                key("rejected_seq_n"): rejected.any(-1).sum(dtype=STAT_DTYPE),
+                key("stat_sum"): masked_sum(sample, sample_mask),
+                key("rejected_tok_n"): count(rejected),
+                key("rejected_seq_n"): count_rows(rejected),
             })
             stats.maxes[key("stat_max")] = masked_max(sample, sample_mask)
     return keep & mask, stats
@@ -264,7 +283,6 @@ def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) ->
         One entry per metric of each criterion present in ``floats``.
     """
     metrics: dict[str, float] = {}
-    div = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731
     f = StatFloats(floats)
     for name in DIVERGENCE_CRITERIA:
         key = functools.partial(divergence_key, name)
@@ -273,24 +291,39 @@ def finalize_divergence(floats: dict[str, float], tok_n: float, seq_n: float) ->
         n = f.sum(key("n"))
         stat_max = f.max(key("stat_max"))
         metric = f"{METRIC_PREFIX}rollout_rs_{name}"
-        metrics[f"{metric}_mean"] = div(f.sum(key("stat_sum")), n)
+        metrics[f"{metric}_mean"] = safe_div(f.sum(key("stat_sum")), n)
         metrics[f"{metric}_max"] = stat_max if math.isfinite(stat_max) else 0.0
-        metrics[f"{metric}_masked_fraction"] = div(f.sum(key("rejected_tok_n")), tok_n)
-        metrics[f"{metric}_seq_masked_fraction"] = div(f.sum(key("rejected_seq_n")), seq_n)
+        metrics[f"{metric}_masked_fraction"] = safe_div(f.sum(key("rejected_tok_n")), tok_n)
+        metrics[f"{metric}_seq_masked_fraction"] = safe_div(f.sum(key("rejected_seq_n")), seq_n)
     return metrics
 
 
 # ---------------------------------------------------------------------------------------------------- the criterion
 def as_criteria(criteria: Any, thresholds: Any) -> list[DivergenceCriterion]:
-    """Already-parsed criteria pass through; strings/lists of names are parsed with their thresholds."""
+    """The criteria of a call: already-parsed criteria pass through; strings/lists of names are parsed with their
+    thresholds (:func:`parse_divergence_criteria`).
+
+    Args:
+        criteria: ``DivergenceCriterion`` objects, or names (comma-separated or a list), or ``None``.
+        thresholds: the thresholds for names (ignored for parsed criteria).
+
+    Returns:
+        The criteria, in order.
+    """
     if criteria and not isinstance(criteria, str) and all(isinstance(c, DivergenceCriterion) for c in criteria):
         return list(criteria)
     return parse_divergence_criteria(criteria, thresholds)
 
 
 class DivergenceRejection(Criterion):
-    """Divergence rejection (Schulman's k1/k2/k3 estimators, per token or per sequence; verl's criteria): keep a token
-    only if every configured criterion keeps it; ANDed with the other rejections."""
+    """Divergence rejection (Schulman's k1/k2/k3 estimators, "Approximating KL Divergence", 2020, per token or per
+    sequence; verl's criteria): keep a token only if every configured criterion keeps it; ANDed with the other
+    rejections.
+
+    Attributes:
+        fields: ``rollout_rs_criteria`` (names), ``rollout_rs_criteria_threshold`` (one bound per criterion).
+        metrics: ``rollout_rs_<criterion>_{mean,max,masked_fraction,seq_masked_fraction}``.
+    """
 
     name = "divergence"
     fields = (
@@ -305,6 +338,15 @@ class DivergenceRejection(Criterion):
     switches = {"rollout_rs_criteria": ("rollout_rs_criteria_threshold",)}
 
     def check(self, cfg: Any) -> None:
+        """Store YAML lists and bare numbers in the comma-separated form, then parse them
+        (:func:`parse_divergence_criteria`).
+
+        Args:
+            cfg: the ``RolloutCorrectionConfig`` being validated (both fields normalized in place).
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
         for name in ("rollout_rs_criteria", "rollout_rs_criteria_threshold"):
             value = getattr(cfg, name)
             if isinstance(value, (list, tuple)):  # YAML lists are stored in the comma-separated form
@@ -315,9 +357,24 @@ class DivergenceRejection(Criterion):
         parse_divergence_criteria(cfg.rollout_rs_criteria, cfg.rollout_rs_criteria_threshold)  # raises with the fix
 
     def removes_tokens(self, cfg: Any) -> bool:
+        """Whether a criterion is set.
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where it can reject tokens.
+        """
         return cfg.rollout_rs_criteria is not None
 
     def apply(self, p: Any, state: CorrectionState) -> None:
+        """Reject the tokens some criterion rejects (:func:`compute_divergence_rejection_mask`; ``state.reject``)
+        and add each criterion's statistics.
+
+        Args:
+            p: the call's ``CorrectionParams``.
+            state: the pipeline's :class:`~.criterion.CorrectionState`.
+        """
         criteria = as_criteria(p.rollout_rs_criteria, p.rollout_rs_criteria_threshold)
         if criteria:
             div_keep, div_stats = compute_divergence_rejection_mask(state.log_ratio, state.valid, criteria)
@@ -325,6 +382,14 @@ class DivergenceRejection(Criterion):
             state.reject(~div_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
+        """Each configured criterion's metrics (:func:`finalize_divergence`).
+
+        Args:
+            f: the reduced statistics.
+
+        Returns:
+            ``{"rollout_corr/rollout_rs_<criterion>_*": float}``.
+        """
         if not f.has(TOK_N):
             return {}
         return finalize_divergence(f.floats, f.sum(TOK_N, 0.0), f.sum(SEQ_N, 0.0))

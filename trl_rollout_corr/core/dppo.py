@@ -56,10 +56,9 @@ from typing import Any
 
 import torch
 
-from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
-                        stat_key)
+from .criterion import TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, stat_key
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import RolloutStats, count, masked_max, masked_sum
+from .stats import RolloutStats, count, extreme_or_zero, masked_max, masked_sum, safe_div
 
 DPPO_DIVERGENCES = ("binary_tv", "binary_kl")
 """The divergences: DPPO-Binary-TV (the probability difference) and DPPO-Binary-KL (the Bernoulli KL)."""
@@ -132,7 +131,15 @@ def dppo_mask(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, vali
 
 
 def dppo_thresholds(divergence: str, low: float | None, high: float | None) -> tuple[float, float]:
-    """(delta_low, delta_high): each as given, else the divergence's default (``DEFAULT_THRESHOLDS``)."""
+    """(delta_low, delta_high): each as given, else the divergence's default (``DEFAULT_THRESHOLDS``).
+
+    Args:
+        divergence: ``"binary_tv"`` or ``"binary_kl"``.
+        low, high: ``rollout_dppo_mask_low`` / ``_high``, or ``None``.
+
+    Returns:
+        (delta_low, delta_high).
+    """
     default = DEFAULT_THRESHOLDS[divergence]
     return (default if low is None else low), (default if high is None else high)
 
@@ -161,7 +168,13 @@ class DivergenceTrustRegion(Criterion):
     """DPPO's trust region (arXiv:2602.04879): on the tokens whose probability moved past delta in the advantage's
     direction (Binary-TV: p - q; Binary-KL: KL(Bern(q) || Bern(p)) with p moving the advantage's way), the advantage
     is set to 0 and the token stays in the loss's count. Bypass mode: here, q = pi_rollout, p = pi_theta; decoupled
-    mode: the policy loss ``dppo_tv`` / ``dppo_kl`` of ``core/losses.py`` (q = pi_old), the trainer applying it."""
+    mode: the policy loss ``dppo_tv`` / ``dppo_kl`` of ``core/losses.py`` (q = pi_old), the trainer applying it.
+
+    Attributes:
+        fields: ``rollout_dppo`` (divergence), ``rollout_dppo_mask_low`` / ``_high`` (delta_low, delta_high),
+            ``rollout_dppo_clip_ratio_c`` (C, decoupled mode).
+        metrics: :data:`DPPO_METRICS`.
+    """
 
     name = "dppo"
     fields = (
@@ -257,7 +270,14 @@ class DivergenceTrustRegion(Criterion):
                              "advantages=(B,) or (B, T).")
 
     def zeroes_advantages(self, cfg: Any) -> bool:
-        """Whether DPPO is on (it zeroes the masked tokens' advantages)."""
+        """Whether DPPO is on (it zeroes the masked tokens' advantages).
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where ``rollout_dppo`` is set.
+        """
         return cfg.rollout_dppo is not None
 
     def apply(self, p: Any, state: CorrectionState) -> None:
@@ -296,11 +316,11 @@ class DivergenceTrustRegion(Criterion):
             return {}
         tok_n = f.sum(DPPO_TOK_N, 0.0) if f.has(DPPO_TOK_N) else f.sum(TOK_N, 0.0)
         return {
-            PREFIX + "rollout_dppo_masked_fraction": ratio(f.sum(DPPO_MASKED_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_masked_fraction_pos": ratio(f.sum(DPPO_MASKED_POS_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_masked_fraction_neg": ratio(f.sum(DPPO_MASKED_NEG_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_divergence_mean": ratio(f.sum(DPPO_VALUE_SUM, 0.0), tok_n),
-            PREFIX + "rollout_dppo_divergence_max": f.max(DPPO_VALUE_MAX) if tok_n > 0 else 0.0,
+            PREFIX + "rollout_dppo_masked_fraction": safe_div(f.sum(DPPO_MASKED_TOK_N, 0.0), tok_n),
+            PREFIX + "rollout_dppo_masked_fraction_pos": safe_div(f.sum(DPPO_MASKED_POS_TOK_N, 0.0), tok_n),
+            PREFIX + "rollout_dppo_masked_fraction_neg": safe_div(f.sum(DPPO_MASKED_NEG_TOK_N, 0.0), tok_n),
+            PREFIX + "rollout_dppo_divergence_mean": safe_div(f.sum(DPPO_VALUE_SUM, 0.0), tok_n),
+            PREFIX + "rollout_dppo_divergence_max": extreme_or_zero(f.max(DPPO_VALUE_MAX), tok_n),
         }
 
 

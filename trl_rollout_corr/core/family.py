@@ -13,9 +13,10 @@ import math
 
 import torch
 
-from .criterion import StatFloats, ratio, stat_key
+from .criterion import StatFloats, stat_key
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import SAFETY_BOUND, STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean
+from .stats import (SAFETY_BOUND, RolloutStats, count, extreme_or_zero, masked_max, masked_min, masked_sum,
+                    per_sequence_mean, safe_div)
 
 WEIGHT_FAMILY_METRICS = (
     "mean", "std", "min", "max", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low",
@@ -37,14 +38,6 @@ def declare_family(prefix: str, owner: str) -> tuple[str, ...]:
 def family_metrics(prefix: str) -> tuple[str, ...]:
     """The metric names (without the prefix) of the family ``prefix``."""
     return tuple(f"{prefix}_{name}" for name in WEIGHT_FAMILY_METRICS)
-
-
-def _div(num: float, den: float) -> float:
-    return ratio(num, den)
-
-
-def _extreme(value: float, count: float) -> float:
-    return value if count > 0 else 0.0
 
 
 def weight_family_stats(
@@ -69,28 +62,28 @@ def weight_family_stats(
     seq_means = per_sequence_mean(values, mask)  # (B,)
     seq_shift = seq_means - 1.0  # (B,)
     sums = {
-        "tok_n": mask.sum(dtype=STAT_DTYPE),
-        "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
+        "tok_n": count(mask),
+        "seq_n": count(seq_valid),
         "w_sum": masked_sum(values, mask),
         "c_shift_sum": masked_sum(shifted, mask),
         "c_shift_sq_sum": masked_sum(shifted * shifted, mask),
         "seq_shift_sum": masked_sum(seq_shift, seq_valid),
         "seq_shift_sq_sum": masked_sum(seq_shift * seq_shift, seq_valid),
-        "seq_high_n": (seq_valid & (seq_means > upper)).sum(dtype=STAT_DTYPE),
-        "seq_low_n": (seq_valid & (seq_means < lower)).sum(dtype=STAT_DTYPE),
+        "seq_high_n": count(seq_valid & (seq_means > upper)),
+        "seq_low_n": count(seq_valid & (seq_means < lower)),
     }
     maxes = {"seq_max": masked_max(seq_means, seq_valid), "seq_max_deviation": masked_max(seq_shift.abs(), seq_valid)}
     mins = {"seq_min": masked_min(seq_means, seq_valid)}
     if level == "token":
-        sums["high_n"] = (mask & (values > upper)).sum(dtype=STAT_DTYPE)
-        sums["low_n"] = (mask & (values < lower)).sum(dtype=STAT_DTYPE)
+        sums["high_n"] = count(mask & (values > upper))
+        sums["low_n"] = count(mask & (values < lower))
         sums["frac_den"] = sums["tok_n"]
         maxes["max"] = masked_max(values, mask)
         mins["min"] = masked_min(values, mask)
     else:
         seq_log = log_stat[:, 0] if log_stat.shape[-1] > 0 else log_stat.new_zeros(log_stat.shape[0])  # (B,)
-        sums["high_n"] = (seq_valid & (seq_log > math.log(upper))).sum(dtype=STAT_DTYPE)
-        sums["low_n"] = (seq_valid & (seq_log < math.log(lower))).sum(dtype=STAT_DTYPE)
+        sums["high_n"] = count(seq_valid & (seq_log > math.log(upper)))
+        sums["low_n"] = count(seq_valid & (seq_log < math.log(lower)))
         sums["frac_den"] = sums["seq_n"]
         maxes["max"] = torch.exp(masked_max(seq_log, seq_valid).clamp(max=SAFETY_BOUND))
         mins["min"] = torch.exp(masked_min(seq_log, seq_valid).clamp(max=SAFETY_BOUND))  # finite even at +1e4
@@ -110,30 +103,28 @@ def finalize_family(prefix: str, f: StatFloats) -> dict[str, float]:
         return {}
     g = lambda tag, k: getattr(f, tag)(f"{prefix}.{k}")  # noqa: E731
     tok_n, seq_n = g("sum", "tok_n"), g("sum", "seq_n")
-    mean_c_shift = _div(g("sum", "c_shift_sum"), tok_n)
-    var = max(_div(g("sum", "c_shift_sq_sum"), tok_n) - mean_c_shift**2, 0.0)
+    mean_c_shift = safe_div(g("sum", "c_shift_sum"), tok_n)
+    var = max(safe_div(g("sum", "c_shift_sq_sum"), tok_n) - mean_c_shift**2, 0.0)
     mean_c = mean_c_shift + 1.0
-    mean_c_sq = _div(g("sum", "c_shift_sq_sum") + 2.0 * g("sum", "c_shift_sum"), tok_n) + 1.0
+    mean_c_sq = safe_div(g("sum", "c_shift_sq_sum") + 2.0 * g("sum", "c_shift_sum"), tok_n) + 1.0
     ess = 1.0 / (mean_c_sq / (mean_c + 1e-8) ** 2) if tok_n > 0 else 0.0
-    seq_shift_mean = _div(g("sum", "seq_shift_sum"), seq_n)
-    seq_var = (
-        max(g("sum", "seq_shift_sq_sum") - seq_n * seq_shift_mean**2, 0.0) / (seq_n - 1) if seq_n > 1 else 0.0
-    )
+    seq_shift_mean = safe_div(g("sum", "seq_shift_sum"), seq_n)
+    seq_var = safe_div(max(g("sum", "seq_shift_sq_sum") - seq_n * seq_shift_mean**2, 0.0), seq_n - 1)  # n-1: unbiased
     out = {
-        "mean": _div(g("sum", "w_sum"), tok_n),
+        "mean": safe_div(g("sum", "w_sum"), tok_n),
         "std": math.sqrt(var) if tok_n > 1 else 0.0,
-        "min": _extreme(g("min", "min"), seq_n),
-        "max": _extreme(g("max", "max"), seq_n),
+        "min": extreme_or_zero(g("min", "min"), seq_n),
+        "max": extreme_or_zero(g("max", "max"), seq_n),
         "eff_sample_size": ess,
-        "ratio_fraction_high": _div(g("sum", "high_n"), g("sum", "frac_den")),
-        "ratio_fraction_low": _div(g("sum", "low_n"), g("sum", "frac_den")),
+        "ratio_fraction_high": safe_div(g("sum", "high_n"), g("sum", "frac_den")),
+        "ratio_fraction_low": safe_div(g("sum", "low_n"), g("sum", "frac_den")),
         "seq_mean": seq_shift_mean + 1.0 if seq_n > 0 else 0.0,
         "seq_std": math.sqrt(seq_var),
-        "seq_min": _extreme(g("min", "seq_min"), seq_n),
-        "seq_max": _extreme(g("max", "seq_max"), seq_n),
-        "seq_max_deviation": _extreme(g("max", "seq_max_deviation"), seq_n),
-        "seq_fraction_high": _div(g("sum", "seq_high_n"), seq_n),
-        "seq_fraction_low": _div(g("sum", "seq_low_n"), seq_n),
+        "seq_min": extreme_or_zero(g("min", "seq_min"), seq_n),
+        "seq_max": extreme_or_zero(g("max", "seq_max"), seq_n),
+        "seq_max_deviation": extreme_or_zero(g("max", "seq_max_deviation"), seq_n),
+        "seq_fraction_high": safe_div(g("sum", "seq_high_n"), seq_n),
+        "seq_fraction_low": safe_div(g("sum", "seq_low_n"), seq_n),
     }
     return {f"{PREFIX}{prefix}_{k}": v for k, v in out.items()}
 

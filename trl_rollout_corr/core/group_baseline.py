@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .criterion import StatFloats, stat_key
-from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, safe_div
+from .stats import METRIC_PREFIX, STAT_DTYPE, RolloutStats, count, safe_div
 
 BASELINE_METRICS = ("rollout_rs_baseline_excluded_fraction",)
 """The share of the generation batch's samples left out of the group baselines (every token rejected)."""
@@ -109,7 +109,7 @@ def fully_rejected(keep: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 def baseline_stats(excluded: torch.Tensor) -> RolloutStats:
     """Counts of one generation batch's samples (global, ``excluded`` (N,) bool) for
     ``rollout_rs_baseline_excluded_fraction``; count them on one process only."""
-    return RolloutStats(sums={BASELINE_EXCLUDED_N: excluded.sum(dtype=STAT_DTYPE),
+    return RolloutStats(sums={BASELINE_EXCLUDED_N: count(excluded),
                               BASELINE_N: torch.tensor(float(excluded.numel()), dtype=STAT_DTYPE,
                                                          device=excluded.device)})
 

@@ -33,7 +33,7 @@ import torch
 
 from .criterion import StatFloats, stat_key
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import STAT_DTYPE, RolloutStats, count, count_rows, masked_max, masked_sum, safe_div
+from .stats import STAT_DTYPE, RolloutStats, count, count_rows, extreme_or_zero, masked_max, masked_sum, safe_div
 from .weights import SAFETY_BOUND
 
 #: completion-length buckets (tokens): [0, 64), [64, 256), [256, 1024), [1024, 4096), [4096, inf)
@@ -129,7 +129,7 @@ def finalize_impact(floats: dict[str, float], buckets: tuple[int, ...] = LENGTH_
     if f.has(TKL_SEQ_N):
         seq_n = f.sum(TKL_SEQ_N)
         metrics[PREFIX + "t_kl_mean"] = safe_div(f.sum(TKL_SUM), seq_n)
-        metrics[PREFIX + "t_kl_max"] = f.max(TKL_MAX) if seq_n > 0 else 0.0
+        metrics[PREFIX + "t_kl_max"] = extreme_or_zero(f.max(TKL_MAX), seq_n)
         metrics[PREFIX + "t_kl_above_1_fraction"] = safe_div(f.sum(TKL_ABOVE_N), seq_n)
         for i, name in enumerate(bucket_names(buckets)):
             tok_n = f.sum(length_key(i, "tok_n"), 0.0)

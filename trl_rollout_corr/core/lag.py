@@ -77,7 +77,7 @@ def lag_stats(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, inpu
         if is_weights is not None:
             sums[lag_key(k, "w_sum")] = masked_sum(is_weights.detach().to(STAT_DTYPE), valid_k)
     has_tokens = input_mask.bool().any(1)  # (B,)
-    sums[ALL_SEQ_N] = has_tokens.sum(dtype=STAT_DTYPE)
+    sums[ALL_SEQ_N] = count(has_tokens)
     sums[LAG_SUM] = torch.where(has_tokens, lag.to(STAT_DTYPE), torch.zeros_like(lag, dtype=STAT_DTYPE)).sum()
     lag_max = torch.where(has_tokens, lag.to(STAT_DTYPE), torch.full_like(lag, -1, dtype=STAT_DTYPE))  # (B,)
     maxes = {LAG_MAX: torch.cat([lag_max, lag_max.new_full((1,), -1.0)]).amax()}

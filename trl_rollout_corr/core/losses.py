@@ -264,7 +264,13 @@ def batch_correction(train_logps: torch.Tensor, rollout_logps: torch.Tensor, los
 
 
 class LossPatch(NamedTuple):
-    """TRL's advantages and anchor with the correction in them (:func:`loss_patch`)."""
+    """TRL's advantages and anchor with the correction in them (:func:`loss_patch`).
+
+    Attributes:
+        advantages: A' = A * w * z: (B,), (B, 1) or (B, T); the terms' shape (1, M) for the async trainer.
+        anchor: the log-prob TRL's ratio divides by, finite on every kept token; ``None``: TRL uses pi_theta
+            detached.   (B, T) or (1, M)
+    """
 
     advantages: torch.Tensor  # A' = A * w * z: (B,), (B, 1) or (B, T); the terms' shape for the async trainer
     anchor: torch.Tensor | None  # finite on every kept token; None: TRL uses pi_theta detached
@@ -321,8 +327,18 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register ``fn(theta_log_prob, old_log_prob, valid, advantages, *, low, high, clip_ratio_c) -> PolicyLossTerms``
-    under ``name`` (refuses a name registered twice)."""
+    """Register a policy loss ``fn(theta_log_prob, old_log_prob, valid, advantages, *, low, high, clip_ratio_c) ->
+    PolicyLossTerms`` under ``name`` in :data:`POLICY_LOSSES` (verl's ``register_policy_loss`` pattern).
+
+    Args:
+        name: the loss's name (``RolloutCorrectionConfig.policy_loss`` names it).
+
+    Returns:
+        The decorator (it returns ``fn`` unchanged).
+
+    Raises:
+        ValueError: ``name`` registered twice.
+    """
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
@@ -392,13 +408,35 @@ def dppo_kl_policy_loss(theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor
                         advantages: torch.Tensor, *, low: float, high: float, clip_ratio_c: float) -> PolicyLossTerms:
     """DPPO-Binary-KL as the policy loss between pi_theta and pi_old (verl ``compute_policy_loss_dppo_kl``): as
     :func:`dppo_tv_policy_loss` with masked_t = 1[A_t > 0] 1[p_t > q_t] 1[D_t > delta_high] + 1[A_t < 0] 1[p_t < q_t]
-    1[D_t > delta_low], D_t = KL(Bern(q_t) || Bern(p_t)) (:func:`~.dppo.dppo_divergence`); low, high > 0 (nats)."""
+    1[D_t > delta_low], D_t = KL(Bern(q_t) || Bern(p_t)) (:func:`~.dppo.dppo_divergence`).
+
+    Args:
+        theta_log_prob: log pi_theta (detached here).   (B, T)
+        old_log_prob: log pi_old.   (B, T)
+        valid: the tokens in the loss.   (B, T)
+        advantages: A.   (B,), (B, 1) or (B, T)
+        low, high: delta_low, delta_high > 0 (nats).
+        clip_ratio_c: C > 0.
+
+    Returns:
+        :class:`PolicyLossTerms`: c_t and masked_t.
+    """
     return _dppo_terms("binary_kl", theta_log_prob, old_log_prob, valid, advantages, low, high, clip_ratio_c)
 
 
 def policy_loss_terms(name: str, theta_log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor,
                       advantages: torch.Tensor, *, low: float, high: float, clip_ratio_c: float) -> PolicyLossTerms:
     """The registered policy loss ``name``'s terms (:data:`POLICY_LOSSES`).
+
+    Args:
+        name: a registered loss (``"dppo_tv"``, ``"dppo_kl"``).
+        theta_log_prob, old_log_prob: log pi_theta, log pi_old.   (B, T)
+        valid: the tokens in the loss.   (B, T)
+        advantages: A.   (B,), (B, 1) or (B, T)
+        low, high, clip_ratio_c: the loss's bounds.
+
+    Returns:
+        :class:`PolicyLossTerms`.   (B, T)
 
     Raises:
         ValueError: ``name`` is not registered (the error lists the names).

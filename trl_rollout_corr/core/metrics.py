@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from .criteria import CRITERIA
-from .criterion import TOK_N, StatFloats, ratio, stat_key
+from .criterion import TOK_N, StatFloats, stat_key
 from .family import WEIGHT_FAMILY_METRICS, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import STAT_DTYPE, RolloutStats, masked_max, masked_min, masked_sum, per_sequence_mean, safe_div
+from .stats import (RolloutStats, count, extreme_or_zero, masked_max, masked_min, masked_sum, per_sequence_mean,
+                    safe_div)
 from .group_baseline import finalize_baseline
 from .impact import finalize_impact
 from .lag import finalize_lag
@@ -61,6 +62,14 @@ def offpolicy_stats(
     chi2_token = E_t[rho_t^2] - 1 (rho safety-bounded); chi2_seq = E_seq[exp(2 clamp(sum_t r_t))] - 1;
     per sequence: log_ppl = -mean_t log p, ppl = exp(log_ppl), log_ppl_diff = mean_t log p_rollout - mean_t log p_train,
     ppl_ratio = exp(log_ppl_diff); prob diffs |p_rollout - p_train| per token, max / mean per sequence.
+
+    Args:
+        training_log_prob: log pi_train.   (B, T)
+        rollout_log_prob: log pi_rollout.   (B, T)
+        response_mask: the tokens averaged over, any dtype.   (B, T)
+
+    Returns:
+        ``RolloutStats`` under the keys of :data:`OFFPOLICY` (float64 0-dim; no host sync).
     """
     mask = response_mask.bool()  # (B, T)
     seq_valid = mask.any(-1)  # (B,)
@@ -77,8 +86,8 @@ def offpolicy_stats(
                          else mean_train * 0)  # (B,)
     # exp(-mean log p) can overflow for garbage inputs: bound it like every other exp.
     sums = {
-        "tok_n": mask.sum(dtype=STAT_DTYPE),
-        "seq_n": seq_valid.sum(dtype=STAT_DTYPE),
+        "tok_n": count(mask),
+        "seq_n": count(seq_valid),
         "training_ppl_sum": masked_sum(torch.exp((-mean_train).clamp(max=SAFETY_BOUND * 4)), seq_valid),
         "rollout_ppl_sum": masked_sum(torch.exp((-mean_rollout).clamp(max=SAFETY_BOUND * 4)), seq_valid),
         "training_log_ppl_sum": masked_sum(-mean_train, seq_valid),
@@ -108,12 +117,17 @@ def offpolicy_stats(
 def compute_offpolicy_metrics(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, float]:
-    """Off-policy diagnostics as ``{"rollout_corr/<name>": float}`` (one host sync)."""
+    """Off-policy diagnostics as metrics (one host sync): :func:`offpolicy_stats`, finalized.
+
+    Args:
+        old_log_prob: log pi_train (pi_old in decoupled mode, pi_theta in bypass mode).   (B, T)
+        rollout_log_prob: log pi_rollout.   (B, T)
+        response_mask: the completion tokens, any dtype.   (B, T)
+
+    Returns:
+        ``{"rollout_corr/<name>": float}`` for the names of :data:`OFFPOLICY_METRICS`.
+    """
     return finalize_stats(offpolicy_stats(old_log_prob, rollout_log_prob, response_mask))
-
-
-def _extreme(value: float, count: float) -> float:
-    return value if count > 0 else 0.0
 
 
 def _finalize_offpolicy(f: StatFloats) -> dict[str, float]:
@@ -126,28 +140,42 @@ def _finalize_offpolicy(f: StatFloats) -> dict[str, float]:
         "rollout_log_ppl": safe_div(g("sum", "rollout_log_ppl_sum"), seq_n),
         "log_ppl_diff": safe_div(g("sum", "log_ppl_diff_sum"), seq_n),
         "log_ppl_abs_diff": safe_div(g("sum", "log_ppl_abs_diff_sum"), seq_n),
-        "log_ppl_diff_max": _extreme(g("max", "log_ppl_diff_max"), seq_n),
-        "log_ppl_diff_min": _extreme(g("min", "log_ppl_diff_min"), seq_n),
+        "log_ppl_diff_max": extreme_or_zero(g("max", "log_ppl_diff_max"), seq_n),
+        "log_ppl_diff_min": extreme_or_zero(g("min", "log_ppl_diff_min"), seq_n),
         "ppl_ratio": safe_div(g("sum", "ppl_ratio_sum"), seq_n),
         "kl": safe_div(g("sum", "kl_sum"), tok_n),
         "k3_kl": safe_div(g("sum", "k3_sum"), tok_n),
         "chi2_token": safe_div(g("sum", "chi2_token_sum"), tok_n),
         "chi2_seq": safe_div(g("sum", "chi2_seq_sum"), seq_n),
         "max_prob_diff": safe_div(g("sum", "max_prob_diff_sum"), seq_n),
-        "max_prob_diff_max": _extreme(g("max", "max_prob_diff_max"), seq_n),
+        "max_prob_diff_max": extreme_or_zero(g("max", "max_prob_diff_max"), seq_n),
         "mean_prob_diff": safe_div(g("sum", "mean_prob_diff_sum"), seq_n),
     }
     return {PREFIX + k: v for k, v in out.items()}
 
 
 def finalize_stats(stats: RolloutStats) -> dict[str, float]:
-    """Turn (already reduced) statistics into ``{"rollout_corr/<name>": float}`` with one host sync."""
+    """Turn (already reduced) statistics into metrics with one host sync.
+
+    Args:
+        stats: the statistics, reduced across processes where there are several (:meth:`RolloutStats.all_reduce`).
+
+    Returns:
+        ``{"rollout_corr/<name>": float}`` (:func:`finalize_floats`).
+    """
     return finalize_floats(stats.to_floats())
 
 
 def finalize_floats(floats: dict[str, float]) -> dict[str, float]:
     """:func:`finalize_stats` on the output of :meth:`RolloutStats.to_floats` (no device access): the off-policy
-    diagnostics, each criterion's metrics (``Criterion.finalize``), the other families, the pipeline's own."""
+    diagnostics, each criterion's metrics (``Criterion.finalize``), the other families, the pipeline's own.
+
+    Args:
+        floats: ``{"sum:<name>" | "max:<name>" | "min:<name>": float}``.
+
+    Returns:
+        ``{"rollout_corr/<name>": float}``, only the families whose statistics are present.
+    """
     f = StatFloats(floats)
     metrics: dict[str, float] = {}
     for criterion in CRITERIA:
@@ -160,8 +188,8 @@ def finalize_floats(floats: dict[str, float]) -> dict[str, float]:
     metrics.update(finalize_impact(floats))
     if f.has(TOK_N):
         input_n = f.sum(INPUT_TOK_N, 0.0)
-        metrics[PREFIX + "invalid_logprob_fraction"] = ratio(f.sum(INVALID_TOK_N, 0.0), input_n)
-        metrics[PREFIX + "rejected_token_fraction"] = ratio(input_n - f.sum(KEPT_TOK_N, 0.0), input_n)
-        metrics[PREFIX + "missing_rollout_logprobs_fraction"] = ratio(f.sum(MISSING_SEQ_N, 0.0),
-                                                                      f.sum(ALL_SEQ_N, 0.0))
+        metrics[PREFIX + "invalid_logprob_fraction"] = safe_div(f.sum(INVALID_TOK_N, 0.0), input_n)
+        metrics[PREFIX + "rejected_token_fraction"] = safe_div(input_n - f.sum(KEPT_TOK_N, 0.0), input_n)
+        metrics[PREFIX + "missing_rollout_logprobs_fraction"] = safe_div(f.sum(MISSING_SEQ_N, 0.0),
+                                                                         f.sum(ALL_SEQ_N, 0.0))
     return metrics

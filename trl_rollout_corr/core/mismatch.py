@@ -34,6 +34,7 @@ from .impact import LENGTH_BUCKETS  # the report's buckets are the training metr
 from .pipeline import compute_rollout_correction_stats
 from .metrics import finalize_stats
 from .params import CorrectionParams
+from .stats import safe_div
 
 #: a token with pi_train below this is "low-probability" (the tail where Liu et al. locate most of the mismatch)
 LOW_PROB = 1e-3
@@ -136,13 +137,13 @@ def _token_summary(log_rho, k3, train, m, low_prob, rows) -> dict[str, Any]:
         "count": n,
         "mean_log_rho": float(values.mean()) if n else float("nan"),
         "k1": float(-values.mean()) if n else float("nan"),
-        "k3": k3_total / n if n else float("nan"),
+        "k3": safe_div(k3_total, n, float("nan")),
         "k1_se": ratio_se(-log_rho[rows].sum(1), lengths),  # sum_t k1_t = -sum_t log rho_t per sequence
         "k3_se": ratio_se(k3[rows].sum(1), lengths),
         "max_abs_log_rho": float(values.abs().max()) if n else float("nan"),
         "log_rho_quantiles": _quantiles(values),
-        "low_prob_token_fraction": float(low.sum()) / n if n else float("nan"),
-        "low_prob_share_of_k3": float(k3[low].sum()) / k3_total if k3_total > 0 else 0.0,
+        "low_prob_token_fraction": safe_div(float(low.sum()), n, float("nan")),
+        "low_prob_share_of_k3": safe_div(float(k3[low].sum()), k3_total),
     }
 
 
@@ -234,7 +235,7 @@ def mismatch_by_source(train_logps: torch.Tensor, ratio_logps: torch.Tensor, rol
         tokens = mismatch_summary(first, second, mask)["tokens"]
         out = {k: tokens[k] for k in ("k3", "k1", "max_abs_log_rho")}
         if total_k3 is not None:
-            out["share_of_k3"] = out["k3"] / total_k3 if total_k3 > 0 else float("nan")
+            out["share_of_k3"] = safe_div(out["k3"], total_k3, float("nan"))
         return out
 
     total = part(ratio_logps, rollout_logps, None)

@@ -22,25 +22,48 @@ from .stats import ReduceFn, RolloutStats, count, count_rows
 
 
 class RolloutCorrection(NamedTuple):
-    """Result of :func:`compute_rollout_correction_stats` (device tensors only, no host sync)."""
+    """Result of :func:`compute_rollout_correction_stats` (device tensors only, no host sync).
+
+    Attributes:
+        is_weights: w_t, detached, zero on padding, 1 on samples without pi_rollout; ``None`` without IS.   (B, T)
+        modified_response_mask: the tokens kept (every rejection ANDed in), in the input mask's dtype.   (B, T)
+        stats: the reducible statistics (:func:`~.metrics.finalize_stats` turns them into metrics).
+        advantage_mask: 0/1 in the mask's dtype, multiplies the advantage in every mode, the token kept in the
+            loss's count (M2PO's trust-region mask, DPPO's mask: every criterion that zeroes advantages, combined);
+            ``None``: nothing to zero.   (B, T)
+    """
 
     is_weights: torch.Tensor | None  # (B, T), detached, zero on padding; 1 on samples without pi_rollout
     modified_response_mask: torch.Tensor  # (B, T), same dtype as the input mask
     stats: RolloutStats
-    # (B, T) 0/1 in the mask's dtype: multiplies the advantage in every mode, the token kept in the loss's count
-    # (M2PO's trust-region mask, DPPO's mask: every criterion that zeroes advantages, combined); None: nothing to zero
-    advantage_mask: torch.Tensor | None = None
+    advantage_mask: torch.Tensor | None = None  # (B, T) 0/1 or None
 
 
 def rows_without(mask: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """The invalid-sequence rule: ``mask`` minus every row with a ``bad`` token among its masked ones.   (B, T) bool"""
+    """The invalid-sequence rule: ``mask`` minus every row with a ``bad`` token among its masked ones.
+
+    Args:
+        mask: the tokens, any dtype (read as bool).   (B, T)
+        bad: the tokens that invalidate their row.   (B, T) bool
+
+    Returns:
+        The remaining tokens.   (B, T) bool
+    """
     mask = mask.bool()  # (B, T)
     return mask & ~(mask & bad).any(1, keepdim=True)  # (B, T)
 
 
 def finite_rows_mask(mask: torch.Tensor, *log_probs: torch.Tensor) -> torch.Tensor:
     """``mask`` minus every row with a non-finite value of any of ``log_probs`` on one of its masked tokens (a
-    NaN/+-inf log-prob invalidates its whole sequence, :func:`rows_without`).   (B, T) bool"""
+    NaN/+-inf log-prob invalidates its whole sequence, :func:`rows_without`).
+
+    Args:
+        mask: the tokens, any dtype.   (B, T)
+        *log_probs: log-probs whose finiteness is required.   (B, T) each
+
+    Returns:
+        The remaining tokens.   (B, T) bool
+    """
     finite = torch.ones_like(mask, dtype=torch.bool)  # (B, T)
     for lp in log_probs:
         finite = finite & torch.isfinite(lp)  # (B, T)
@@ -50,7 +73,16 @@ def finite_rows_mask(mask: torch.Tensor, *log_probs: torch.Tensor) -> torch.Tens
 def rollout_usable_mask(rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                         rollout_seen: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens that stay in the loss whatever pi_train is: the response mask minus every sample whose pi_rollout is
-    non-finite on one of its tokens (such a sample is rejected; a sample without pi_rollout stays).   (B, T) bool"""
+    non-finite on one of its tokens (such a sample is rejected; a sample without pi_rollout stays).
+
+    Args:
+        rollout_log_prob: log pi_rollout.   (B, T)
+        response_mask: the completion tokens, any dtype.   (B, T)
+        rollout_seen: the samples whose pi_rollout is known; ``None``: all.   (B,) bool
+
+    Returns:
+        The usable tokens.   (B, T) bool
+    """
     usable = finite_rows_mask(response_mask, rollout_log_prob)  # (B, T)
     if rollout_seen is not None:  # a sample without pi_rollout stays
         usable = usable | (response_mask.bool() & ~rollout_seen.bool().unsqueeze(1))  # (B, T)

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, ratio,
-                        require_positive, stat_key)
+from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, require_positive,
+                        stat_key)
 from .family import declare_family, family_metrics, finalize_family, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import count, count_rows
+from .stats import count, count_rows, safe_div
 from .weights import SAFETY_BOUND, sequence_log_ratio
 
 RS_LEVELS = ("token", "sequence", "geometric")
@@ -141,7 +141,7 @@ def compute_veto_mask(
 RS_REJECTED_TOK_N = stat_key("mask.rs_rejected_tok_n", __name__)
 """Valid tokens rejection sampling rejected."""
 RS_REJECTED_SEQ_N = stat_key("mask.rs_rejected_seq_n", __name__)
-RS_FAMILY = declare_family("rollout_rs", __name__)
+declare_family("rollout_rs", __name__)  # the statistic family's statistics rollout_rs.<name>
 RS_MASK_METRICS = ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
 CATASTROPHIC_TOK_N = stat_key("mask.catastrophic_tok_n", __name__)
 """Valid tokens with rho_t < C_veto."""
@@ -152,7 +152,14 @@ VETO_METRICS = ("rollout_is_veto_fraction", "rollout_is_catastrophic_token_fract
 class RejectionSampling(Criterion):
     """Rejection sampling (Liu, Li et al., "When Speed Kills Stability", 2025; verl's ``rollout_rs``): keep iff
     C_lower <= statistic <= C_upper, the statistic rho_t (token), prod_t rho_t (sequence) or its geometric mean
-    (geometric; GSPO's length-normalized ratio, arXiv:2507.18071). A rejected token leaves the loss and its count."""
+    (geometric; GSPO's length-normalized ratio, arXiv:2507.18071). A rejected token leaves the loss and its count.
+
+    Attributes:
+        fields: ``rollout_rs`` (level), ``rollout_rs_threshold`` (C_upper), ``rollout_rs_threshold_lower``
+            (C_lower, default 1 / C_upper).
+        metrics: the ``rollout_rs_*`` statistic family and ``rollout_rs_masked_fraction`` /
+            ``rollout_rs_seq_masked_fraction``.
+    """
 
     name = "rejection"
     fields = (
@@ -166,6 +173,15 @@ class RejectionSampling(Criterion):
     switches = {"rollout_rs": ("rollout_rs_threshold", "rollout_rs_threshold_lower")}
 
     def check(self, cfg: Any) -> None:
+        """The level is token | sequence | geometric | None; a level needs its upper bound C_upper > 0, and
+        0 < C_lower <= C_upper where a lower bound is given; no bound without a level.
+
+        Args:
+            cfg: the ``RolloutCorrectionConfig`` being validated.
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
         if cfg.rollout_rs is not None and cfg.rollout_rs not in RS_LEVELS:
             raise ValueError(
                 f"rollout_rs must be one of 'token', 'sequence', 'geometric' or None, got {cfg.rollout_rs!r}.")
@@ -188,9 +204,24 @@ class RejectionSampling(Criterion):
                              "thresholds.")
 
     def removes_tokens(self, cfg: Any) -> bool:
+        """Whether rejection sampling is on (``rollout_rs`` set).
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where it can reject tokens.
+        """
         return cfg.rollout_rs is not None
 
     def apply(self, p: Any, state: CorrectionState) -> None:
+        """Reject the tokens whose statistic leaves [C_lower, C_upper] (``state.reject``) and add the ``rollout_rs``
+        weight family's statistics and the rejected counts.
+
+        Args:
+            p: the call's ``CorrectionParams``.
+            state: the pipeline's :class:`~.criterion.CorrectionState`.
+        """
         if p.rollout_rs is None:
             return
         log_ratio, valid = state.log_ratio, state.valid  # (B, T) each
@@ -204,17 +235,30 @@ class RejectionSampling(Criterion):
         state.reject(~rs_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
+        """The ``rollout_rs_*`` family and the masked fractions (of the valid tokens, of the sequences) where RS ran.
+
+        Args:
+            f: the reduced statistics.
+
+        Returns:
+            ``{"rollout_corr/rollout_rs_*": float}``.
+        """
         metrics = finalize_family("rollout_rs", f)
         if f.has(TOK_N) and f.has(RS_REJECTED_TOK_N):
-            metrics[PREFIX + "rollout_rs_masked_fraction"] = ratio(f.sum(RS_REJECTED_TOK_N, 0.0), f.sum(TOK_N, 0.0))
-            metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = ratio(f.sum(RS_REJECTED_SEQ_N, 0.0),
-                                                                       f.sum(SEQ_N, 0.0))
+            metrics[PREFIX + "rollout_rs_masked_fraction"] = safe_div(f.sum(RS_REJECTED_TOK_N, 0.0), f.sum(TOK_N, 0.0))
+            metrics[PREFIX + "rollout_rs_seq_masked_fraction"] = safe_div(f.sum(RS_REJECTED_SEQ_N, 0.0),
+                                                                          f.sum(SEQ_N, 0.0))
         return metrics
 
 
 class CatastrophicTokenVeto(Criterion):
     """The catastrophic-token veto (verl's ``rollout_token_veto_threshold``): reject a whole sequence if any valid
-    token has rho_t < C_veto (unclamped, in log space)."""
+    token has rho_t < C_veto (unclamped, in log space).
+
+    Attributes:
+        fields: ``rollout_token_veto_threshold`` (C_veto).
+        metrics: ``rollout_is_veto_fraction``, ``rollout_is_catastrophic_token_fraction``.
+    """
 
     name = "veto"
     fields = (
@@ -225,14 +269,37 @@ class CatastrophicTokenVeto(Criterion):
     metrics = VETO_METRICS
 
     def check(self, cfg: Any) -> None:
+        """C_veto > 0 where set.
+
+        Args:
+            cfg: the ``RolloutCorrectionConfig`` being validated.
+
+        Raises:
+            ValueError: naming ``rollout_token_veto_threshold`` and the fix.
+        """
         if cfg.rollout_token_veto_threshold is not None:
             require_positive("rollout_token_veto_threshold", cfg.rollout_token_veto_threshold,
                              "typically 1e-4 .. 1e-6, or None")
 
     def removes_tokens(self, cfg: Any) -> bool:
+        """Whether the veto is on (``rollout_token_veto_threshold`` set).
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where it can reject sequences.
+        """
         return cfg.rollout_token_veto_threshold is not None
 
     def apply(self, p: Any, state: CorrectionState) -> None:
+        """Reject every token of a sequence with a valid rho_t < C_veto (:func:`compute_veto_mask`; ``state.reject``)
+        and count the catastrophic tokens and vetoed sequences.
+
+        Args:
+            p: the call's ``CorrectionParams``.
+            state: the pipeline's :class:`~.criterion.CorrectionState`.
+        """
         if p.rollout_token_veto_threshold is None:
             return
         veto_keep, catastrophic = compute_veto_mask(state.log_ratio, state.valid,
@@ -242,12 +309,21 @@ class CatastrophicTokenVeto(Criterion):
         state.reject(~veto_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
+        """``rollout_is_veto_fraction`` (of the sequences) and ``rollout_is_catastrophic_token_fraction`` (of the valid
+        tokens); 0.0 where the veto is off.
+
+        Args:
+            f: the reduced statistics.
+
+        Returns:
+            ``{"rollout_corr/rollout_is_veto_fraction": float, ...}``, or ``{}`` where the pipeline did not run.
+        """
         if not f.has(TOK_N):
             return {}
         # without the veto its metrics are 0.0
-        return {PREFIX + "rollout_is_veto_fraction": ratio(f.sum(VETOED_SEQ_N, 0.0), f.sum(SEQ_N, 0.0)),
-                PREFIX + "rollout_is_catastrophic_token_fraction": ratio(f.sum(CATASTROPHIC_TOK_N, 0.0),
-                                                                         f.sum(TOK_N, 0.0))}
+        return {PREFIX + "rollout_is_veto_fraction": safe_div(f.sum(VETOED_SEQ_N, 0.0), f.sum(SEQ_N, 0.0)),
+                PREFIX + "rollout_is_catastrophic_token_fraction": safe_div(f.sum(CATASTROPHIC_TOK_N, 0.0),
+                                                                            f.sum(TOK_N, 0.0))}
 
 
 REJECTION = RejectionSampling()

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
+from .criterion import (TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset,
                         require_positive, stat_key)
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import ReduceFn, count, masked_sum
+from .stats import ReduceFn, count, masked_sum, safe_div
 
 M2_SCOPES = ("all", "trust_region")
 """Which tokens the second-moment mask may remove: every valid one (AReaL's ``m2_threshold``: rejected) or those on
@@ -157,7 +157,13 @@ mean (log rho)^2 before and after the mask (the bound applies to the latter)."""
 class SecondMomentMask(Criterion):
     """The second-moment mask (M2PO, arXiv:2510.01161; AReaL's ``m2_threshold``): the largest (log rho_t)^2 go until
     the batch's mean of the rest is <= tau; scope ``"all"`` rejects them, ``"trust_region"`` zeroes their advantage
-    (the token kept in the loss's count). The threshold is global over the generation batch (batch scope)."""
+    (the token kept in the loss's count). The threshold is global over the generation batch (batch scope).
+
+    Attributes:
+        fields: ``rollout_m2_threshold`` (tau), ``rollout_m2_scope`` ("all" | "trust_region").
+        metrics: ``rollout_m2``, ``rollout_m2_kept``, ``rollout_m2_masked_fraction`` and, with the trust-region
+            scope, ``rollout_m2_trust_region_fraction`` / ``_trust_region`` / ``_trust_region_kept``.
+    """
 
     name = "second_moment"
     fields = (
@@ -174,6 +180,15 @@ class SecondMomentMask(Criterion):
     switches = {"rollout_m2_threshold": ("rollout_m2_scope",)}
 
     def check(self, cfg: Any) -> None:
+        """tau > 0 where set, the scope all | trust_region (and only with tau), and no trust-region scope with
+        ``rollout_rs_exclude_from_baseline`` (both need the advantages at different times).
+
+        Args:
+            cfg: the ``RolloutCorrectionConfig`` being validated (``rollout_m2_scope`` normalized in place).
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
         if cfg.rollout_m2_threshold is not None:
             require_positive("rollout_m2_threshold", cfg.rollout_m2_threshold,
                              "the bound on the mean (log rho)^2, e.g. 0.04")
@@ -194,6 +209,15 @@ class SecondMomentMask(Criterion):
                              "rollout_m2_scope='all').")
 
     def check_call(self, p: Any, advantages: torch.Tensor | None) -> None:
+        """Refuse an unknown scope, and the trust-region scope without the advantages.
+
+        Args:
+            p: the call's ``CorrectionParams``.
+            advantages: (B,) or (B, T), or ``None``.
+
+        Raises:
+            ValueError: what the call lacks and how to give it.
+        """
         if p.rollout_m2_scope not in M2_SCOPES:
             raise ValueError(f"rollout_m2_scope must be one of {M2_SCOPES}, got {p.rollout_m2_scope!r}.")
         if self._trust_region(p) and advantages is None:
@@ -205,17 +229,49 @@ class SecondMomentMask(Criterion):
         return p.rollout_m2_threshold is not None and p.rollout_m2_scope == "trust_region"
 
     def removes_tokens(self, cfg: Any) -> bool:
+        """Whether the mask rejects tokens (tau set, scope ``"all"``).
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where it can reject tokens.
+        """
         return cfg.rollout_m2_threshold is not None and cfg.rollout_m2_scope == "all"
 
     def zeroes_advantages(self, cfg: Any) -> bool:
+        """Whether the mask zeroes advantages (tau set, scope ``"trust_region"``).
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            ``True`` where it can zero a token's advantage.
+        """
         return self._trust_region(cfg)
 
     def batch_scope(self, cfg: Any) -> str | None:
+        """The threshold t* is global over the generation batch wherever tau is set.
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            The statistic described, or ``None``.
+        """
         if cfg.rollout_m2_threshold is not None:
             return "the second-moment mask's threshold (rollout_m2_threshold)"
         return None
 
     def apply(self, p: Any, state: CorrectionState) -> None:
+        """Scope ``"all"``: reject the tokens above t* (:func:`second_moment_mask`; ``state.reject``); scope
+        ``"trust_region"``: zero their advantage (:func:`trust_region_second_moment_mask`; ``state.zero_advantages``).
+        Adds sum_t v_t before and after the mask and the masked counts to the statistics.
+
+        Args:
+            p: the call's ``CorrectionParams``.
+            state: the pipeline's :class:`~.criterion.CorrectionState`.
+        """
         if p.rollout_m2_threshold is None:
             return
         log_ratio, valid, sums = state.log_ratio, state.valid, state.stats.sums  # (B, T) each
@@ -237,20 +293,29 @@ class SecondMomentMask(Criterion):
             state.reject(valid & ~m2_keep)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
+        """Mean (log rho)^2 before and after the mask, the masked fraction of the valid tokens and, with the
+        trust-region scope, the candidates' share and their mean before and after.
+
+        Args:
+            f: the reduced statistics.
+
+        Returns:
+            ``{"rollout_corr/rollout_m2*": float}`` where the mask ran.
+        """
         if not f.has(TOK_N):
             return {}
         metrics: dict[str, float] = {}
         tok_n, masked_n = f.sum(TOK_N, 0.0), f.sum(M2_MASKED_TOK_N, 0.0)
         if f.has(M2_MASKED_TOK_N):  # mean (log rho)^2 before / after, tokens masked
-            metrics[PREFIX + "rollout_m2"] = ratio(f.sum(M2_V_SUM, 0.0), tok_n)
-            metrics[PREFIX + "rollout_m2_kept"] = ratio(f.sum(M2_V_KEPT_SUM, 0.0), tok_n - masked_n)
-            metrics[PREFIX + "rollout_m2_masked_fraction"] = ratio(masked_n, tok_n)
+            metrics[PREFIX + "rollout_m2"] = safe_div(f.sum(M2_V_SUM, 0.0), tok_n)
+            metrics[PREFIX + "rollout_m2_kept"] = safe_div(f.sum(M2_V_KEPT_SUM, 0.0), tok_n - masked_n)
+            metrics[PREFIX + "rollout_m2_masked_fraction"] = safe_div(masked_n, tok_n)
         if f.has(M2_REGION_TOK_N):  # the trust-region scope: the candidates' share and mean before / after
             region_n = f.sum(M2_REGION_TOK_N, 0.0)
-            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = ratio(region_n, tok_n)
-            metrics[PREFIX + "rollout_m2_trust_region"] = ratio(f.sum(M2_REGION_V_SUM, 0.0), region_n)
-            metrics[PREFIX + "rollout_m2_trust_region_kept"] = ratio(f.sum(M2_REGION_V_KEPT_SUM, 0.0),
-                                                                     region_n - masked_n)
+            metrics[PREFIX + "rollout_m2_trust_region_fraction"] = safe_div(region_n, tok_n)
+            metrics[PREFIX + "rollout_m2_trust_region"] = safe_div(f.sum(M2_REGION_V_SUM, 0.0), region_n)
+            metrics[PREFIX + "rollout_m2_trust_region_kept"] = safe_div(f.sum(M2_REGION_V_KEPT_SUM, 0.0),
+                                                                        region_n - masked_n)
         return metrics
 
 

@@ -81,9 +81,19 @@ def summed(floats: dict[str, float], family: str) -> dict[str, float]:
     return {key.removeprefix(SUM): value for key, value in floats.items() if key.startswith(SUM + family)}
 
 
-def safe_div(num: float, den: float) -> float:
-    """num / den, 0.0 where den <= 0: a metric over an empty batch (no token, no sequence) reports 0.0."""
-    return num / den if den > 0 else 0.0
+def safe_div(num: float, den: float, empty: float = 0.0) -> float:
+    """num / den, ``empty`` where den <= 0: a metric over an empty batch (no token, no sequence) reports 0.0.
+
+    The package's one divide helper for metrics: every finalize step and report divides through it. ``empty`` is
+    ``float("nan")`` where a report must tell "no data" from a measured 0 (``core/mismatch.py``).
+    """
+    return num / den if den > 0 else empty
+
+
+def extreme_or_zero(value: float, n: float) -> float:
+    """``value`` where ``n > 0``, else 0.0: a reduced max / min over an empty batch (its -inf / +inf sentinel, see
+    :func:`masked_max`) reports 0.0."""
+    return value if n > 0 else 0.0
 
 
 def process_all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:

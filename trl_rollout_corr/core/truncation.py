@@ -20,18 +20,32 @@ from dataclasses import dataclass
 
 import torch
 
+from .criterion import StatFloats, stat_key
 from .stats import METRIC_PREFIX, RolloutStats, count, masked_min, masked_sum
 
 TRUNCATION_METRICS = ("kept_mass_mean", "kept_mass_min", "outside_support_fraction")
 # working set of one chunk in logits elements: TRL's fused LM head tile (4096 tokens x 32768 vocab entries)
 DEFAULT_CHUNK_ELEMENTS = 4096 * 32768 // 4  # the sort keeps ~4 (n, V) buffers alive
+TRUNC_N = stat_key("trunc.n", __name__)
+"""Valid tokens the kept mass M was computed on."""
+TRUNC_KEPT_MASS_SUM = stat_key("trunc.kept_mass_sum", __name__)
+"""sum_t M_t over them (float64)."""
+TRUNC_OUTSIDE_N = stat_key("trunc.outside_n", __name__)
+"""Those whose sampled token lies outside the training side's kept set K."""
+TRUNC_KEPT_MASS_MIN = stat_key("trunc.kept_mass_min", __name__)
+"""min_t M_t (min-reduced)."""
 
 
 @dataclass(frozen=True)
 class SamplingTruncation:
-    """The sampler's processing: temperature, top-k (0 = off), top-p (1 = off), min-p (None/0 = off).
+    """The sampler's processing: temperature, top-k, top-p, min-p.
 
-    ``min_p_first``: apply min-p before top-k/top-p (vLLM's order) instead of after (transformers' order).
+    Attributes:
+        temperature: T > 0; the logits are divided by it first.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of mass >= top_p (1 = off).
+        min_p: keep p >= min_p * p_max (None/0 = off).
+        min_p_first: apply min-p before top-k/top-p (vLLM's order) instead of after (transformers' order).
     """
 
     temperature: float = 1.0
@@ -42,6 +56,11 @@ class SamplingTruncation:
 
     @property
     def truncates(self) -> bool:
+        """Whether the processing removes any token.
+
+        Returns:
+            ``True`` where top-k, top-p or min-p is on (a temperature alone truncates nothing).
+        """
         return self.top_k > 0 or self.top_p < 1.0 or bool(self.min_p and self.min_p > 0)
 
 
@@ -59,6 +78,13 @@ def truncated_logits(scaled_logits: torch.Tensor, truncation: SamplingTruncation
 
     Removed entries become -inf; ties at the top-k boundary are kept; top-p removes the tokens whose ascending
     cumulative probability is <= 1 - top_p and always keeps the most likely one; min-p removes p < min_p * p_max.
+
+    Args:
+        scaled_logits: z / T.   (N, V)
+        truncation: the sampler's processing.
+
+    Returns:
+        The logits with the removed entries at -inf (the kept set K finite).   (N, V)
     """
     z = scaled_logits  # (N, V)
     if truncation.min_p and truncation.min_p_first:
@@ -111,30 +137,56 @@ def truncated_support_logprobs(full_logprobs: torch.Tensor, log_mass: torch.Tens
     A sampled token that the training side would have cut (y not in K: the two sides disagree at the boundary)
     keeps its full-support log-prob, so its ratio is ~M instead of 0; such tokens are counted in
     ``outside_support_fraction``. ``log_mass`` enters as a constant (no gradient through M).
+
+    Args:
+        full_logprobs: log pi_train over the full vocabulary.   (B, T)
+        log_mass: log M (:func:`log_kept_mass`).   (B, T)
+        in_support: whether the sampled token is in K.   (B, T) bool
+
+    Returns:
+        log pi_train renormalized over K, in ``full_logprobs``' dtype.   (B, T)
     """
     shift = torch.where(in_support, log_mass.detach(), torch.zeros_like(log_mass))  # (B, T)
     return full_logprobs - shift.to(full_logprobs.dtype)  # (B, T)
 
 
 def truncation_stats(log_mass: torch.Tensor, in_support: torch.Tensor, mask: torch.Tensor) -> RolloutStats:
-    """Device sums for kept_mass_mean (token mean of M), kept_mass_min and outside_support_fraction."""
+    """Device sums for kept_mass_mean (token mean of M), kept_mass_min and outside_support_fraction.
+
+    Args:
+        log_mass: log M.   (B, T)
+        in_support: whether the sampled token is in K.   (B, T) bool
+        mask: the tokens counted, any dtype.   (B, T)
+
+    Returns:
+        ``RolloutStats`` under :data:`TRUNC_N`, :data:`TRUNC_KEPT_MASS_SUM`, :data:`TRUNC_OUTSIDE_N`,
+        :data:`TRUNC_KEPT_MASS_MIN` (float64 0-dim).
+    """
     valid = mask.bool()  # (B, T)
     mass = log_mass.double().exp()  # (B, T) float64: summed over many tokens
     return RolloutStats(
-        sums={"trunc.n": count(valid), "trunc.kept_mass_sum": masked_sum(mass, valid),
-              "trunc.outside_n": count(valid & ~in_support)},
-        mins={"trunc.kept_mass_min": masked_min(mass, valid)},
+        sums={TRUNC_N: count(valid), TRUNC_KEPT_MASS_SUM: masked_sum(mass, valid),
+              TRUNC_OUTSIDE_N: count(valid & ~in_support)},
+        mins={TRUNC_KEPT_MASS_MIN: masked_min(mass, valid)},
     )
 
 
 def finalize_truncation(floats: dict[str, float]) -> dict[str, float]:
-    """rollout_corr/kept_mass_mean, kept_mass_min, outside_support_fraction from reduced sums (0.0 when empty)."""
-    n = floats.get("sum:trunc.n")
-    if n is None:
+    """rollout_corr/kept_mass_mean, kept_mass_min, outside_support_fraction from reduced sums (0.0 when empty), read
+    by declared name through :class:`~.criterion.StatFloats`; nothing where the truncation statistics are absent.
+
+    Args:
+        floats: the reduced statistics (:meth:`RolloutStats.to_floats` form).
+
+    Returns:
+        ``{"rollout_corr/<name>": float}`` for the names of :data:`TRUNCATION_METRICS`, or ``{}``.
+    """
+    f = StatFloats(floats)
+    if not f.has(TRUNC_N):
         return {}
+    n = f.sum(TRUNC_N)
     if n <= 0:
-        return {METRIC_PREFIX + "kept_mass_mean": 0.0, METRIC_PREFIX + "kept_mass_min": 0.0,
-                METRIC_PREFIX + "outside_support_fraction": 0.0}
-    return {METRIC_PREFIX + "kept_mass_mean": floats["sum:trunc.kept_mass_sum"] / n,
-            METRIC_PREFIX + "kept_mass_min": floats["min:trunc.kept_mass_min"],
-            METRIC_PREFIX + "outside_support_fraction": floats["sum:trunc.outside_n"] / n}
+        return {METRIC_PREFIX + name: 0.0 for name in TRUNCATION_METRICS}
+    return {METRIC_PREFIX + "kept_mass_mean": f.sum(TRUNC_KEPT_MASS_SUM) / n,
+            METRIC_PREFIX + "kept_mass_min": f.min(TRUNC_KEPT_MASS_MIN),
+            METRIC_PREFIX + "outside_support_fraction": f.sum(TRUNC_OUTSIDE_N) / n}

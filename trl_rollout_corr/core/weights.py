@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset, ratio,
+from .criterion import (SEQ_N, TOK_N, CorrectionField, CorrectionState, Criterion, StatFloats, none_if_unset,
                         require_positive, stat_key)
 from .family import declare_family, family_metrics, finalize_family, weight_family_stats
 from .stats import METRIC_PREFIX as PREFIX
-from .stats import SAFETY_BOUND, ReduceFn, count, count_rows, masked_sum, per_sequence_mean, stat_constant
+from .stats import (SAFETY_BOUND, ReduceFn, count, count_rows, masked_sum, per_sequence_mean, safe_div,
+                    stat_constant)
 
 IS_LEVELS = ("token", "sequence")
 IS_BOUNDS = ("truncate", "mask")
@@ -192,7 +193,7 @@ IS_NORM_N = stat_key("rollout_is.norm_n", __name__)
 IS_MASKED_TOK_N = stat_key("mask.is_masked_tok_n", __name__)
 """Valid tokens whose weight ``rollout_is_bound="mask"`` set to 0."""
 IS_MASKED_SEQ_N = stat_key("mask.is_masked_seq_n", __name__)
-IS_FAMILY = declare_family("rollout_is", __name__)
+declare_family("rollout_is", __name__)  # the weight family's statistics rollout_is.<name>
 IS_MASK_METRICS = ("rollout_is_masked_fraction", "rollout_is_seq_masked_fraction")
 BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
 
@@ -200,7 +201,13 @@ BATCH_NORM_METRICS = ("rollout_is_batch_norm_factor",)
 class ImportanceWeights(Criterion):
     """Truncated or masked IS weights (TIS; IMPALA, arXiv:1802.01561; IcePop's mask, arXiv:2510.18855), token or
     sequence level, optionally batch-normalized: w = min(rho, C) (with C_lower: clamp(rho, C_lower, C)) or
-    w = rho * 1[C_lower <= rho <= C], rho = pi_train / pi_rollout. Weights, never a rejection."""
+    w = rho * 1[C_lower <= rho <= C], rho = pi_train / pi_rollout. Weights, never a rejection.
+
+    Attributes:
+        fields: ``rollout_is`` (level), ``rollout_is_threshold`` (C), ``rollout_is_batch_normalize``,
+            ``rollout_is_threshold_lower`` (C_lower), ``rollout_is_bound`` ("truncate" | "mask").
+        metrics: the ``rollout_is_*`` weight family, the masked fractions and the batch-normalization factor.
+    """
 
     name = "is_weights"
     fields = (
@@ -222,6 +229,15 @@ class ImportanceWeights(Criterion):
     switches = {"rollout_is": ("rollout_is_bound", "rollout_is_threshold_lower")}
 
     def check(self, cfg: Any) -> None:
+        """The level is token | sequence | None, C > 0 (inf allowed), C_lower in (0, C), the bound truncate | mask,
+        and the bound's fields only where a weight applies them.
+
+        Args:
+            cfg: the ``RolloutCorrectionConfig`` being validated (``rollout_is_bound`` normalized in place).
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
         if cfg.rollout_is == "geometric":
             raise ValueError("rollout_is='geometric' is not an IS level: geometric aggregation is for rejection only. "
                              "Use rollout_rs='geometric' (with rollout_rs_threshold, e.g. 1.001) instead.")
@@ -251,11 +267,26 @@ class ImportanceWeights(Criterion):
                              "defaults, or use decoupled mode (bypass_mode=False).")
 
     def batch_scope(self, cfg: Any) -> str | None:
+        """``"rollout_is_batch_normalize"`` where the weights applied are divided by their generation batch's mean.
+
+        Args:
+            cfg: the validated ``RolloutCorrectionConfig``.
+
+        Returns:
+            The field's name, or ``None``.
+        """
         if cfg.rollout_is is not None and cfg.rollout_is_batch_normalize and cfg.applies_is_weights:
             return "rollout_is_batch_normalize"
         return None
 
     def apply(self, p: Any, state: CorrectionState) -> None:
+        """Multiply the state's weights by w_t (B, T) (:func:`compute_rollout_correction_weights`), mark the clipped
+        (``pin``) or zeroed (``zero_weights``) tokens, and add the weight family's statistics.
+
+        Args:
+            p: the call's ``CorrectionParams``.
+            state: the pipeline's :class:`~.criterion.CorrectionState`.
+        """
         if p.rollout_is is None:
             return
         log_ratio, valid = state.log_ratio, state.valid  # (B, T) each
@@ -285,13 +316,21 @@ class ImportanceWeights(Criterion):
         state.multiply_weights(is_weights)  # (B, T)
 
     def finalize(self, f: StatFloats) -> dict[str, float]:
+        """The ``rollout_is_*`` metrics (family, masked fractions, batch-normalization factor) where IS ran.
+
+        Args:
+            f: the reduced statistics.
+
+        Returns:
+            ``{"rollout_corr/rollout_is_*": float}``.
+        """
         metrics = finalize_family("rollout_is", f)
         if f.has(IS_NORM_MEAN_SUM):
-            metrics[PREFIX + "rollout_is_batch_norm_factor"] = ratio(f.sum(IS_NORM_MEAN_SUM), f.sum(IS_NORM_N, 0.0))
+            metrics[PREFIX + "rollout_is_batch_norm_factor"] = safe_div(f.sum(IS_NORM_MEAN_SUM), f.sum(IS_NORM_N, 0.0))
         if f.has(TOK_N) and f.has(IS_MASKED_TOK_N):  # weights set to 0 (tokens stay in the mask)
             tok_n, seq_n = f.sum(TOK_N, 0.0), f.sum(SEQ_N, 0.0)
-            metrics[PREFIX + "rollout_is_masked_fraction"] = ratio(f.sum(IS_MASKED_TOK_N, 0.0), tok_n)
-            metrics[PREFIX + "rollout_is_seq_masked_fraction"] = ratio(f.sum(IS_MASKED_SEQ_N, 0.0), seq_n)
+            metrics[PREFIX + "rollout_is_masked_fraction"] = safe_div(f.sum(IS_MASKED_TOK_N, 0.0), tok_n)
+            metrics[PREFIX + "rollout_is_seq_masked_fraction"] = safe_div(f.sum(IS_MASKED_SEQ_N, 0.0), seq_n)
         return metrics
 
 

@@ -33,6 +33,16 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     ``"none"`` switches one off. The result is ``args.rollout_correction``, where pi_old comes from is
     ``args.correction_plan()``. A combination the correction cannot compute exactly raises ``ValueError`` naming the
     field: at construction, or for a field assigned later when the correction is next read or the trainer is built.
+
+    Fields (keyword arguments; each field's ``help`` metadata, shown by ``--help``, says what it does):
+    ``GRPOConfig``'s; the correction's flat fields (``config/fields.py``: ``rollout_correction_preset``,
+    ``rollout_correction_config``, every ``RolloutCorrectionConfig`` field, default ``None`` = "not set here"); the
+    server's (``config/server_fields.py``); and this class's own: ``pi_old_source``, ``truncated_support_correction``,
+    TRL's ``vllm_importance_sampling_*`` (translated), ``vllm_dtype``, ``vllm_enforce_eager``, ``vllm_sync_interval``,
+    ``vllm_server_request_timeout``.
+
+    Raises:
+        ValueError: naming the field and the fix.
     """
 
     pi_old_source: str = field(default="auto", metadata={
@@ -167,6 +177,10 @@ class RolloutCorrGRPOConfig(RolloutCorrectionFields, VllmServerFields, GRPOConfi
     def correction_plan(self) -> CorrectionPlan:
         """Where pi_old comes from and where the correction is computed, for the current field values: the plan
         ``_check_resolved`` made when the correction was last resolved (``self.rollout_correction`` resolves it
-        again first where a field or a plan input changed)."""
+        again first where a field or a plan input changed).
+
+        Returns:
+            The :class:`~trl_rollout_corr.config.plan.CorrectionPlan`.
+        """
         self.rollout_correction  # noqa: B018 (resolves, and so plans, again where an input changed)
         return self.__dict__["_rc_plan"]

@@ -79,7 +79,15 @@ PI_ROLLOUT_MODIFIERS: dict[str, Any] = {
 def pi_rollout_modifiers(args: Any, repetition_penalty: float | None = None) -> list[str]:
     """``name=value`` of every sampler setting that changes pi_rollout in a way the trainer does not reproduce: the
     repetition penalty, the settings of :data:`PI_ROLLOUT_MODIFIERS` in ``generation_kwargs`` away from their neutral
-    value, and TRL's ``vllm_structured_outputs_regex``."""
+    value, and TRL's ``vllm_structured_outputs_regex``.
+
+    Args:
+        args: the trainer's config (``generation_kwargs``, ``vllm_structured_outputs_regex``).
+        repetition_penalty: the config's ``repetition_penalty`` field (``generation_kwargs`` win over it, as in TRL).
+
+    Returns:
+        The settings found, e.g. ``["repetition_penalty=1.1"]``; empty where pi_rollout is reproducible.
+    """
     kwargs = dict(getattr(args, "generation_kwargs", None) or {})
     penalty = kwargs.pop("repetition_penalty", repetition_penalty)  # generation_kwargs win over the field, as in TRL
     found = [] if penalty in (None, 1.0) else [f"repetition_penalty={penalty}"]
@@ -322,6 +330,9 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
         training step, with the model in eval mode and no correction; then the policy forward that training would
         run (same dtype, autocast, attention implementation and LM head; a truncating sampler's kept mass included).
 
+        Args:
+            inputs: one generation batch of dataset rows (``{"prompt": ..., ...}``), as the train dataloader yields.
+
         Returns:
             ``train_logps`` (B, T) log pi_train, ``rollout_logps`` (B, T) log pi_rollout, ``mask`` (B, T) completion
             tokens (tool output excluded), ``rollout_seen`` (B,) whether the engine returned log-probs for the
@@ -467,6 +478,13 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ 4. logging and saving
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with the correction's metrics of the steps since the last log added (reduced across processes,
+        one host sync; ``eval_``-prefixed in evaluation).
+
+        Args:
+            logs: the row TRL logs (updated in place, as TRL does: ``evaluate()`` returns it).
+            start_time: as TRL's.
+        """
         mode = self._mode()
         stats, self._rc_stats[mode] = self._rc_stats[mode], RolloutStats()
         if stats.sums:
@@ -485,6 +503,16 @@ class RolloutCorrGRPOTrainer(CorrectionTrainerMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ 5. resuming (trl_rollout_corr.training.resume)
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; resuming from a checkpoint first restores the engine's state and compares the saved
+        correction with this one (:func:`~trl_rollout_corr.training.resume.restore_rollout_state`).
+
+        Args:
+            resume_from_checkpoint: as ``Trainer.train``'s (a directory, ``True`` for the last one, or ``None``).
+            *args, **kwargs: passed to ``Trainer.train``.
+
+        Returns:
+            ``Trainer.train``'s ``TrainOutput``.
+        """
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if checkpoint is not None:
             restore_rollout_state(self, checkpoint)

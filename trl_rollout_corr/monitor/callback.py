@@ -48,7 +48,33 @@ __all__ = ["ALERTS", "RolloutCorrectionMonitor"]
 
 
 class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
-    """Watch the run and the correction; warn once per episode, optionally stop, write CSV and PNG."""
+    """Watch the run and the correction; warn once per episode, optionally stop, write CSV and PNG.
+
+    The rules and their formulas are :mod:`trl_rollout_corr.monitor.rules`' (defaults: its ``DEFAULTS``); every
+    window is in optimizer steps.
+
+    Args:
+        smoothing_steps: half-life H of each signal's moving average.
+        warmup_steps: steps before ``policy_collapse`` is judged.
+        patience_steps: steps a condition must hold before its alert fires.
+        collapse_window: steps over which the best smoothed reward R* is taken.
+        reward_drop: fall below R*, in units of max(|R*|, ``reward_scale``), that counts with a rising entropy or a
+            collapsing ESS (``None``: off).
+        severe_reward_drop: fall that counts on its own (``None``: off).
+        reward_scale: the floor of the reward's scale in both falls.
+        entropy_rise: relative rise of the smoothed entropy since R* (``None``: off).
+        ess_threshold: ``ess_collapse`` at a smoothed ``rollout_is_eff_sample_size`` <= this (``None``: off).
+        rejected_fraction_threshold: ``all_rejected`` at a smoothed ``rejected_token_fraction`` >= this.
+        pinned_fraction_threshold: ``weights_pinned`` at a smoothed ``rollout_is_ratio_fraction_high`` >= this.
+        negative_kl_tolerance: ``negative_kl`` at a smoothed ``kl`` <= -this.
+        rollout_lag: optimizer steps the engine lags behind (0 = synchronous; ``None``: unknown); words the advice.
+        stop_on_alert: stop training at any alert (``True``), at the named ones (a list), or never (``False``).
+        write_csv: write every logged row to ``<output_dir>/rollout_corr_metrics.csv``.
+        write_plot: plot them to ``<output_dir>/rollout_corr_metrics.png`` at the end (needs matplotlib).
+
+    Raises:
+        ValueError: naming the argument and the fix.
+    """
 
     def __init__(self, smoothing_steps: int = DEFAULTS["smoothing_steps"], warmup_steps: int = DEFAULTS["warmup_steps"],
                  patience_steps: int = DEFAULTS["patience_steps"], collapse_window: int = DEFAULTS["collapse_window"],
@@ -83,6 +109,11 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ ExportableState (saved in checkpoints)
     def state(self) -> dict:
+        """What a checkpoint saves (transformers' ``ExportableState``).
+
+        Returns:
+            ``{"args": the constructor's arguments, "attributes": open episodes, alert history, the rules' state}``.
+        """
         return {"args": self.config, "attributes": {
             "open_episodes": list(self.open_episodes), "alerts": list(self.alerts), "rules": self.rules.state()}}
 
@@ -97,6 +128,17 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ callback hooks
     def on_train_begin(self, args, state, control, **kwargs):
+        """Reset the rules for a fresh run (step 0), or restore the checkpoint's state and the CSV's rows on a resumed
+        one; read the run's correction (``args.rollout_correction``) for the advice.
+
+        Args:
+            args (TrainingArguments): the trainer's config.
+            state (TrainerState): the trainer's state (step, process rank, saved callback states).
+            control (TrainerControl): the trainer's control flags.
+
+        Returns:
+            control (TrainerControl): the same object.
+        """
         if state.global_step == 0:  # a fresh run, also when this object already watched another one
             self.rules = AlertRules(rollout_lag=self.config["rollout_lag"],
                                     **{k: self.config[k] for k in self.rules.config})
@@ -112,6 +154,20 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Feed one logged training row to the rules: warn at a new alert, stop (and save) where ``stop_on_alert``
+        says, write the rows to the CSV (process 0). Rows with neither a reward nor ``rollout_corr/kl`` (evaluation,
+        summaries) are skipped.
+
+        Args:
+            args (TrainingArguments): the trainer's config.
+            state (TrainerState): the trainer's state (step, process rank, saved callback states).
+            control (TrainerControl): the trainer's control flags.
+            logs (dict[str, float] | None): the logged row.
+
+        Returns:
+            control (TrainerControl): the same object (``should_training_stop`` and ``should_save`` set on a
+                stopping alert).
+        """
         logs = logs or {}
         if "reward" not in logs and metric("kl") not in logs:  # train-end summaries, eval logs
             return control
@@ -136,6 +192,16 @@ class RolloutCorrectionMonitor(TrainerCallback, ExportableState):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Write the PNG (process 0, ``write_plot``).
+
+        Args:
+            args (TrainingArguments): the trainer's config.
+            state (TrainerState): the trainer's state (step, process rank, saved callback states).
+            control (TrainerControl): the trainer's control flags.
+
+        Returns:
+            control (TrainerControl): the same object.
+        """
         if state.is_world_process_zero and self.config["write_plot"] and self.rows:
             self._write_plot(args)
         return control

@@ -20,8 +20,6 @@ SPECIAL = ["<pad>", "<eos>", "<unk>", "<bos>"]
 N_RARE = 240
 RARE = [f"r{i}" for i in range(N_RARE)]
 VOCAB = SPECIAL + DIGITS + ["psum", "="] + RARE
-DIGIT_IDS = list(range(len(SPECIAL), len(SPECIAL) + 10))
-RARE_IDS = list(range(len(SPECIAL) + 12, len(VOCAB)))
 EOS_ID, PAD_ID = 1, 0
 N_DIGITS = 48
 

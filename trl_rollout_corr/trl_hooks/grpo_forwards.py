@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from ..core.criterion import stat_key
-from ..core.stats import MAX
+from ..core.criterion import StatFloats, stat_key
 from .base import TrlInternalsChanged
 
 
@@ -180,7 +179,7 @@ set: TRL asked for the policy forward of other token values than the trainer ran
 
 def check_forward_mismatch(floats: dict[str, float]) -> None:
     """Raise if the statistics' transfer (``RolloutStats.to_floats``) says a cached forward answered other values."""
-    if floats.get(MAX + FORWARD_MISMATCH, 0.0) > 0:  # absent (no cached answer compared values): 0
+    if StatFloats(floats).max(FORWARD_MISMATCH, 0.0) > 0:  # absent (no cached answer compared values): 0
         raise TrlInternalsChanged(
             "GRPOTrainer.compute_loss requested the micro-batch's policy forward for input_ids/attention_mask of the "
             "same shape but other values than the micro-batch the trainer ran it for (its loss used the wrong forward "
