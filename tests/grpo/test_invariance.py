@@ -214,7 +214,13 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
 
 TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", "bypass_pg_rs_dapo",
                      "missing_rollout_bn_rs", "token_mask_two_sided_bn", "second_moment_mask_grpo",
-                     "m2po_trust_region_token_is_grpo", "seq_rs_out_of_baseline_dapo"]
+                     "m2po_trust_region_token_is_grpo", "seq_rs_out_of_baseline_dapo", "dppo_tv_bypass_dapo",
+                     "decoupled_dppo_tv_two_steps_dapo"]
+# where the correction is computed at 4x1, 2x2, 1x4 per process: at generation time where a generation-batch statistic
+# spans micro-batches (the default), in every split where it shapes the baselines or pi_old needs a forward (a batch
+# feeding two optimizer steps, decoupled), in none for a per-token mask in the loss (bypass DPPO)
+AT_GENERATION = {"seq_rs_out_of_baseline_dapo": [True] * 3, "decoupled_dppo_tv_two_steps_dapo": [True] * 3,
+                 "dppo_tv_bypass_dapo": [False] * 3}
 
 
 def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:
@@ -247,7 +253,10 @@ def assert_same_step(case, tmp_path, runs):
 
 
 def test_two_processes_give_the_one_process_step(tmp_path):
-    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process."""
+    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process. DPPO
+    (issue 55) in both modes: bypass (the mask against pi_rollout in the loss) and decoupled over two optimizer steps on
+    the generation batch, so that pi_theta has left pi_old at the second and the mask fires (the update both steps',
+    the metrics the second step's and the first's as name@step1)."""
     import sys
 
     from tests.grpo.test_distributed import _free_port
@@ -257,10 +266,11 @@ def test_two_processes_give_the_one_process_step(tmp_path):
     for case in TWO_PROCESS_CASES:
         assert set(results[case]) == {"4x1", "2x2", "1x4"}
         assert all("MULTI_CPU" in run["distributed_type"] for run in results[case].values())
-        # a generation-batch statistic over 4 samples per process needs the forward once they are split
-        # (leaving rejected samples out of the baselines needs the correction at generation time in every split)
-        assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == (
-            [True] * 3 if "baseline" in case else [False, True, True])
+        assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == AT_GENERATION.get(
+            case, [False, True, True])
+        if "dppo" in case:  # the mask bites in every split
+            assert all(run["metrics"]["rollout_corr/rollout_dppo_masked_fraction"] > 0
+                       for run in results[case].values())
         assert_same_step(case, tmp_path, results[case])
 
 
