@@ -98,10 +98,10 @@ CASES = {
     "seq_rs_out_of_baseline_dapo": dict(preset="decoupled_seq_is_rs", rollout_rs_threshold=3.0,
                                         rollout_rs_threshold_lower=0.5, rollout_rs_exclude_from_baseline=True),
     "dppo_tv_bypass_dapo": dict(preset="dppo_tv_bypass", rollout_dppo_mask_low=0.01, rollout_dppo_mask_high=0.01,
-                                rollout_is_threshold=1.5),  # two processes: tests/core/test_dppo.py
+                                rollout_is_threshold=1.5),  # also over two processes (TWO_PROCESS_CASES)
     # two optimizer steps on one generation batch (num_iterations=2): at the second pi_theta has left pi_old, so the
     # DPPO mask (pi_theta vs pi_old) fires; the update compared is both steps', the metrics the second step's (the
-    # first step is the one-step decoupled case: pi_old = pi_theta, nothing masked). Two processes: test_dppo.py
+    # first step is the one-step decoupled case: pi_old = pi_theta, nothing masked); also over two processes
     "decoupled_dppo_tv_two_steps_dapo": dict(preset="decoupled_dppo_tv", rollout_dppo_mask_low=0.01,
                                              rollout_dppo_mask_high=0.01, rollout_dppo_clip_ratio_c=1.5,
                                              num_iterations=2, max_steps=2),
