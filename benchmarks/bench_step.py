@@ -13,6 +13,16 @@ generation batch (IS batch normalization; RS or the veto with dapo's kept-token 
 forward per generation batch, the others still none. The "extra forward" column says which, from the trainer's own
 plan. ``decoupled_token_is_forward`` forces the pi_old forward (``pi_old_source="forward"``) for comparison.
 
+DPPO (``dppo_tv_bypass``, ``dppo_kl_bypass``: the mask against pi_rollout in the pipeline; ``decoupled_dppo_tv``: the
+policy loss against pi_old) times beside TRL's step like every preset. ``--optimizer-steps-per-generation S1 S2 ...``
+runs every variant at each S in the same run (one table per S): S optimizer steps per generation batch
+(steps_per_generation = S x accumulation; the generation batch holds S x ``--batch`` sequences, each optimizer step
+still ``--batch``). With S > 1 pi_theta moves within a generation batch: decoupled presets (and TRL's two variants,
+by TRL's own rule) pay the pi_old forward once per generation batch, bypass presets with a generation-batch statistic
+are refused at construction (the variant's row names the refusal; it is not run), and a step is timed as the median,
+over generation batches, of a batch's S steps divided by S (a batch's first step also scores it). Warm-up: two
+generation batches.
+
 Step time is reported twice: wall clock, and the process's CPU time per step (``time.process_time``), which with
 ``--threads 1`` is the step's own compute and barely moves when other jobs share the cores (wall time does).
 
@@ -31,6 +41,8 @@ and repeated, and medians are reported as ratios against ``trl_vllm_is`` measure
     python benchmarks/bench_step.py                      # all variants, 3 repeats
     python benchmarks/bench_step.py --repeats 5 --steps 12 --hidden 256 --layers 4 --batch 16 --completion 64
     python benchmarks/bench_step.py --engine vllm --variants decoupled_token_is ppo_is_bypass --threads 1
+    python benchmarks/bench_step.py --variants trl_no_old dppo_tv_bypass dppo_kl_bypass decoupled_dppo_tv \
+        --optimizer-steps-per-generation 1 2     # DPPO beside TRL's step, one and two optimizer steps per generation
 
 The last lines print the regression check: ``decoupled_token_is`` (no pi_old forward with one micro-batch per
 generation batch) against ``trl_vllm_is`` (TRL paying its pi_old forward), wall clock and CPU time, each with the
@@ -78,6 +90,9 @@ OURS = {
     "pg_is": dict(rollout_correction_preset="pg_is"),
     "pg_rs": dict(rollout_correction_preset="pg_rs"),
     "decoupled_token_is_forward": dict(rollout_correction_preset="decoupled_token_is", pi_old_source="forward"),
+    "dppo_tv_bypass": dict(rollout_correction_preset="dppo_tv_bypass"),
+    "dppo_kl_bypass": dict(rollout_correction_preset="dppo_kl_bypass"),
+    "decoupled_dppo_tv": dict(rollout_correction_preset="decoupled_dppo_tv"),
 }
 VARIANTS = [BASELINE, "trl_no_old", *OURS]
 
@@ -96,6 +111,9 @@ def parse_args(argv=None):
     parser.add_argument("--completion", type=int, default=None,
                         help="completion tokens per sequence (default 64); with --engine vllm the maximum (default "
                              f"and at most {VLLM_MAX_COMPLETION}: the toy model has 64 positions)")
+    parser.add_argument("--optimizer-steps-per-generation", type=int, nargs="+", default=[1], metavar="S",
+                        help="optimizer steps per generation batch, each S timed in the same run (default 1): "
+                             "steps_per_generation = S x accumulation")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--engine", choices=("instant", "vllm"), default="instant",
                         help="instant: pre-generated completions through rollout_func (the trainer's step alone); "
@@ -103,12 +121,48 @@ def parse_args(argv=None):
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    if any(s < 1 for s in opts.optimizer_steps_per_generation):
+        parser.error(f"--optimizer-steps-per-generation {opts.optimizer_steps_per_generation}: each S must be >= 1")
     if opts.completion is None:
         opts.completion = VLLM_MAX_COMPLETION if opts.engine == "vllm" else 64
     if opts.engine == "vllm" and opts.completion > VLLM_MAX_COMPLETION:
         parser.error(f"--completion {opts.completion} with --engine vllm: at most {VLLM_MAX_COMPLETION} (the toy "
                      "task's model has 64 positions, its prompts take up to 16)")
     return opts
+
+
+def shape_fields(opts, per_generation: int) -> dict:
+    """The batch shape of a run: ``--batch`` sequences per optimizer step in ``--accumulation`` micro-batches,
+    ``per_generation`` (S) optimizer steps per generation batch of S x ``--batch`` sequences."""
+    return dict(per_device_train_batch_size=opts.batch // opts.accumulation,
+                gradient_accumulation_steps=opts.accumulation, steps_per_generation=opts.accumulation * per_generation,
+                num_generations=4)
+
+
+def refusals(variants: list[str], opts) -> dict[tuple[str, int], str]:
+    """(variant, S) -> the first sentence of the error with which ``RolloutCorrGRPOConfig`` refuses our variant at
+    S > 1 optimizer steps per generation batch (e.g. a bypass preset with a generation-batch statistic: it has no
+    single value once pi_theta moves within the batch). S = 1 and TRL's trainer take every variant."""
+    pairs = [(v, s) for s in opts.optimizer_steps_per_generation if s > 1 for v in variants if v in OURS]
+    if not pairs:
+        return {}
+    from trl_rollout_corr import RolloutCorrGRPOConfig
+
+    refused = {}
+    for variant, per_generation in pairs:
+        try:
+            RolloutCorrGRPOConfig(output_dir=tempfile.gettempdir(), use_cpu=True, report_to="none", beta=0.0,
+                                  **shape_fields(opts, per_generation), **OURS[variant])
+        except ValueError as error:
+            refused[(variant, per_generation)] = str(error).split(": ")[0]
+    return refused
+
+
+def per_step_medians(times: list[float], per_generation: int) -> float:
+    """The median over generation batches of a batch's ``per_generation`` step times summed, divided by
+    ``per_generation`` (a batch's first step also scores it and, where needed, runs the pi_old forward)."""
+    cycles = [sum(times[i:i + per_generation]) for i in range(0, len(times) - per_generation + 1, per_generation)]
+    return statistics.median(cycles) / per_generation
 
 
 # ---------------------------------------------------------------------------------------------- one run (worker)
@@ -154,11 +208,13 @@ def run_variant(opts) -> dict:
     def reward(completions, **_):
         return [float(len(c) % 7) / 7 for c in completions]
 
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=opts.batch // opts.accumulation,
-                  gradient_accumulation_steps=opts.accumulation,
-                  num_generations=4, max_completion_length=opts.completion, max_steps=opts.steps + 2,
-                  learning_rate=1e-6, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-                  seed=0, dataloader_num_workers=0, beta=0.0, **engine_fields)
+    per_generation = opts.optimizer_steps_per_generation[0]  # S: the driver runs one S per worker
+    warm = 2 * per_generation  # two generation batches
+    timed_steps = -(-opts.steps // per_generation) * per_generation  # whole generation batches
+    common = dict(output_dir=tempfile.mkdtemp(), **shape_fields(opts, per_generation),
+                  max_completion_length=opts.completion, max_steps=warm + timed_steps, learning_rate=1e-6,
+                  logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
+                  dataloader_num_workers=0, beta=0.0, **engine_fields)
     rollout = None if on_vllm else rollout_func
     dataset = Dataset.from_dict({"prompt": reverse_prompts(4096, n_digits=6)})
     variant = opts.worker
@@ -204,20 +260,20 @@ def run_variant(opts) -> dict:
     trainer.add_callback(Timer())
     with count_host_syncs(everywhere=True) as syncs:
         trainer.train()
-    timed = times[2:]
+    timed = times[warm:]
     ours = sum(n for site, n in syncs.items() if not site.startswith("ext:"))
-    if variant.startswith("trl_"):
-        extra_forward = variant == BASELINE
+    if variant.startswith("trl_"):  # TRL runs its pi_old forward when pi_theta moves within a generation batch
+        extra_forward = variant == BASELINE or per_generation > 1
     else:
         extra_forward = trainer.correction_plan.at_generation
-    lengths = [log["completions/mean_length"] for log in trainer.state.log_history[2:]
+    lengths = [log["completions/mean_length"] for log in trainer.state.log_history[warm:]
                if "completions/mean_length" in log]
     from trl.generation.vllm_generation import VLLMGeneration
 
     return {"variant": variant, "on_vllm": isinstance(getattr(trainer, "vllm_generation", None), VLLMGeneration),
             "mean_length": statistics.fmean(lengths) if lengths else float("nan"),
-            "step_s": statistics.median(timed), "steps": timed, "extra_forward": extra_forward,
-            "cpu_s": statistics.median(cpu_times[2:]),
+            "step_s": per_step_medians(timed, per_generation), "steps": timed, "extra_forward": extra_forward,
+            "cpu_s": per_step_medians(cpu_times[warm:], per_generation),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "syncs_per_step": ours / len(times), "all_syncs_per_step": sum(syncs.values()) / len(times),
             "sync_sites": dict(syncs)}
@@ -232,6 +288,11 @@ def main(argv=None) -> None:
             json.dump(result, fh)
         return
     variants = list(dict.fromkeys([BASELINE] + opts.variants))
+    per_generation_list = list(dict.fromkeys(opts.optimizer_steps_per_generation))
+    if opts.engine == "instant" and __name__ == "__main__":  # this driver never samples: no vLLM import for the
+        os.environ.setdefault("TRL_ROLLOUT_CORR_NO_VLLM", "1")  # configs refusals() builds (as in the workers)
+    refused = refusals(variants, opts)
+    runs = [(v, s) for s in per_generation_list for v in variants if (v, s) not in refused]
     shared = ["--steps", str(opts.steps), "--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab",
               str(opts.vocab), "--batch", str(opts.batch), "--completion", str(opts.completion), "--accumulation",
               str(opts.accumulation), "--engine", opts.engine]
@@ -241,52 +302,67 @@ def main(argv=None) -> None:
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if opts.engine == "instant":
         env["TRL_ROLLOUT_CORR_NO_VLLM"] = "1"
-    results: dict[str, list[dict]] = {v: [] for v in variants}
+    results: dict[int, dict[str, list[dict]]] = {s: {v: [] for v in variants} for s in per_generation_list}
     started = time.time()
     for repeat in range(opts.repeats):
-        order = variants if repeat % 2 == 0 else variants[::-1]  # interleave, alternate the order
-        for variant in order:
+        order = runs if repeat % 2 == 0 else runs[::-1]  # interleave, alternate the order
+        for variant, per_generation in order:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
                 out = fh.name
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", variant, "--out", out,
-                                   *shared], env=env, capture_output=True, text=True)
+                                   "--optimizer-steps-per-generation", str(per_generation), *shared],
+                                  env=env, capture_output=True, text=True)
             if proc.returncode != 0:
-                sys.exit(f"{variant} failed:\n{proc.stderr[-4000:]}")
+                sys.exit(f"{variant} (S = {per_generation}) failed:\n{proc.stderr[-4000:]}")
             with open(out) as fh:
-                results[variant].append(json.load(fh))
-            if results[variant][-1].get("on_vllm", False) != (opts.engine == "vllm"):
+                result = json.load(fh)
+            results[per_generation][variant].append(result)
+            if result.get("on_vllm", False) != (opts.engine == "vllm"):
                 sys.exit(f"{variant}: asked for --engine {opts.engine}, but the trainer's use_vllm was "
-                         f"{results[variant][-1].get('on_vllm')}")
-            step_ms = results[variant][-1]["step_s"] * 1e3
-            print(f"  repeat {repeat + 1}/{opts.repeats} {variant:24s} {step_ms:8.1f} ms/step", flush=True)
+                         f"{result.get('on_vllm')}")
+            print(f"  repeat {repeat + 1}/{opts.repeats} S={per_generation} {variant:24s} "
+                  f"{result['step_s'] * 1e3:8.1f} ms/step", flush=True)
 
-    def med(variant, key):
-        return statistics.median(r[key] for r in results[variant])
-
-    base_t, base_m = med(BASELINE, "step_s"), med(BASELINE, "peak_rss_mb")
     engine = ("the real colocated vLLM engine (CPU build), vocab 16 (the toy task's), max" if opts.engine == "vllm"
               else f"an instant rollout_func, vocab {opts.vocab},")
     print(f"\nmodel: Qwen2 hidden {opts.hidden}, {opts.layers} layers; completions from {engine} {opts.batch} "
           f"sequences x {opts.completion} completion tokens per step in {opts.accumulation} micro-batch(es); "
           f"{opts.repeats} repeats x {opts.steps} timed steps; "
-          f"torch threads {opts.threads or 'default'}; {os.cpu_count()} CPUs; wall {time.time() - started:.0f} s\n")
-    base_c = med(BASELINE, "cpu_s")
-    print(f"| variant | extra forward | step (ms, median) | vs {BASELINE} | step CPU time (ms) | vs {BASELINE} "
-          f"| peak RSS (MB) | vs {BASELINE} | host syncs / step (ours) | host syncs / step (all code) "
-          "| mean completion length |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for variant in variants:
-        t, m, c = med(variant, "step_s"), med(variant, "peak_rss_mb"), med(variant, "cpu_s")
-        syncs = med(variant, "syncs_per_step") if not variant.startswith("trl_") else float("nan")
-        sync_text = "—" if variant.startswith("trl_") else f"{syncs:.2f}"
-        forward = "yes" if results[variant][0]["extra_forward"] else "no"
-        print(f"| {variant} | {forward} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} | "
-              f"{m:.0f} | {m / base_m:.3f} | {sync_text} "
-              f"| {med(variant, 'all_syncs_per_step'):.2f} | {med(variant, 'mean_length'):.1f} |")
-    if WATCHED in variants:
-        print()
-        for line in watch_lines(results, opts.accumulation, opts.engine):
+          f"torch threads {opts.threads or 'default'}; {os.cpu_count()} CPUs; wall {time.time() - started:.0f} s")
+    for per_generation in per_generation_list:
+        print(f"\nS = {per_generation} optimizer step(s) per generation batch (steps_per_generation = "
+              f"{opts.accumulation * per_generation}, {opts.batch * per_generation} sequences per generation batch)"
+              "\n")
+        for line in table_lines(results[per_generation], variants,
+                                {v: why for (v, s), why in refused.items() if s == per_generation}):
             print(line)
+        if WATCHED in variants and per_generation == 1:
+            print()
+            for line in watch_lines(results[1], opts.accumulation, opts.engine):
+                print(line)
+
+
+def table_lines(results: dict[str, list[dict]], variants: list[str], refused: dict[str, str]) -> list[str]:
+    """One S's table: medians over the repeats, ratios against BASELINE measured at the same S; a refused variant's
+    row names the refusal."""
+    def med(variant, key):
+        return statistics.median(r[key] for r in results[variant])
+
+    base_t, base_m, base_c = med(BASELINE, "step_s"), med(BASELINE, "peak_rss_mb"), med(BASELINE, "cpu_s")
+    lines = [f"| variant | extra forward | step (ms, median) | vs {BASELINE} | step CPU time (ms) | vs {BASELINE} "
+             f"| peak RSS (MB) | vs {BASELINE} | host syncs / step (ours) | host syncs / step (all code) "
+             "| mean completion length |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for variant in variants:
+        if variant in refused:
+            lines.append(f"| {variant} | refused: {refused[variant]} |" + " — |" * 9)
+            continue
+        t, m, c = med(variant, "step_s"), med(variant, "peak_rss_mb"), med(variant, "cpu_s")
+        sync_text = "—" if variant.startswith("trl_") else f"{med(variant, 'syncs_per_step'):.2f}"
+        forward = "yes" if results[variant][0]["extra_forward"] else "no"
+        lines.append(f"| {variant} | {forward} | {t * 1e3:.1f} | {t / base_t:.3f} | {c * 1e3:.1f} | {c / base_c:.3f} "
+                     f"| {m:.0f} | {m / base_m:.3f} | {sync_text} | {med(variant, 'all_syncs_per_step'):.2f} "
+                     f"| {med(variant, 'mean_length'):.1f} |")
+    return lines
 
 
 def watch_lines(results: dict[str, list[dict]], accumulation: int, engine: str = "instant") -> list[str]:

@@ -4,7 +4,10 @@ The reference is per element in Python's ``math`` from the definitions of verl's
 prime-rl's default loss: Binary-TV masks A > 0 tokens with p - q > high and A < 0 tokens with p - q < -low; Binary-KL
 masks A > 0 tokens with p > q and KL(Bern(q) || Bern(p)) > high, A < 0 tokens with p < q and the KL > low. A masked
 token's advantage is 0 and it stays in the count. Then the update of real training steps through TRL's trainer
-against the float64 gradient of the field's loss, -(1 - masked) min(p/q, C) A grad log p.
+against the float64 gradient of the field's loss, -(1 - masked) min(p/q, C) A grad log p, bypass and decoupled.
+The same step at every micro-batch split and over two processes as over one, in both modes:
+``tests/grpo/test_invariance.py`` (cases ``dppo_tv_bypass_dapo``, ``decoupled_dppo_tv_two_steps_dapo``, whose
+two-process launch the other cases share).
 """
 
 from __future__ import annotations
@@ -253,52 +256,79 @@ def test_none_on_the_flat_field_switches_dppo_off_over_a_preset(tmp_path):
 
 
 # ---------------------------------------------------------------- the update through TRL's trainer
-DPPO_SHAPES = ("one_micro_batch", "accumulation_4", "steps_per_generation_2", "num_iterations_2")
+# (mode, divergence, delta, shape): each shape once per mode, each divergence in each mode once where the batch lands in
+# one optimizer step and once where pi_theta moves within it (the mask re-derived at the later step). The divergence is
+# core code (the reference cases above), the shape the trainer's plumbing: their cross product adds runs, no path.
+TRAINER_CASES = [
+    ("bypass", "binary_tv", 0.01, "one_micro_batch"),
+    ("bypass", "binary_kl", 0.002, "accumulation_4"),
+    ("bypass", "binary_tv", 0.01, "steps_per_generation_2"),
+    ("bypass", "binary_kl", 0.002, "num_iterations_2"),
+    ("decoupled", "binary_kl", 0.0002, "one_micro_batch"),
+    ("decoupled", "binary_tv", 0.01, "accumulation_4"),
+    ("decoupled", "binary_kl", 0.0002, "steps_per_generation_2"),
+    ("decoupled", "binary_tv", 0.01, "num_iterations_2"),
+]
+POLICY_NAMES = {"binary_tv": "dppo_tv", "binary_kl": "dppo_kl"}
 
 
-@pytest.mark.parametrize("divergence,delta", [("binary_tv", 0.01), ("binary_kl", 0.002)])
-@pytest.mark.parametrize("shape", DPPO_SHAPES)
-def test_each_step_matches_the_float64_gradient_of_the_field_s_loss(tmp_path, divergence, delta, shape):
-    """Two SGD steps of the real trainer (dapo's normalizer) with DPPO in bypass policy-gradient mode, C = 1.5 so
-    the truncation bites too: the update is -lr times the float64 gradient of
+@pytest.mark.parametrize("mode,divergence,delta,shape", TRAINER_CASES)
+def test_each_step_matches_the_float64_gradient_of_the_field_s_loss(tmp_path, mode, divergence, delta, shape):
+    """Two SGD steps of the real trainer (dapo's normalizer), C = 1.5 so the truncation bites too: the update is -lr
+    times the float64 gradient of
 
-        (1 / N_gen) sum_t -(1 - masked_t) min(p_t / q_t, C) A_t log p_t     (p_t, masked_t, min(.) detached)
+        bypass (prime-rl):  (1 / N_gen) sum_t -(1 - masked_t) min(p_t / q_t, 1.5) A_t log p_t
+        decoupled (verl):   (1 / N_gen) sum_t -(1 - masked_t) min(p_t / o_t, 1.5) min(o_t / q_t, 2) A_t log p_t
 
-    with the mask re-derived here from p = pi_theta at each micro-batch's optimizer step (it moves between steps)."""
+    (all but log p_t detached) with p = pi_theta at the micro-batch's optimizer step, o = pi_old (the policy that
+    generated the batch), q = pi_rollout (decoupled: under token TIS, C = 2), and the mask re-derived here on p vs q
+    (bypass) or p vs o (decoupled) at each micro-batch's step: the policy moves between steps. The logged masked
+    shares (all, by sign) are the re-derived counts over each step's tokens. Decoupled with the batch in one optimizer
+    step, pi_old = pi_theta at every loss: nothing to mask, r = 1."""
     from tests.grpo.test_gradients import LR, SHAPES, forward64, load, train
     from trl_rollout_corr.testing.toy_task import build_model
 
-    case = dict(preset="dppo_tv_bypass", rollout_dppo=divergence, rollout_dppo_mask_low=delta,
-                rollout_dppo_mask_high=delta, rollout_is_threshold=1.5)
+    decoupled = mode == "decoupled"
+    fields = dict(rollout_dppo=divergence, rollout_dppo_mask_low=delta, rollout_dppo_mask_high=delta)
+    case = (dict(preset="decoupled_dppo_tv", rollout_dppo_clip_ratio_c=1.5, **fields) if decoupled
+            else dict(preset="dppo_tv_bypass", rollout_is_threshold=1.5, **fields))
     trainer, recorder, _, final = train(tmp_path, build_model(hidden_size=32), case, SHAPES[shape])
-    assert trainer.rollout_correction.rollout_dppo == divergence
+    cfg = trainer.rollout_correction
+    assert cfg.bypass_mode is not decoupled
+    assert cfg.policy_loss[0] == POLICY_NAMES[divergence] if decoupled else cfg.rollout_dppo == divergence
     model = build_model(hidden_size=32).double()
-    args = trainer.args
-    ga, spg = args.gradient_accumulation_steps, args.steps_per_generation
+    ga, spg = trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation
     after = recorder.params_at_step[1:] + [final]
-    n_masked = n_valid = 0
+    counts = []  # per step: (masked, masked with A > 0, masked with A < 0, valid)
     for step in range(2):
         theta = recorder.params_at_step[step]
-        grads = None
+        grads, count = None, torch.zeros(4, dtype=torch.long)
         for mb_step, gen_index, mb in recorder.micro_batches:
             if mb_step != step:
                 continue
             generation = recorder.generations[gen_index]
             n_gen = generation["completion_mask"].sum()  # nothing rejected: every token of the generation batch
             mask = mb["completion_mask"].bool()  # (B, T)
+            sampling = mb["sampling_per_token_logps"].double()  # (B, T) log q
+            if decoupled:
+                load(model, generation["params"])  # the policy that generated the batch
+                with torch.no_grad():
+                    old = forward64(model, mb)  # (B, T) log pi_old
             load(model, theta)
             for p in model.parameters():
                 p.grad = None
             logps = forward64(model, mb)  # (B, T) with grad
-            sampling = mb["sampling_per_token_logps"].double()  # (B, T)
             adv = mb["advantages"].double()  # (B,)
-            lp32 = logps.detach().float().double()  # what the trainer's pipeline reads
+            anchor = old if decoupled else sampling  # (B, T) what the mask and the ratio compare pi_theta with
+            lp32, la32 = logps.detach().float().double(), anchor.float().double()  # what the trainer's pipeline reads
             masked = torch.tensor([[bool(mask[i, t]) and ref_masked(
-                float(lp32[i, t]), float(sampling[i, t].float()), float(adv[i]), divergence, delta, delta)
+                float(lp32[i, t]), float(la32[i, t]), float(adv[i]), divergence, delta, delta)
                 for t in range(mask.shape[1])] for i in range(mask.shape[0])])  # (B, T)
-            n_masked += int(masked.sum())
-            n_valid += int(mask.sum())
-            w = torch.exp((logps.detach() - sampling).clamp(-20, 20)).clamp(max=1.5)  # (B, T)
+            count += torch.tensor([int(masked.sum()), int((masked & (adv[:, None] > 0)).sum()),
+                                   int((masked & (adv[:, None] < 0)).sum()), int(mask.sum())])
+            w = torch.exp((logps.detach() - anchor).clamp(-20, 20)).clamp(max=1.5)  # (B, T) min(p/q or p/o, 1.5)
+            if decoupled:
+                w = w * torch.exp((old - sampling).clamp(-20, 20)).clamp(max=2.0)  # (B, T) times min(o/q, 2)
             per_token = -(~masked).double() * w * adv[:, None] * logps  # (B, T)
             loss = (per_token * mask.double()).sum() / (n_gen * ga / spg)
             loss.backward()
@@ -307,99 +337,17 @@ def test_each_step_matches_the_float64_gradient_of_the_field_s_loss(tmp_path, di
         update = torch.cat([(after[step][n] - theta[n]).flatten().double() for n in grads])
         expected = torch.cat([(-LR * g).flatten() for g in grads.values()])
         assert update.abs().max() > 1e-6
-        assert ((update - expected).norm() / expected.norm()).item() <= 1e-4, (divergence, shape, step)
-    assert 0 < n_masked < n_valid  # the mask bites on this data, and not everywhere
+        assert ((update - expected).norm() / expected.norm()).item() <= 1e-4, (mode, divergence, shape, step)
+        counts.append(count.tolist())
     logged = [log for log in trainer.state.log_history if "loss" in log]
-    assert len(logged) == 2 and any(log[P + "rollout_dppo_masked_fraction"] > 0 for log in logged)
-    assert all(math.isfinite(log[P + f"rollout_dppo_{m}"]) for log in logged for m in (
-        "masked_fraction_pos", "masked_fraction_neg", "divergence_mean", "divergence_max"))
-
-
-def test_two_processes_give_the_one_process_step(tmp_path):
-    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process: the update,
-    grad_norm and every metric of one process (``tests/grpo/test_invariance.py``'s case ``dppo_tv_bypass_dapo``; the
-    mask is per token, so the correction stays in the loss in every split)."""
-    import sys
-
-    from tests.grpo.test_distributed import _free_port
-    from tests.grpo.test_invariance import assert_same_step, run_worker
-
-    case = "dppo_tv_bypass_dapo"
-    results = run_worker(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                    "--master_port", str(_free_port())], ["--cases", case])
-    assert set(results[case]) == {"4x1", "2x2", "1x4"}
-    assert all("MULTI_CPU" in run["distributed_type"] for run in results[case].values())
-    assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == [False] * 3
-    assert all(run["metrics"][P + "rollout_dppo_masked_fraction"] > 0 for run in results[case].values())
-    assert_same_step(case, tmp_path, results[case])
-
-
-@pytest.mark.parametrize("shape", DPPO_SHAPES)
-@pytest.mark.parametrize("divergence,delta", [("binary_tv", 0.01), ("binary_kl", 0.0002)])
-def test_decoupled_each_step_matches_the_float64_gradient_of_verl_s_loss(tmp_path, divergence, delta, shape):
-    """Two SGD steps of the real trainer (dapo) with decoupled DPPO (the policy loss between pi_theta and pi_old,
-    C_dppo = 1.5) under token TIS on pi_old vs pi_rollout (C = 2): the update is -lr times the float64 gradient of
-
-        (1 / N_gen) sum_t -(1 - masked_t) min(p_t / o_t, 1.5) min(o_t / q_t, 2) A_t log p_t     (all but log p_t sg)
-
-    with p = pi_theta at the micro-batch's step, o = pi_old (the policy that generated the batch), q = pi_rollout, and
-    the mask re-derived here on p vs o."""
-    from tests.grpo.test_gradients import LR, SHAPES, forward64, load, train
-    from trl_rollout_corr.testing.toy_task import build_model
-
-    case = dict(preset="decoupled_dppo_tv", rollout_dppo=divergence, rollout_dppo_mask_low=delta,
-                rollout_dppo_mask_high=delta, rollout_dppo_clip_ratio_c=1.5)
-    trainer, recorder, _, final = train(tmp_path, build_model(hidden_size=32), case, SHAPES[shape])
-    assert trainer.rollout_correction.policy_loss[0] == POLICY_NAMES[divergence]
-    model = build_model(hidden_size=32).double()
-    args = trainer.args
-    ga, spg = args.gradient_accumulation_steps, args.steps_per_generation
-    after = recorder.params_at_step[1:] + [final]
-    born = {}  # generation index -> the first optimizer step that consumed it (pi_old's parameters)
-    for mb_step, gen_index, _ in recorder.micro_batches:
-        born.setdefault(gen_index, mb_step)
-    n_masked = n_valid = 0
-    for step in range(2):
-        theta = recorder.params_at_step[step]
-        grads = None
-        for mb_step, gen_index, mb in recorder.micro_batches:
-            if mb_step != step:
-                continue
-            n_gen = recorder.generations[gen_index]["completion_mask"].sum()
-            mask = mb["completion_mask"].bool()  # (B, T)
-            load(model, recorder.params_at_step[born[gen_index]])
-            with torch.no_grad():
-                old = forward64(model, mb)  # (B, T) log pi_old
-            load(model, theta)
-            for p in model.parameters():
-                p.grad = None
-            logps = forward64(model, mb)  # (B, T) with grad
-            sampling = mb["sampling_per_token_logps"].double()  # (B, T)
-            adv = mb["advantages"].double()  # (B,)
-            lp32, lo32 = logps.detach().float().double(), old.float().double()
-            masked = torch.tensor([[bool(mask[i, t]) and ref_masked(
-                float(lp32[i, t]), float(lo32[i, t]), float(adv[i]), divergence, delta, delta)
-                for t in range(mask.shape[1])] for i in range(mask.shape[0])])  # (B, T)
-            n_masked += int(masked.sum())
-            n_valid += int(mask.sum())
-            r = torch.exp((logps.detach() - old).clamp(-20, 20)).clamp(max=1.5)  # (B, T)
-            w = torch.exp((old - sampling).clamp(-20, 20)).clamp(max=2.0)  # (B, T)
-            per_token = -(~masked).double() * r * w * adv[:, None] * logps  # (B, T)
-            loss = (per_token * mask.double()).sum() / (n_gen * ga / spg)
-            loss.backward()
-            step_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            grads = step_grads if grads is None else {n: grads[n] + g for n, g in step_grads.items()}
-        update = torch.cat([(after[step][n] - theta[n]).flatten().double() for n in grads])
-        expected = torch.cat([(-LR * g).flatten() for g in grads.values()])
-        assert update.abs().max() > 1e-6
-        assert ((update - expected).norm() / expected.norm()).item() <= 1e-4, (divergence, shape, step)
-    logged = [log for log in trainer.state.log_history if "loss" in log]
-    assert len(logged) == 2 and all(math.isfinite(log[P + "rollout_dppo_masked_fraction"]) for log in logged)
-    if shape in ("steps_per_generation_2", "num_iterations_2"):  # pi_theta moved away from pi_old at step 2
+    assert len(logged) == 2
+    for log, (n_masked, n_pos, n_neg, n_valid) in zip(logged, counts):
+        assert [log[P + f"rollout_dppo_masked_fraction{s}"] for s in ("", "_pos", "_neg")] == pytest.approx(
+            [n_masked / n_valid, n_pos / n_valid, n_neg / n_valid], abs=1e-9), (mode, shape)
+        assert all(math.isfinite(log[P + f"rollout_dppo_divergence_{m}"]) for m in ("mean", "max"))
+    n_masked, n_valid = sum(c[0] for c in counts), sum(c[3] for c in counts)
+    if decoupled and shape in ("one_micro_batch", "accumulation_4"):  # pi_old = pi_theta at every loss
+        assert n_masked == 0
+    else:  # the mask bites on this data, and not everywhere
         assert 0 < n_masked < n_valid
-        assert logged[1][P + "rollout_dppo_masked_fraction"] > 0
-    else:  # pi_old = pi_theta at every loss: nothing to mask, r = 1
-        assert n_masked == 0 and all(log[P + "rollout_dppo_masked_fraction"] == 0 for log in logged)
 
-
-POLICY_NAMES = {"binary_tv": "dppo_tv", "binary_kl": "dppo_kl"}

@@ -29,6 +29,7 @@ def trl_syncs(trainer, tmp_path):
                   max_completion_length=a.max_completion_length, max_steps=STEPS, learning_rate=a.learning_rate,
                   logging_steps=a.logging_steps, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
                   seed=a.seed, temperature=a.temperature, dataloader_num_workers=0, loss_type=a.loss_type,
+                  steps_per_generation=a.steps_per_generation, num_iterations=a.num_iterations,
                   vllm_importance_sampling_correction=False)
     theirs = GRPOTrainer(model=trainer.model, reward_funcs=reverse_reward, args=GRPOConfig(**kwargs),
                          train_dataset=trainer.train_dataset, processing_class=trainer.processing_class,
@@ -38,9 +39,18 @@ def trl_syncs(trainer, tmp_path):
     return sum(syncs.values())
 
 
-@pytest.mark.parametrize("preset", ["decoupled_seq_is_rs", "pg_rs"])
-def test_at_most_one_host_sync_per_optimizer_step_over_trl(tmp_path, preset):
-    trainer, logs = build(tmp_path, make_rollout_func(), preset)
+# DPPO: 4 micro-batches per optimizer step (a sync per micro-batch would count 16 over the 4 steps), thresholds low
+# enough that the mask bites; decoupled over two steps per generation batch, so that pi_theta leaves pi_old and the
+# policy loss masks against the pi_old forward (TRL's own trainer runs the same shape for the comparison)
+MICRO_BATCHES_4 = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4)
+DPPO_LOW = dict(rollout_dppo_mask_low=1e-3, rollout_dppo_mask_high=1e-3)
+
+
+@pytest.mark.parametrize("preset,fields", [
+    ("decoupled_seq_is_rs", {}), ("pg_rs", {}), ("dppo_tv_bypass", {**MICRO_BATCHES_4, **DPPO_LOW}),
+    ("decoupled_dppo_tv", {**MICRO_BATCHES_4, **DPPO_LOW, "num_iterations": 2})])
+def test_at_most_one_host_sync_per_optimizer_step_over_trl(tmp_path, preset, fields):
+    trainer, logs = build(tmp_path, make_rollout_func(), preset, **fields)
     trainer.args.max_steps = STEPS
     trainer.args.logging_steps = 1
     with count_host_syncs(everywhere=True) as everything:
@@ -51,6 +61,9 @@ def test_at_most_one_host_sync_per_optimizer_step_over_trl(tmp_path, preset):
     assert 0 < sum(ours.values()) <= steps, dict(ours)  # the one transfer per log, nothing per micro-batch
     assert all("stats.py" in site for site in ours), dict(ours)  # e.g. no torch.equal in the forward matching
     assert sum(everything.values()) <= trl_syncs(trainer, tmp_path) + steps, dict(everything)
+    if "dppo" in preset:  # the mask really acted (at the later step of each generation batch, decoupled)
+        assert trainer.args.gradient_accumulation_steps * steps == 16
+        assert any(log.get("rollout_corr/rollout_dppo_masked_fraction", 0) > 0 for log in logs.logs), logs.logs
 
 
 def test_no_host_sync_per_micro_batch_in_the_async_trainer(tmp_path):

@@ -98,9 +98,13 @@ CASES = {
     "seq_rs_out_of_baseline_dapo": dict(preset="decoupled_seq_is_rs", rollout_rs_threshold=3.0,
                                         rollout_rs_threshold_lower=0.5, rollout_rs_exclude_from_baseline=True),
     "dppo_tv_bypass_dapo": dict(preset="dppo_tv_bypass", rollout_dppo_mask_low=0.01, rollout_dppo_mask_high=0.01,
-                                rollout_is_threshold=1.5),  # two processes: tests/core/test_dppo.py
-    "decoupled_dppo_tv_dapo": dict(preset="decoupled_dppo_tv", rollout_dppo_mask_low=0.01,
-                                   rollout_dppo_mask_high=0.01, rollout_dppo_clip_ratio_c=1.5),
+                                rollout_is_threshold=1.5),  # also over two processes (TWO_PROCESS_CASES)
+    # two optimizer steps on one generation batch (num_iterations=2): at the second pi_theta has left pi_old, so the
+    # DPPO mask (pi_theta vs pi_old) fires; the update compared is both steps', the metrics the second step's (the
+    # first step is the one-step decoupled case: pi_old = pi_theta, nothing masked); also over two processes
+    "decoupled_dppo_tv_two_steps_dapo": dict(preset="decoupled_dppo_tv", rollout_dppo_mask_low=0.01,
+                                             rollout_dppo_mask_high=0.01, rollout_dppo_clip_ratio_c=1.5,
+                                             num_iterations=2, max_steps=2),
     "decoupled_dppo_kl_grpo": dict(preset="decoupled_dppo_kl", rollout_dppo_mask_low=0.002,
                                    rollout_dppo_mask_high=0.002, loss_type="grpo"),
 }
@@ -128,7 +132,10 @@ def flat_parameters(trainer) -> torch.Tensor:
 def one_sgd_step(out_dir, per_device, accumulation, model=None, preset=None, engine=None, **overrides):
     """Parameters before and after one real ``train()`` step, the logs, and the policy's no-grad forwards.
 
-    Plain SGD, no clipping (``max_grad_norm`` so large it never clips, so that ``grad_norm`` is still logged).
+    Plain SGD, no clipping (``max_grad_norm`` so large it never clips, so that ``grad_norm`` is still logged). A case
+    may ask for more steps (``max_steps``): then the update is all of them, the log the last step's, with an earlier
+    step's rollout_corr/* metrics in it as ``name@step<n>`` (with two optimizer steps per generation batch the
+    generation's metrics are logged at its first step, the policy loss's at each).
     """
     args = RolloutCorrGRPOConfig(**{
         "output_dir": str(out_dir), "per_device_train_batch_size": per_device,
@@ -145,7 +152,10 @@ def one_sgd_step(out_dir, per_device, accumulation, model=None, preset=None, eng
     before = flat_parameters(trainer)
     trainer.train()
     after = flat_parameters(trainer)
-    log = next(entry for entry in collector.logs if "loss" in entry)
+    logs = [entry for entry in collector.logs if "loss" in entry]
+    log = dict(logs[-1])
+    for n, entry in enumerate(logs[:-1], 1):
+        log.update({f"{k}@step{n}": v for k, v in entry.items() if k.startswith("rollout_corr/")})
     return trainer, after - before, log, forwards["no_grad"]
 
 
@@ -168,12 +178,15 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
     for split, (trainer, update, log, no_grad_forwards) in runs.items():
         assert relative_difference(base_update, update) <= 1e-5, (split, relative_difference(base_update, update))
         for name, value in metrics.items():
-            if name != "rollout_corr/all_rejected_micro_batches":  # a count of micro-batches, split by definition
+            if not name.startswith("rollout_corr/all_rejected_micro_batches"):  # micro-batches: split by definition
                 assert log[name] == pytest.approx(value, rel=1e-5, abs=1e-7), (split, name)
         # the pi_old forward runs only where pi_theta detached cannot give the generation batch's statistics
         plan = trainer.correction_plan
         assert no_grad_forwards == (split[1] if plan.at_generation else 0), split  # 8 rows in chunks of per_device
-        assert plan.at_generation == (bool(plan.batch_scope) and (split[1] > 1 or "baseline" in case)), (split, plan)
+        # (in decoupled mode a generation batch feeding two optimizer steps needs pi_old from a forward in any split)
+        several_steps = overrides.get("num_iterations", 1) > 1 and not trainer.rollout_correction.bypass_mode
+        assert plan.at_generation == (several_steps or bool(plan.batch_scope) and (
+            split[1] > 1 or "baseline" in case)), (split, plan)
     if "rs" in case or "veto" in case:
         assert 0 < metrics["rollout_corr/rejected_token_fraction"] < 1, metrics  # the masks really act
     if "nan" in case:
@@ -187,6 +200,12 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
         assert metrics["rollout_corr/rejected_token_fraction"] == 0
     if "baseline" in case:  # some samples, not all, left out of their group's baseline
         assert 0 < metrics["rollout_corr/rollout_rs_baseline_excluded_fraction"] < 1
+    if "dppo" in case:  # the mask bites, not everywhere; in decoupled mode only once pi_theta has left pi_old
+        fires = base_trainer.rollout_correction.bypass_mode or overrides.get("num_iterations", 1) > 1
+        masked = metrics["rollout_corr/rollout_dppo_masked_fraction"]
+        assert 0 < masked < 1 if fires else masked == 0, metrics
+        if overrides.get("num_iterations", 1) > 1 and not base_trainer.rollout_correction.bypass_mode:
+            assert metrics["rollout_corr/rollout_dppo_masked_fraction@step1"] == 0  # pi_theta = pi_old there
     if "m2po" in case:  # advantages zeroed on the trust region's active side, nothing rejected
         assert 0 < metrics["rollout_corr/rollout_m2_masked_fraction"] < metrics[
             "rollout_corr/rollout_m2_trust_region_fraction"]
@@ -195,7 +214,13 @@ def test_one_step_is_the_same_for_every_split(tmp_path_factory, case):
 
 TWO_PROCESS_CASES = ["seq_is_bn", "token_is_token_rs_dapo", "geo_rs_veto_dapo", "bypass_pg_rs_dapo",
                      "missing_rollout_bn_rs", "token_mask_two_sided_bn", "second_moment_mask_grpo",
-                     "m2po_trust_region_token_is_grpo", "seq_rs_out_of_baseline_dapo"]
+                     "m2po_trust_region_token_is_grpo", "seq_rs_out_of_baseline_dapo", "dppo_tv_bypass_dapo",
+                     "decoupled_dppo_tv_two_steps_dapo"]
+# where the correction is computed at 4x1, 2x2, 1x4 per process: at generation time where a generation-batch statistic
+# spans micro-batches (the default), in every split where it shapes the baselines or pi_old needs a forward (a batch
+# feeding two optimizer steps, decoupled), in none for a per-token mask in the loss (bypass DPPO)
+AT_GENERATION = {"seq_rs_out_of_baseline_dapo": [True] * 3, "decoupled_dppo_tv_two_steps_dapo": [True] * 3,
+                 "dppo_tv_bypass_dapo": [False] * 3}
 
 
 def run_worker(tmp_path, launcher: list[str], args: list[str], extra_env: dict | None = None) -> dict:
@@ -223,12 +248,15 @@ def assert_same_step(case, tmp_path, runs):
         assert relative_difference(base_update, run["update"]) <= 1e-5, (case, split)
         assert run["grad_norm"] == pytest.approx(base_log["grad_norm"], rel=1e-5), (case, split)
         for name, value in base.items():
-            if name != "rollout_corr/all_rejected_micro_batches":
+            if not name.startswith("rollout_corr/all_rejected_micro_batches"):
                 assert run["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (case, split, name)
 
 
 def test_two_processes_give_the_one_process_step(tmp_path):
-    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process."""
+    """The same global generation batch of 8 over two gloo processes, split 4x1, 2x2 and 1x4 per process. DPPO
+    (issue 55) in both modes: bypass (the mask against pi_rollout in the loss) and decoupled over two optimizer steps on
+    the generation batch, so that pi_theta has left pi_old at the second and the mask fires (the update both steps',
+    the metrics the second step's and the first's as name@step1)."""
     import sys
 
     from tests.grpo.test_distributed import _free_port
@@ -238,10 +266,11 @@ def test_two_processes_give_the_one_process_step(tmp_path):
     for case in TWO_PROCESS_CASES:
         assert set(results[case]) == {"4x1", "2x2", "1x4"}
         assert all("MULTI_CPU" in run["distributed_type"] for run in results[case].values())
-        # a generation-batch statistic over 4 samples per process needs the forward once they are split
-        # (leaving rejected samples out of the baselines needs the correction at generation time in every split)
-        assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == (
-            [True] * 3 if "baseline" in case else [False, True, True])
+        assert [results[case][s]["at_generation"] for s in ("4x1", "2x2", "1x4")] == AT_GENERATION.get(
+            case, [False, True, True])
+        if "dppo" in case:  # the mask bites in every split
+            assert all(run["metrics"]["rollout_corr/rollout_dppo_masked_fraction"] > 0
+                       for run in results[case].values())
         assert_same_step(case, tmp_path, results[case])
 
 
