@@ -104,9 +104,25 @@ def committed(scenario: str) -> dict:
     return table
 
 
-def fresh(out: str, scenario: str) -> dict:
-    """method -> seed -> this experiment's run (its JSON under ``out``), with its DPPO mask shares."""
+def runs_from_csv(path: str = RESULTS) -> list[dict]:
+    """The committed runs (``RESULTS``) as run dicts: what :func:`fresh` reads instead of the JSONs (``out=None``)."""
+    floats = ("score", "initial", "final", "kl_token", "t_kl", "engine_reward", "seconds", "lr",
+              "dppo_masked_fraction", "dppo_masked_fraction_pos", "dppo_masked_fraction_neg")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return [{**r, **{k: float(r[k]) if r[k] != "" else math.nan for k in floats}, "seed": int(r["seed"]),
+             "collapsed": r["collapsed"] == "True"} for r in rows]
+
+
+def fresh(out: str | None, scenario: str) -> dict:
+    """method -> seed -> this experiment's run (its JSON under ``out``; ``out=None``: the committed ``RESULTS``),
+    with its DPPO mask shares."""
     table: dict = {}
+    if out is None:
+        for r in runs_from_csv():
+            if r["scenario"] == scenario:
+                table.setdefault(r["method"], {})[r["seed"]] = r
+        return table
     for r in mt.load_runs(out_dir(out, scenario)):
         if r["scenario"] != scenario:
             continue
@@ -223,6 +239,10 @@ def analyse(scenario: str, out: str) -> tuple[list[str], dict]:
                      f"{fmt(row['p_sign_flip_holm'])} | {gap} | {row['collapsed']} / {row['ref_collapsed']}, "
                      f"{fmt(row['fisher_p'])} | {'runs' if row['candidate'] else 'no'} |")
     result["family"] = rows
+    if source == "re-run" and any("gap_closed" in r for r in rows):
+        lines.append("\nThe gap closed's floor (M0) and ceiling (on_policy) are the committed runs of the experiment "
+                     "the seeds come from, on the machine that committed them; the compared arms ran here, and runs "
+                     "do not reproduce across CPUs (the re-runs above): the gap closed is indicative only.")
     new = fresh(out, scenario)
     held = G_HELD_OUT[scenario]
     for row in rows:
