@@ -65,14 +65,22 @@ def test_collapsing_recorded_run_stops_by_step_40_and_recommends_no_unconfirmed_
 
 
 STALE_REGIME = ("T = 49 tokens", "per-token KL 6e-3-1.1e-2", "T * KL 0.3-0.5", "465k-parameter model",
-                "not confirmed at long completions", "not measured on a GPU", "mismatch_train S2, experiment C")
+                "not confirmed at long completions", "not measured on a GPU", "mismatch_train S2, experiment C",
+                "experiments/dppo_stale.py, experiment G", "per-token KL 5.1e-3-8.3e-3, T * KL 0.25-0.41")
+#: what a run on neither confirmed stale setting is told to switch to: both, dppo_kl_bypass first (experiment G)
+SWITCH = ("Switch to it: rollout_correction_preset=dppo_kl_bypass (or rollout_correction_preset=ppo_is_bypass, "
+          "equally confirmed)")
 
 
 def test_a_stale_engine_is_told_the_confirmed_remedy_with_its_regime():
     geo = RolloutCorrectionConfig.from_preset("decoupled_geo_rs")
     message = replay(load(COLLAPSE)["rows"], correction=geo, rollout_lag=4).alerts[0]["message"]
-    assert "lag 4" in message and "For a stale engine, ppo_is_bypass was confirmed" in message
-    assert "rollout_correction_preset=ppo_is_bypass" in message and "+0.065 [+0.032, +0.097]" in message
+    assert "lag 4" in message and "For a stale engine, dppo_kl_bypass and ppo_is_bypass were each confirmed" in message
+    assert SWITCH in message and "+0.065 [+0.032, +0.097]" in message
+    # experiment G's numbers for both, and that the two were not compared with each other
+    for text in ("+0.076 [+0.040, +0.112]", "+0.035 [-0.002, +0.071] on 10 held-out seeds, one-sided p 0.030",
+                 "+0.030 [-0.001, +0.060]", "not compared with each other"):
+        assert text in message, text
     for text in STALE_REGIME:
         assert text in message, text
     assert "No correction is confirmed" not in message and "persistent" not in message and "If this" not in message
@@ -80,9 +88,11 @@ def test_a_stale_engine_is_told_the_confirmed_remedy_with_its_regime():
     assert message.index("Switch to it") < message.index("But where the engine ALSO samples at another precision")
     assert "-0.100 [-0.145, -0.054]" in message and "-0.087 [-0.166, -0.009]" in message
     assert "-0.081 [-0.119, -0.043]" in message and "-0.043 [-0.067, -0.018]" in message  # experiment B
-    bypass = RolloutCorrectionConfig.from_preset("ppo_is_bypass")
-    already = replay(load(COLLAPSE)["rows"], correction=bypass, rollout_lag=4).alerts[0]["message"]
-    assert "this run already uses" in already and "But where the engine ALSO samples" in already
+    assert "dppo_kl_bypass was not measured with a precision gap" in message  # bypass too, not measured there
+    for preset in ("ppo_is_bypass", "dppo_kl_bypass"):
+        bypass = RolloutCorrectionConfig.from_preset(preset)
+        already = replay(load(COLLAPSE)["rows"], correction=bypass, rollout_lag=4).alerts[0]["message"]
+        assert "this run already uses" in already and "But where the engine ALSO samples" in already
 
 
 def test_a_synchronous_engine_is_recommended_nothing():
@@ -102,23 +112,45 @@ def test_an_unknown_lag_names_the_stale_remedy_only_if_the_engine_is_stale():
     geo = RolloutCorrectionConfig.from_preset("decoupled_geo_rs")
     message = replay(load(COLLAPSE)["rows"], correction=geo, rollout_lag=None).alerts[0]["message"]
     assert "rollout_lag" in message and advice.remedies_for(None) == [advice.REMEDIES["stale"]]
-    assert "If this is a stale engine, ppo_is_bypass was confirmed" in message and "For a stale engine" not in message
+    assert "If this is a stale engine, dppo_kl_bypass and ppo_is_bypass were each confirmed" in message
+    assert "For a stale engine" not in message
     # the remedy appears once, after the condition; the persistent kind still gets no preset
-    assert message.count("rollout_correction_preset=ppo_is_bypass") == 1
-    assert message.index("If this is a stale engine") < message.index("rollout_correction_preset=ppo_is_bypass")
+    assert message.count(SWITCH) == 1 and message.count("rollout_correction_preset=ppo_is_bypass") == 1
+    assert message.index("If this is a stale engine") < message.index("rollout_correction_preset=dppo_kl_bypass")
     assert "No correction is confirmed to help with a persistent precision gap" in message
 
 
-def test_a_run_already_on_the_remedy_is_told_what_remains():
-    bypass = RolloutCorrectionConfig.ppo_is_bypass()
-    assert advice.REMEDIES["stale"].config() == bypass
+@pytest.mark.parametrize("preset,other", [("ppo_is_bypass", "dppo_kl_bypass"), ("dppo_kl_bypass", "ppo_is_bypass")])
+def test_a_run_already_on_the_remedy_is_told_what_remains(preset, other):
+    """A run on EITHER confirmed stale setting (experiment G confirmed both, not against each other) is on the remedy:
+    told what remains, with its own setting and the other as confirmed as well, never to switch."""
+    remedy = advice.REMEDIES["stale"]
+    assert remedy.settings == ("rollout_correction_preset=dppo_kl_bypass", "rollout_correction_preset=ppo_is_bypass")
+    bypass = RolloutCorrectionConfig.from_preset(preset)
+    assert remedy.on(bypass) == f"rollout_correction_preset={preset}"
+    assert remedy.config(f"rollout_correction_preset={preset}") == bypass
+    assert remedy.on(RolloutCorrectionConfig.from_preset("dppo_tv_bypass")) is None  # not confirmed held out
     rows = load(COLLAPSE)["rows"]
     on_remedy = replay(rows, correction=bypass, rollout_lag=4).alerts[0]["message"]
     assert "this run already uses" in on_remedy and "learning rate" in on_remedy and "T = 49" in on_remedy
+    assert ("already uses what was confirmed to train better than TRL's default in experiments/mismatch_train.py"
+            in on_remedy)
+    assert (f"rollout_correction_preset={preset} (confirmed as well: rollout_correction_preset={other}; the two were "
+            "not compared with each other)") in on_remedy
     assert "Switch to it" not in on_remedy and "No correction is confirmed" not in on_remedy
     unknown = replay(rows, correction=bypass, rollout_lag=None).alerts[0]["message"]
-    assert "If this is a stale engine, this run already uses" in unknown
+    assert "If this is a stale engine, this run already uses" in unknown and "Switch to it" not in unknown
     assert "No correction is confirmed to help with a persistent precision gap" in unknown
+
+
+@pytest.mark.parametrize("preset", ["decoupled_geo_rs", "dppo_tv_bypass", "trl_default"])
+def test_a_run_on_neither_remedy_is_told_to_switch_with_both_named(preset):
+    """A run on neither confirmed stale setting (dppo_tv_bypass was not confirmed on held-out seeds) is told to switch,
+    dppo_kl_bypass first and ppo_is_bypass as equally confirmed."""
+    correction = RolloutCorrectionConfig.from_preset(preset)
+    assert advice.REMEDIES["stale"].on(correction) is None
+    message = replay(load(COLLAPSE)["rows"], correction=correction, rollout_lag=4).alerts[0]["message"]
+    assert SWITCH in message and "this run already uses" not in message
 
 
 def with_lag0(rows, lag0_kl):
@@ -130,34 +162,41 @@ def with_lag0(rows, lag0_kl):
 def test_a_measured_lag0_gap_at_the_bound_withholds_the_stale_remedy(lag):
     """Pre-registration 16 (issue 37): a run logging rollout_corr/lag_0/kl at or above LAG0_CAUTION_KL (the smallest
     gap at which bypass was measured worse and held out; equal to lag0_caution_kl() of the committed results,
-    tests/experiments/test_mismatch_train.py) is not told to switch to ppo_is_bypass; the message quotes its lag-0 KL,
-    the bound and the measured cost; a run already on bypass is told what it was measured against; below the bound,
-    the remedy is said with both numbers; no metric, no lag-0 text."""
+    tests/experiments/test_mismatch_train.py) is not told to switch to bypass (dppo_kl_bypass, ppo_is_bypass); the
+    message quotes its lag-0 KL, the bound and the measured cost (ppo_is_bypass's; dppo_kl_bypass was not measured
+    there); a run already on either is told what it was measured against; below the bound, the remedy is said with
+    both numbers; no metric, no lag-0 text."""
     bound = advice.LAG0_CAUTION_KL
     assert 5e-4 < bound < 1e-2 and advice.LAG0_KEY == "rollout_corr/lag_0/kl"
     rows = load(COLLAPSE)["rows"]
     geo = RolloutCorrectionConfig.from_preset("decoupled_geo_rs")
     bypass = RolloutCorrectionConfig.ppo_is_bypass()
+    dppo = RolloutCorrectionConfig.from_preset("dppo_kl_bypass")
     for gap in (bound, 3 * bound):  # at the bound (the EMA of a constant is exact) and above it
         message = replay(with_lag0(rows, gap), correction=geo, rollout_lag=lag).alerts[0]["message"]
         assert f"smoothed rollout_corr/lag_0/kl = {gap:.3g} per token, at or above {bound:.3g}" in message
-        assert "So ppo_is_bypass is not advised" in message and "-0.100 [-0.145, -0.054]" in message
+        assert "So bypass (dppo_kl_bypass, ppo_is_bypass) is not advised" in message
+        assert "-0.100 [-0.145, -0.054]" in message and "ppo_is_bypass trained significantly WORSE" in message
+        assert "(dppo_kl_bypass, bypass as well, was not measured with such a gap)" in message
         assert "Switch to it" not in message and "rollout_correction_preset=ppo_is_bypass" not in message
-        on_bypass = replay(with_lag0(rows, gap), correction=bypass, rollout_lag=lag).alerts[0]["message"]
-        assert "is not advised, and this run uses it" in on_bypass and "sequence_mask" in on_bypass
-        assert "already uses what was confirmed" not in on_bypass
-        # what TRL's asynchronous trainer itself measured (S4), to the run on its default only
-        assert advice.ASYNC_S4_FOUND in on_bypass and "rollout_correction_preset=trl_default" in on_bypass
+        assert "rollout_correction_preset=dppo_kl_bypass" not in message
+        for on in (bypass, dppo):
+            on_bypass = replay(with_lag0(rows, gap), correction=on, rollout_lag=lag).alerts[0]["message"]
+            assert "is not advised, and this run uses it" in on_bypass and "sequence_mask" in on_bypass
+            assert f"this run uses it ({advice.REMEDIES['stale'].on(on)})" in on_bypass
+            assert "already uses what was confirmed" not in on_bypass
+            # what TRL's asynchronous trainer itself measured (S4), to the run on its default only
+            assert advice.ASYNC_S4_FOUND in on_bypass and "rollout_correction_preset=trl_default" in on_bypass
         assert "trl_default" not in message
     below = replay(with_lag0(rows, 0.98 * bound), correction=geo, rollout_lag=lag).alerts[0]["message"]
-    assert "Switch to it: rollout_correction_preset=ppo_is_bypass" in below and "not advised" not in below
+    assert SWITCH in below and "not advised" not in below
     below_on_bypass = replay(with_lag0(rows, 0.98 * bound), correction=bypass, rollout_lag=lag).alerts[0]["message"]
     assert "async_mismatch" not in below_on_bypass  # below the bound S4 is not quoted
     assert f"lag_0/kl = {0.98 * bound:.3g} per token, below {bound:.3g}" in below
     assert advice.LAG0_BELOW_FOUND in below and "not significant (-0.012 [-0.049, +0.025]" in below
     assert below.index("But where the engine ALSO") < below.index("Here this run's engine differs")
     plain = replay(rows, correction=geo, rollout_lag=lag).alerts[0]["message"]
-    assert "lag_0" not in plain and "Switch to it: rollout_correction_preset=ppo_is_bypass" in plain
+    assert "lag_0" not in plain and SWITCH in plain
     # the persistent kind's text (lag None) is the same whatever the lag-0 gap
     assert ("No correction is confirmed to help with a persistent precision gap" in message) == (lag is None)
 
@@ -454,7 +493,7 @@ def test_preset_recipes_switch_the_monitor_on():
         monitor = parse(["--config", path]).build()
         assert isinstance(monitor, RolloutCorrectionMonitor), path
         # the stale-engine row's recipe syncs its engine every 4 optimizer steps and tells the monitor so
-        expected_lag = 4 if path.endswith("ppo_is_bypass.yaml") else 0
+        expected_lag = 4 if path.endswith(("ppo_is_bypass.yaml", "dppo_kl_bypass.yaml")) else 0
         assert monitor.rules.rollout_lag == expected_lag and monitor.config["stop_on_alert"] is False, path
 
 

@@ -15,6 +15,7 @@ import os
 import pytest
 import yaml
 
+from trl_rollout_corr.monitor.advice import REMEDIES
 from trl_rollout_corr.monitor.verdict import VERDICTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,9 +24,14 @@ PRESET_SETTING = "rollout_correction_preset="
 DEFAULT = {None, "trl_default"}
 #: preset -> the verdict rows that recommend it
 ROW_PRESETS: dict[str, list[str]] = {}
+#: a row that recommends the monitor's stale remedy recommends each of its equally confirmed settings
+#: (``monitor/advice.py``'s ``Remedy.settings``: dppo_kl_bypass first, ppo_is_bypass, experiment G)
+STALE_SETTINGS = REMEDIES["stale"].settings
 for _row in VERDICTS:
-    if _row.setting.startswith(PRESET_SETTING):
-        ROW_PRESETS.setdefault(_row.setting.removeprefix(PRESET_SETTING), []).append(_row.key)
+    _settings = list(STALE_SETTINGS) if _row.setting in STALE_SETTINGS else [_row.setting]
+    for _setting in _settings:
+        if _setting.startswith(PRESET_SETTING):
+            ROW_PRESETS.setdefault(_setting.removeprefix(PRESET_SETTING), []).append(_row.key)
 
 _NO_ROW = "shows the method's settings; no verdict row recommends it"
 #: recipes that are not the default or a row's recommendation, and why they stay (docs/trainer.md lists them all)
@@ -50,7 +56,9 @@ def _name(path: str) -> str:
 
 
 def test_the_allowed_presets_come_from_the_verdict_table():
-    assert ROW_PRESETS.get("ppo_is_bypass") == ["stale-engine"]  # the one non-default preset a row recommends today
+    # the non-default presets a row recommends today: the stale-engine row's two, equally confirmed (experiment G)
+    assert {p: rows for p, rows in ROW_PRESETS.items() if p not in DEFAULT} == {
+        "dppo_kl_bypass": ["stale-engine"], "ppo_is_bypass": ["stale-engine"]}
     assert not set(NOT_ADVISED) & (DEFAULT | set(ROW_PRESETS)), "an exception that is advised: remove it"
 
 

@@ -5,20 +5,28 @@ default for that kind's scenario (``SCENARIOS``) of ``experiments/mismatch_train
 in the regime of real runs"); ``tests/experiments/test_mismatch_benchmark.py`` checks that ``REMEDIES`` is exactly what
 its ``confirmed_methods()`` returns from the committed results (``experiments/results/mismatch_train*_results.csv``).
 
-- A stale engine (``rollout_lag`` > 0): ``ppo_is_bypass``, confirmed by experiment C in scenario S2 on 20 fresh paired
-  seeds: +0.065 [+0.032, +0.097] held-out reward over TRL's default, Holm p 0.00017 (a family of 2), gap closed 0.88.
+- A stale engine (``rollout_lag`` > 0): ``dppo_kl_bypass`` or ``ppo_is_bypass``, each confirmed better than TRL's
+  default in scenario S2 (``DPPO_STALE_FOUND``: experiment G, ``experiments/dppo_stale.py``, pre-registration 25, 20
+  paired seeds, Holm over 3, then 10 held-out seeds: dppo_kl_bypass +0.076 [+0.040, +0.112], held out +0.035,
+  one-sided p 0.030; ppo_is_bypass +0.079 [+0.044, +0.114], held out +0.030, one-sided p 0.027; dppo_tv_bypass not
+  confirmed held out). ``dppo_kl_bypass`` is named first for its larger held-out difference; the two were not compared
+  with each other, so there is no preference beyond that order, and a run on either is on the remedy
+  (``Remedy.alternatives``). ``ppo_is_bypass`` was confirmed before by experiment C on 20 fresh paired seeds: +0.065
+  [+0.032, +0.097] held-out reward over TRL's default, Holm p 0.00017 (a family of 2), gap closed 0.88.
   Its regime: an engine 8 optimizer steps stale, T = 49 tokens, per-token KL(engine || policy) 6e-3-1.1e-2, T * KL
-  0.3-0.5, a 465k-parameter model, 2 optimizer steps per generation, 30 steps, on a CPU. At long completions it
-  is not confirmed: at T = 257 (S2X, experiments X, Y and Z: engines 8 and 16 steps stale, uncorrected T * KL 1.4-2.2
+  0.3-0.5 (C; G's arms: 5.1e-3-8.3e-3, T * KL 0.25-0.41), a 465k-parameter model, 2 optimizer steps per generation,
+  30 steps, on a CPU. At long completions ``ppo_is_bypass`` is not confirmed (``dppo_kl_bypass`` has no result there
+  yet): at T = 257 (S2X, experiments X, Y and Z: engines 8 and 16 steps stale, uncorrected T * KL 1.4-2.2
   at a per-token KL of 5.6e-3-8.7e-3) it was not significantly above TRL's default (+0.025, p 0.28; +0.132, Holm
   p 0.80; -0.004 [-0.024, +0.016] on 30 more seeds), and TRL's default collapsed on 2 of Y's 10 seeds at the 16-step
   lag and on none of Z's 30; at T = 129
   (S2L) the stale engine's cost was not significant. With a precision gap on top of the staleness (S2D, experiment A:
   an engine 4 steps stale sampling with dense logit noise at T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1, the
-  kind of mismatch an asynchronous bf16 run has) it trained significantly WORSE than TRL's default (-0.100 [-0.145,
-  -0.054], Holm p 0.0059; held out -0.087), and with smaller gaps too (S2B, experiment B: per-token KL
-  2.8e-3-7.6e-3, T * KL 0.7-1.9: -0.081, held out -0.043; S2E, experiment E: per-token KL 1.2e-3-5.0e-3, T * KL
-  0.3-1.3: -0.046, held out -0.025); the message says so. Not measured on a GPU.
+  kind of mismatch an asynchronous bf16 run has) ``ppo_is_bypass`` trained significantly WORSE than TRL's default
+  (-0.100 [-0.145, -0.054], Holm p 0.0059; held out -0.087), and with smaller gaps too (S2B, experiment B: per-token
+  KL 2.8e-3-7.6e-3, T * KL 0.7-1.9: -0.081, held out -0.043; S2E, experiment E: per-token KL 1.2e-3-5.0e-3, T * KL
+  0.3-1.3: -0.046, held out -0.025); ``dppo_kl_bypass`` was not measured with a precision gap, and it is bypass
+  (pi_old := pi_rollout) as well; the message says both. Not measured on a GPU.
 - A persistent precision gap (``rollout_lag`` = 0: quantized / low precision): none. In S1 (a heavy-tailed,
   precision-like gap, T = 49, per-token KL 7.7e-2-9.9e-2, T * KL 3.7-4.8) the mismatch cost nothing (on-policy minus
   no correction +0.003 [-0.026, +0.032], 10 seeds), so no correction could be compared; the same gap at T = 257
@@ -34,7 +42,8 @@ The gap that is not staleness (issue 37, pre-registration 16 of ``experiments/mi
 samples the current policy drew, i.e. the engine's own gap without staleness) has that gap measured. At or above
 ``LAG0_CAUTION_KL`` -- the smallest step-0 noise-only per-token KL at which ``ppo_is_bypass`` trained significantly
 worse than TRL's default and stayed worse on held-out seeds (``lag0_caution_kl()`` of the committed results) -- the
-stale remedy is NOT advised (a run already on it is told it trained worse there); below it, the remedy is said with the
+stale remedy is NOT advised (a run already on it is told ``ppo_is_bypass`` trained worse there and ``dppo_kl_bypass``,
+bypass as well, was not measured there); below it, the remedy is said with the
 run's lag-0 KL, that bound and what the smallest gap measured found (experiment F: 8.7e-4, not significant).
 Without the metric the message is as above. A run on bypass at or above the bound (the asynchronous trainer's
 default) is also told what TRL's asynchronous trainer itself measured (``ASYNC_S4_FOUND``: S4 of
@@ -78,7 +87,11 @@ FOUND = {
 
 @dataclass(frozen=True)
 class Remedy:
-    """What a benchmark confirmed for one kind of mismatch: the method, how to switch to it, and where it was shown."""
+    """What a benchmark confirmed for one kind of mismatch: the method, how to switch to it, and where it was shown.
+
+    ``setting`` is the first confirmed setting (the one a message says first); ``alternatives`` the other settings
+    confirmed for the same kind, equally (config lines such as ``rollout_correction_preset=ppo_is_bypass``): a run on
+    any of them is on the remedy (:meth:`on`)."""
 
     kind: str  # the kind of mismatch, as the message says it
     method: str  # the method's name (the preset, or TRL's mode)
@@ -87,32 +100,83 @@ class Remedy:
     evidence: str = ""  # the confirmed result, as the message says it
     regime: str = ""  # where it was measured (and where not), as the message says it
     caution: str = ""  # where the same benchmark measured it WORSE than TRL's default, as the message says it
+    alternatives: tuple[str, ...] = ()  # the other confirmed settings (config lines), after ``setting``
+    caution_method: str = ""  # the method the caution measured (default: ``method``)
 
-    def config(self) -> Any:
-        """The resolved ``RolloutCorrectionConfig`` of the remedy (to tell whether a run already uses it)."""
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """Every confirmed setting, ``setting`` first."""
+        return (self.setting, *self.alternatives)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods of :attr:`settings` (the value after ``=``), ``method`` first."""
+        return (self.method, *(a.partition("=")[2] for a in self.alternatives))
+
+    @property
+    def names(self) -> str:
+        """The methods as a message says them: ``dppo_kl_bypass`` or ``dppo_kl_bypass, ppo_is_bypass``."""
+        return ", ".join(self.methods)
+
+    @property
+    def switch(self) -> str:
+        """How a message asks for it: the first setting, then each alternative as equally confirmed."""
+        if not self.alternatives:
+            return self.setting
+        return f"{self.setting} (or {' or '.join(self.alternatives)}, equally confirmed)"
+
+    def config(self, setting: str | None = None) -> Any:
+        """The resolved ``RolloutCorrectionConfig`` of ``setting`` (default: the first one), to tell whether a run
+        already uses it."""
         from ..config.correction import RolloutCorrectionConfig
         from ..config.compat import TRL_MODES, translate_trl_correction
 
-        key, _, value = self.setting.partition("=")
+        key, _, value = (setting or self.setting).partition("=")
         if key == "vllm_importance_sampling_mode" and value in TRL_MODES:
             return RolloutCorrectionConfig(**translate_trl_correction(True, value))
         return RolloutCorrectionConfig.from_preset(value)
 
+    def on(self, correction: Any) -> str | None:
+        """The confirmed setting the run's resolved ``correction`` is (None: none of :attr:`settings`)."""
+        if correction is None:
+            return None
+        return next((s for s in self.settings if correction == self.config(s)), None)
+
+
+# experiment G (experiments/dppo_stale.py, pre-registration 25), scenario S2: what the stale remedy's evidence quotes
+# for the DPPO presets beside ppo_is_bypass (each minus TRL's default by TRL's GRPOTrainer, sequence_mask C=3); the
+# integrator's test recomputes it from experiments/results/dppo_stale_results.csv
+DPPO_STALE_FOUND = (
+    "in experiment G (experiments/dppo_stale.py, pre-registration 25, S2: an engine 8 optimizer steps stale, T = 49, "
+    "per-token KL 5.1e-3-8.3e-3, T * KL 0.25-0.41, a 465k-parameter model, 2 optimizer steps per generation, 30 steps, "
+    "on a CPU), each minus TRL's default on 20 paired seeds (Holm over 3), then on 10 held-out seeds (confirmed iff "
+    "one-sided paired t and exact sign-flip p < 0.05): dppo_kl_bypass +0.076 [+0.040, +0.112], Holm p 0.00064 (t) / "
+    "0.00024 (sign-flip), held out +0.035 [-0.002, +0.071], one-sided p 0.030 (t) and 0.030 (sign-flip): confirmed "
+    "better; ppo_is_bypass +0.079 [+0.044, +0.114], Holm p 0.00042 / 0.000034, held out +0.030 [-0.001, +0.060], "
+    "one-sided p 0.027 / 0.027: confirmed better; dppo_tv_bypass +0.073 [+0.034, +0.112], Holm p 0.00094, held out "
+    "+0.029 [-0.012, +0.070], one-sided p 0.073: not confirmed")
 
 # kind -> Remedy, only where a benchmark's confirmed analysis supports one (experiments/mismatch_train.py's
-# confirmed_methods(); the old benchmark's remedies did not survive Holm: ppo_is_bypass p 0.054 on stale4, TRL's
-# token_truncate 0.23 on wq3)
+# confirmed_methods() and experiments/dppo_stale.py's experiment G; the old benchmark's remedies did not survive Holm:
+# ppo_is_bypass p 0.054 on stale4, TRL's token_truncate 0.23 on wq3)
 REMEDIES: dict[str, Remedy] = {
     "stale": Remedy(
-        KINDS["stale"], "ppo_is_bypass", "rollout_correction_preset=ppo_is_bypass",
-        "mismatch_train S2, experiment C",
-        evidence=("+0.065 [+0.032, +0.097] held-out reward over TRL's default on 20 fresh paired seeds, "
-                  "Holm p 0.00017, 0.88 of the stale engine's cost recovered"),
-        regime=("an engine 8 optimizer steps stale, T = 49 tokens, per-token KL 6e-3-1.1e-2, T * KL 0.3-0.5, a "
-                "465k-parameter model, 2 optimizer steps per generation, 30 steps; not confirmed at long completions "
+        KINDS["stale"], "dppo_kl_bypass", "rollout_correction_preset=dppo_kl_bypass",
+        "mismatch_train S2, experiment C; the same scenario in experiments/dppo_stale.py, experiment G",
+        evidence=("dppo_kl_bypass +0.076 [+0.040, +0.112] held-out reward over TRL's default on 20 paired seeds "
+                  "(experiment G), Holm p 0.00064, and +0.035 [-0.002, +0.071] on 10 held-out seeds, one-sided "
+                  "p 0.030; ppo_is_bypass +0.065 [+0.032, +0.097] on 20 fresh paired seeds (experiment C), "
+                  "Holm p 0.00017, 0.88 of the stale engine's cost recovered, and in experiment G +0.079 [+0.044, "
+                  "+0.114], Holm p 0.00042, +0.030 [-0.001, +0.060] on its 10 held-out seeds, one-sided p 0.027; "
+                  "the two were not compared with each other (dppo_kl_bypass is named first for its larger "
+                  "held-out difference, no preference beyond that order)"),
+        regime=("an engine 8 optimizer steps stale, T = 49 tokens, per-token KL 6e-3-1.1e-2, T * KL 0.3-0.5 "
+                "(experiment C; in experiment G per-token KL 5.1e-3-8.3e-3, T * KL 0.25-0.41), a 465k-parameter "
+                "model, 2 optimizer steps per generation, 30 steps; ppo_is_bypass not confirmed at long completions "
                 "(T = 257, engines 8 and 16 steps stale, uncorrected T * KL 1.4-2.2: +0.025, p 0.28, +0.132, "
                 "Holm p 0.80 and, on 30 more seeds, -0.004 [-0.024, +0.016] over TRL's default, which collapsed on "
-                "2 of 10 seeds at the 16-step lag and on none of the 30 more); not measured on a GPU"),
+                "2 of 10 seeds at the 16-step lag and on none of the 30 more), dppo_kl_bypass with no result there "
+                "yet; not measured on a GPU"),
         caution=("where the engine ALSO samples at another precision (an engine 4 optimizer steps stale with dense "
                  "logit noise, T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1: the kind of mismatch an "
                  "asynchronous bf16 run has, measured in the synchronous trainer, mismatch_train S2D, experiment A) "
@@ -121,7 +185,10 @@ REMEDIES: dict[str, Remedy] = {
                  "per-token KL 2.8e-3-7.6e-3, T * KL 0.7-1.9) too: -0.081 [-0.119, -0.043], p 0.0039, held out "
                  "-0.043 [-0.067, -0.018]; and with a smaller one still (S2E, experiment E: per-token KL "
                  "1.2e-3-5.0e-3, T * KL 0.3-1.3): -0.046 [-0.085, -0.006], p 0.016, held out -0.025 [-0.037, "
-                 "-0.013]")),
+                 "-0.013]; dppo_kl_bypass was not measured with a precision gap, and it is bypass (pi_old := "
+                 "pi_rollout) as well"),
+        alternatives=("rollout_correction_preset=ppo_is_bypass",),
+        caution_method="ppo_is_bypass"),
 }
 
 
@@ -232,11 +299,16 @@ def lag0_text(remedy: Remedy, lag0_kl: float | None) -> tuple[bool, str]:
         return True, ""
     said = (f"this run's engine differs from the trainer without staleness too: smoothed {LAG0_KEY} = {lag0_kl:.3g} "
             f"per token")
+    measured = remedy.caution_method or remedy.method
+    others = [m for m in remedy.methods if m != measured]
+    # the other confirmed methods are bypass too, but were not measured with such a gap: say so beside the one that was
+    unmeasured = (f" ({', '.join(others)}, bypass as well, {'was' if len(others) == 1 else 'were'} not measured with "
+                  "such a gap)" if others else "")
     if lag0_kl >= LAG0_CAUTION_KL:
-        return False, (f"{said}, at or above {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {remedy.method} "
-                       f"trained significantly WORSE than TRL's default and stayed worse on held-out seeds")
-    return True, (f"{said}, below {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {remedy.method} was measured "
-                  f"to train worse than TRL's default; {LAG0_BELOW_FOUND}")
+        return False, (f"{said}, at or above {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {measured} "
+                       f"trained significantly WORSE than TRL's default and stayed worse on held-out seeds{unmeasured}")
+    return True, (f"{said}, below {LAG0_CAUTION_KL:.3g}, the smallest such gap at which {measured} was measured "
+                  f"to train worse than TRL's default{unmeasured}; {LAG0_BELOW_FOUND}")
 
 
 def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | None, has_metrics: bool,
@@ -266,22 +338,28 @@ def collapse_advice(correction: Any, rollout_lag: int | None, corrected: bool | 
         head = f"If this is {remedy.kind}" if rollout_lag is None else f"For {remedy.kind}"
         caution = f" But {remedy.caution}." if remedy.caution else ""
         advised, measured = lag0_text(remedy, lag0_kl)
-        on_remedy = correction is not None and correction == remedy.config()
+        on_remedy = remedy.on(correction)  # the confirmed setting this run is on, if any
+        several = len(remedy.settings) > 1
+        what = f"bypass ({remedy.names})" if several else remedy.method
         if not advised:
-            parts.append(f"{head}: {measured}. There, {remedy.caution}. So {remedy.method} is not advised"
-                         + (f", and this run uses it ({remedy.setting}): TRL's default (vllm_importance_sampling_mode="
+            parts.append(f"{head}: {measured}. There, {remedy.caution}. So {what} is not advised"
+                         + (f", and this run uses it ({on_remedy}): TRL's default (vllm_importance_sampling_mode="
                             f"sequence_mask, the trl_default preset) is what it was measured against; {ASYNC_S4_FOUND}"
                             if on_remedy else "")
                          + "; what remains: a lower learning rate, or less mismatch at its source (a more precise "
                            "engine / sync more often).")
         elif on_remedy:
-            parts.append(f"{head}, this run already uses what was confirmed to train best in {where}, "
-                         f"{remedy.setting}; what remains: lower the learning rate, or reduce the mismatch at its "
+            parts.append(f"{head}, this run already uses what was confirmed to train better than TRL's "
+                         f"default in {where}, {on_remedy}"
+                         + (f" (confirmed as well: {', '.join(s for s in remedy.settings if s != on_remedy)}; the two "
+                            "were not compared with each other)" if several else "")
+                         + "; what remains: lower the learning rate, or reduce the mismatch at its "
                          f"source (sync more often / a more precise engine).{caution}"
                          + (f" Here {measured}." if measured else ""))
         else:
-            parts.append(f"{head}, {remedy.method} was confirmed to train better than TRL's default in {where}: "
-                         f"{remedy.evidence}. Switch to it: {remedy.setting}.{caution}"
+            confirmed = (f"{' and '.join(remedy.methods)} were each" if several else f"{remedy.method} was")
+            parts.append(f"{head}, {confirmed} confirmed to train better than TRL's default in {where}: "
+                         f"{remedy.evidence}. Switch to it: {remedy.switch}.{caution}"
                          + (f" Here {measured}." if measured else ""))
     if unsupported:
         parts.append(
