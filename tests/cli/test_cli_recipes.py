@@ -79,8 +79,13 @@ def test_recipes_written_out_work_from_any_directory(tmp_path, monkeypatch, caps
         assert os.path.isabs(ds_path) and os.path.exists(ds_path), ds_path
         with open(os.path.join(ROOT, "recipes", "accelerate", f"ds_zero{stage}.json")) as fh:
             assert json.loads(open(ds_path).read()) == json.load(fh)
-    _, training_args, _ = parse_train_args(["--config", str(out / "ppo_is_bypass.yaml"), *CPU])[:3]
-    assert training_args.rollout_correction.bypass_mode  # the preset, read from outside the checkout
+    # the stale-engine row's two recipes (the monitor's stale remedy: dppo_kl_bypass first, ppo_is_bypass), read from
+    # outside the checkout: each its preset, bypass mode, and the engine synced every 4 optimizer steps
+    assert {"dppo_kl_bypass.yaml", "ppo_is_bypass.yaml"} <= set(written)
+    for preset in ("dppo_kl_bypass", "ppo_is_bypass"):
+        _, training_args, _ = parse_train_args(["--config", str(out / f"{preset}.yaml"), *CPU])[:3]
+        assert training_args.rollout_correction == RolloutCorrectionConfig.from_preset(preset)
+        assert training_args.rollout_correction.bypass_mode and training_args.vllm_sync_interval == 4
     with pytest.raises(FileExistsError, match="--force"):
         main(["recipes", str(out)])
     main(["recipes", str(out), "--force"])

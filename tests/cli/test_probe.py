@@ -242,6 +242,7 @@ def test_the_default_sample_is_counted_in_completions_and_the_report_places_the_
 
 def test_an_undecided_placement_says_how_many_more_batches_would_decide():
     from trl_rollout_corr.cli.probe import format_placement, placement
+    from trl_rollout_corr.monitor.verdict import verdict
 
     # a stale engine at T*KL 0.45 +- 0.05 after 2 batches: [0.352, 0.548] straddles 0.52; (1.96 * 0.05 / 0.07)^2 =
     # 1.96 times the sample, ceil(2 * 1.96) = 4 batches, 2 more
@@ -251,7 +252,9 @@ def test_an_undecided_placement_says_how_many_more_batches_would_decide():
     assert not place["decided"] and place["rows"] == ["stale-engine", "default"] and place["more_batches"] == 2
     text = "\n".join(format_placement(place))
     assert "cannot decide" in text and "T*KL straddles 0.52" in text and "--probe_batches 4 (2 more" in text
-    assert "use ppo_is_bypass" in text and "keep TRL's default correction" in text
+    assert verdict("stale-engine").advice in text and "keep TRL's default correction" in text
+    # the stale-engine row names both equally confirmed settings (experiment G), dppo_kl_bypass first
+    assert ("(rollout_correction_preset=dppo_kl_bypass or rollout_correction_preset=ppo_is_bypass)" in text)
     decided = placement({"regime": {**report["regime"], "T_times_kl": 0.3}}, 2, False, True)
     assert decided["decided"] and decided["more_batches"] is None
     assert "cannot decide" not in "\n".join(format_placement(decided))

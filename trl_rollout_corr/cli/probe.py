@@ -513,11 +513,16 @@ def format_placement(place: dict[str, Any] | None) -> list[str]:
     decide between rows and how many more batches would."""
     if not place:
         return []
+    from ..monitor.advice import REMEDIES
     from ..monitor.verdict import EVIDENCE_PAGE, verdict
+
+    stale = REMEDIES.get("stale")
 
     def quote(key: str) -> str:
         row = verdict(key)
-        setting = f" ({row.setting})" if row.setting else ""
+        # a row on the monitor's stale remedy names each of its equally confirmed settings, the first one first
+        settings = stale.settings if stale is not None and row.setting in stale.settings else (row.setting,)
+        setting = f" ({' or '.join(s for s in settings if s)})" if row.setting else ""
         return (f"  [{key}] {row.situation}: {row.advice}{setting}. Measured at T {row.T}, per-token KL "
                 f"{row.per_token_kl}, T*KL {row.t_kl}, {row.model}; {row.confirmation} ({row.evidence}).")
 
