@@ -99,6 +99,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                (0.006, 0.013), (0.29, 0.64), "same"),
     Experiment("experiment-c", "C", f"{MT}_confirm_results.csv", "S2", ("M1", "M2", "M3"), (10, 29), 49,
                (0.0062, 0.0106), (0.3, 0.52), "better"),
+    Experiment("experiment-g", "G (DPPO)", "dppo_stale_results.csv", "S2", ("M1", "M3", "M5", "M6"), (10, 29), 49,
+               (0.0051, 0.0083), (0.25, 0.41), "better"),
     Experiment("experiment-l", "L", f"{MT}_confirm_results.csv", "S2L", ("M0",), (30, 39), 129,
                (0.0103, 0.0103), (0.98, 0.98), "free"),
     Experiment("experiment-p", "P", f"{MT}_truncation_results.csv", "S3", ("M0", "M1", "M1p", "M2", "M3"), (40, 49),
@@ -247,6 +249,7 @@ SECTION = {  # evidence.md section of each experiment (heading anchors)
     "s1": "training-in-the-regime-of-real-runs",
     "s2": "training-in-the-regime-of-real-runs",
     "experiment-c": "confirmation-of-the-s2-lead-on-fresh-seeds-experiment-c",
+    "experiment-g": "dppo-on-a-stale-engine-experiment-g-pre-registration-25",
     "experiment-l": "the-long-completion-s2l-experiment-l-at-the-edge-of-the-target-regime-no-significant-cost",
     "experiment-p": "truncated-sampling-s3-experiment-p-no-correction-helps-the-cost-itself-not-confirmed",
     "s3v": "truncated-sampling-on-the-real-vllm-engine-s3v-pre-registrations-20-21-23-and-24",
@@ -279,6 +282,9 @@ FINDING = {  # what each experiment found, with the numbers its section (and its
     "s2": "engine 8 steps stale: costs +0.122; nothing significant after Holm (`ppo_is_bypass` +0.099, Holm p 0.47)",
     "experiment-c": "S2 on 20 fresh seeds: `ppo_is_bypass` +0.065 [+0.032, +0.097] above TRL's default "
                     "(Holm p 0.00017)",
+    "experiment-g": "S2 re-run with DPPO (20 paired seeds, then 10 held out): `dppo_kl_bypass` +0.076 "
+                    "[+0.040, +0.112], held out +0.035 (one-sided p 0.030); `ppo_is_bypass` +0.079, held out +0.030 "
+                    "(p 0.027); `dppo_tv_bypass` not confirmed held out (p 0.073)",
     "experiment-l": "engine 16 steps stale at T = 129: cost not significant (+0.027, p 0.095), no method run",
     "experiment-p": "top_p 0.8 on a stand-in engine: nothing above TRL's default (every Holm p 1); the cost not "
                     "confirmed on held-out seeds",

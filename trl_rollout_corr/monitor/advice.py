@@ -154,7 +154,7 @@ DPPO_STALE_FOUND = (
     "0.00024 (sign-flip), held out +0.035 [-0.002, +0.071], one-sided p 0.030 (t) and 0.030 (sign-flip): confirmed "
     "better; ppo_is_bypass +0.079 [+0.044, +0.114], Holm p 0.00042 / 0.000034, held out +0.030 [-0.001, +0.060], "
     "one-sided p 0.027 / 0.027: confirmed better; dppo_tv_bypass +0.073 [+0.034, +0.112], Holm p 0.00094, held out "
-    "+0.029 [-0.012, +0.070], one-sided p 0.073: not confirmed")
+    "+0.029 [-0.012, +0.069], one-sided p 0.073: not confirmed")
 
 # kind -> Remedy, only where a benchmark's confirmed analysis supports one (experiments/mismatch_train.py's
 # confirmed_methods() and experiments/dppo_stale.py's experiment G; the old benchmark's remedies did not survive Holm:
