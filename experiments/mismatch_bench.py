@@ -127,7 +127,7 @@ def run_all(cells: list[tuple[str, str, int]], steps: int, eval_every: int, outp
     todo = [c for c in cells if not os.path.exists(run_path(output_dir, *c))]
     todo = list(dict.fromkeys(todo))
     print(f"{len(cells)} runs, {len(cells) - len(todo)} already done, {len(todo)} to go", flush=True)
-    from experiments.pool import Job, run_processes
+    from trl_rollout_corr.runtime.pool import Job, run_processes
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     workers = []

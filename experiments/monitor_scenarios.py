@@ -90,7 +90,7 @@ def record(out_dir: str, scenarios: list[str], seeds: list[int], steps: int, job
     os.makedirs(out_dir, exist_ok=True)
     todo = [(s, seed) for seed in seeds for s in scenarios
             if not os.path.exists(os.path.join(out_dir, f"{s}_seed{seed}.json"))]
-    from experiments.pool import Job, run_processes
+    from trl_rollout_corr.runtime.pool import Job, run_processes
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     workers = []

@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    from experiments.pool import Job, run_processes
+    from trl_rollout_corr.runtime.pool import Job, run_processes
 
     def finish(job, returncode, seconds, done, stderr_tail):
         arm, seed, path = job.label.split(":", 2)

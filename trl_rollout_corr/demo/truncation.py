@@ -40,6 +40,7 @@ import time
 
 from ..core.metric_names import metric
 from ..monitor.verdict import Verdict, verdict
+from ..runtime.pool import Job, run_processes
 from . import task
 
 TOP_P = 0.8  # the user's setting: S3V's
@@ -243,8 +244,9 @@ def _save(result: dict, path: str) -> None:
 # ------------------------------------------------------------------------------------------------ the driver
 def run_all(arms: list[str], seeds: list[int], size_name: str, engine: str, out_dir: str, jobs: int,
             probe_batches: int) -> tuple[dict | None, list[dict]]:
-    """The base model, then the probe and the runs, ``jobs`` processes at a time (a finished run's JSON is kept: a
-    re-run with the same output directory skips it). Returns (the probe's summary or None, the runs)."""
+    """The base model, then the probe and the runs, ``jobs`` processes at a time (``runtime/pool.py``'s
+    ``run_processes``; a finished run's JSON is kept: a re-run with the same output directory skips it; a failed run
+    stops the others and raises with its log's tail). Returns (the probe's summary or None, the runs)."""
     from tqdm.auto import tqdm
 
     size = task.FULL if size_name == "full" else task.TINY
@@ -267,25 +269,18 @@ def run_all(arms: list[str], seeds: list[int], size_name: str, engine: str, out_
         todo.append(("probe", seeds[0], os.path.join(out_dir, "runs", "probe.json")))
     todo += [(arm, seed, os.path.join(out_dir, "runs", f"{arm}__seed{seed}.json")) for seed in seeds for arm in arms]
     todo = [item for item in todo if not os.path.exists(item[2])]
-    running: list[tuple[subprocess.Popen, str]] = []
+    jobs_list = [Job([*(probe_cmd if arm == "probe" else base), "--worker", arm, "--seed", str(seed), "--out", path,
+                      "--probe_batches", str(probe_batches)], os.path.basename(path), env,
+                     log=path + ".log")  # vLLM's and the trainer's output, one file per run
+                 for arm, seed, path in todo]
     with tqdm(total=len(todo), desc=f"probe + GRPO runs ({size['steps']} steps each)", unit="run") as bar:
-        while todo or running:
-            while todo and len(running) < jobs:
-                arm, seed, path = todo.pop(0)
-                cmd = [*(probe_cmd if arm == "probe" else base), "--worker", arm, "--seed", str(seed), "--out", path,
-                       "--probe_batches", str(probe_batches)]
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path + ".log", "w") as log:  # vLLM's and the trainer's output, one file per run
-                    running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), path))
-            time.sleep(0.5)
-            for proc, path in list(running):
-                if proc.poll() is None:
-                    continue
-                running.remove((proc, path))
-                if proc.returncode != 0:
-                    with open(path + ".log") as f:
-                        raise RuntimeError(f"demo worker failed ({path}.log):\n{f.read()[-3000:]}")
-                bar.update(1)
+
+        def on_done(job: Job, returncode: int, seconds: float, done: int, log_tail: str) -> None:
+            if returncode != 0:  # run_processes stops the other workers before this propagates
+                raise RuntimeError(f"demo worker failed ({job.log}):\n{log_tail}")
+            bar.update(1)
+
+        run_processes(jobs_list, jobs, on_done=on_done)
     probe_result = None
     probe_path = os.path.join(out_dir, "runs", "probe.json")
     if probe_batches > 0 and os.path.exists(probe_path):

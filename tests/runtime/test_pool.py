@@ -1,5 +1,7 @@
-"""experiments/pool.py, the one runner of N worker processes J at a time: the bound holds, every job runs once,
-a failure's output reaches the report, a log file keeps stdout and stderr, bad ``parallel`` is refused."""
+"""runtime/pool.py, the one runner of N worker processes J at a time (the demo's driver and the experiments'): the
+bound holds, every job runs once, a failure's output reaches the report, a log file keeps stdout and stderr, an
+``on_done`` that raises leaves no worker (nor a worker's child) behind, bad ``parallel`` and repeated labels are
+refused."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import time
 
 import pytest
 
-from experiments.pool import Job, run_processes
+from trl_rollout_corr.runtime.pool import Job, run_processes
 
 SLEEPER = "import sys, time; open(sys.argv[1], 'w').write(str(time.time())); time.sleep(0.4); " \
           "open(sys.argv[1], 'a').write(' ' + str(time.time()))"
@@ -49,6 +51,52 @@ def test_a_log_file_keeps_stdout_and_stderr(tmp_path):
     job = Job([sys.executable, "-c", "import sys; print('out'); sys.stderr.write('err\\n')"], "logged", log=str(log))
     assert run_processes([job], 1, on_done=lambda *a: None, poll_seconds=0.05) == {"logged": 0}
     assert log.read_text().split() == ["out", "err"] or sorted(log.read_text().split()) == ["err", "out"]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# the sleeper writes its own pid and its child's (a sleeping grandchild of the pool, like vLLM's engine process)
+SLEEPER_WITH_CHILD = ("import subprocess, sys, os, time; "
+                      "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+                      "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getpid()} {c.pid}'); "
+                      "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)")
+# the failing job waits until the sleeper has written its pids, so the sleeper is running when the failure arrives
+FAIL_AFTER = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.05)\nsys.exit(2)"
+
+
+def test_an_on_done_that_raises_stops_the_running_workers_and_their_children(tmp_path):
+    pids = tmp_path / "pids"
+    jobs = [Job([sys.executable, "-c", SLEEPER_WITH_CHILD, str(pids)], "sleeper"),
+            Job([sys.executable, "-c", FAIL_AFTER, str(pids)], "fails"),
+            Job([sys.executable, "-c", "open(__import__('sys').argv[1], 'w')", str(tmp_path / "late")], "late")]
+
+    def on_done(job, code, seconds, done, err):
+        if code:
+            raise RuntimeError(f"{job.label} failed")
+
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match="fails failed"):
+        run_processes(jobs, 2, on_done=on_done, poll_seconds=0.05)
+    assert time.time() - t0 < 60  # the sleepers (120 s) were not waited for
+    worker, child = map(int, pids.read_text().split())
+    assert not alive(worker)
+    deadline = time.time() + 10  # the child got SIGTERM with its group; give it a moment to exit
+    while alive(child) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+    assert not (tmp_path / "late").exists()  # the job not yet started never starts
+
+
+def test_repeated_labels_are_refused():
+    with pytest.raises(ValueError, match="Job.label \\['a'\\] repeated"):
+        run_processes([Job(["true"], "a"), Job(["true"], "a")], 1)
 
 
 @pytest.mark.parametrize("parallel", [0, -1, 1.5])
