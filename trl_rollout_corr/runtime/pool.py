@@ -8,7 +8,7 @@ Each job's stdout and stderr go to its ``log`` file when it names one, else stdo
 a temporary file (not a pipe: a chatty worker cannot block on a full pipe buffer) whose tail is printed on failure.
 Each worker leads its own process group; when the pool stops early (``on_done`` raised, e.g. the demo's failed
 worker, or Ctrl-C), every still-running worker's group (the worker and what it started, e.g. vLLM's engine process)
-gets SIGTERM, then SIGKILL after a grace period: no worker outlives the pool.
+gets SIGTERM, and the group of a worker still alive 10 s later gets SIGKILL (``stop``).
 """
 
 from __future__ import annotations
