@@ -19,7 +19,10 @@ import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig as Cfg
 from trl_rollout_corr.core import compute_rollout_correction_stats, finalize_stats
-from trl_rollout_corr.core.dppo import dppo_mask
+from trl_rollout_corr.core.criterion import TOK_N, StatFloats
+from trl_rollout_corr.core.dppo import (DPPO, DPPO_MASKED_NEG_TOK_N, DPPO_MASKED_POS_TOK_N, DPPO_MASKED_TOK_N,
+                                        DPPO_TOK_N, DPPO_VALUE_MAX, DPPO_VALUE_SUM, dppo_divergence, dppo_mask)
+from trl_rollout_corr.core.stats import MAX, SUM
 from trl_rollout_corr.core.stats import METRIC_PREFIX as P
 
 EPS = 1e-8  # verl's, inside the binary KL's second log
@@ -81,6 +84,24 @@ def test_binary_kl_at_and_around_its_thresholds():
     assert below.tolist() == [[False, False, False]]
     swapped, _, _, _ = dppo_mask(lps, lqs, valid, adv, "binary_kl", d * (1 - 1e-9), d_fall * (1 - 1e-9))
     assert swapped.tolist() == [[True, False, False]]  # low bounds the A < 0 side only, high the A > 0 side
+
+
+def test_a_log_prob_above_zero_is_read_as_probability_one():
+    """Float noise above log 1 (+1e-6) is p = 1 exactly. TV: 1 - 0.5 = +0.5 and 0.5 - 1 = -0.5. KL with p = 1,
+    q = 0.5: 0.5 (ln 0.5 - 0) + 0.5 ln((0.5 + 1e-8) / 1e-8); with q = 1, p = 0.5: 1 (0 - ln 0.5) + 0 = ln 2. Read
+    as exp(1e-6) > 1 instead, the TV moves by 1e-6 and the KL's 1 - p + 1e-8 < 0 gives NaN."""
+    lp = torch.tensor([[1e-6, math.log(0.5)]], dtype=torch.float64)  # (1, 2)
+    lq = torch.tensor([[math.log(0.5), 1e-6]], dtype=torch.float64)  # (1, 2)
+    assert dppo_divergence(lp, lq, "binary_tv")[0].tolist() == pytest.approx([0.5, -0.5], abs=1e-15)
+    kl_p1 = 0.5 * math.log(0.5) + 0.5 * math.log((0.5 + EPS) / EPS)  # = 8.5171932 by hand (0.5 ln(2.5e7 + 0.5))
+    assert kl_p1 == pytest.approx(8.5171932, abs=1e-7)
+    assert dppo_divergence(lp, lq, "binary_kl")[0].tolist() == pytest.approx([kl_p1, math.log(2)], rel=1e-12)
+
+
+def test_an_unknown_divergence_is_refused_by_the_pure_function_too():
+    lp = torch.zeros(1, 2, dtype=torch.float64)  # (1, 2)
+    with pytest.raises(ValueError, match=r"rollout_dppo must be one of \('binary_tv', 'binary_kl'\) or None, got 'tv'"):
+        dppo_divergence(lp, lp, "tv")
 
 
 # ---------------------------------------------------------------- the pipeline against the reference
@@ -155,6 +176,9 @@ def test_a_call_without_advantages_is_refused():
     lp, lq, mask, _, _ = batch(0, scale=0.2)
     with pytest.raises(ValueError, match="rollout_dppo='binary_kl' needs the advantages"):
         compute_rollout_correction_stats(lp, lq, mask, rollout_dppo="binary_kl")
+    # the fix: which sign goes with which direction, and the shapes to pass
+    with pytest.raises(ValueError, match=r"the advantage pushes: A > 0 with .*: pass advantages=\(B,\) or \(B, T\)"):
+        compute_rollout_correction_stats(lp, lq, mask, rollout_dppo="binary_tv")
     with pytest.raises(ValueError, match="rollout_dppo must be one of"):
         compute_rollout_correction_stats(lp, lq, mask, rollout_dppo="tv", advantages=torch.ones(6))
 
@@ -162,14 +186,16 @@ def test_a_call_without_advantages_is_refused():
 # ---------------------------------------------------------------- config: checks in the criterion's file
 @pytest.mark.parametrize("fields,match", [
     (dict(rollout_dppo="tv"), "rollout_dppo must be 'binary_tv'"),
-    (dict(rollout_dppo="binary_tv", rollout_dppo_mask_high=1.5), r"rollout_dppo_mask_high must be in \(0, 1\]"),
+    (dict(rollout_dppo="binary_tv", rollout_dppo_mask_high=1.5),
+     r"rollout_dppo_mask_high must be in \(0, 1\] \(a probability difference; e\.g\. 0\.15, verl's DPPO example"),
     (dict(rollout_dppo="binary_tv", rollout_dppo_mask_low=0.0), r"rollout_dppo_mask_low must be in \(0, 1\]"),
     (dict(rollout_dppo="binary_tv", rollout_dppo_mask_low=float("nan")), "rollout_dppo_mask_low must be"),
     (dict(rollout_dppo="binary_kl", rollout_dppo_mask_high=float("inf")),
-     "rollout_dppo_mask_high must be a finite number > 0"),
+     r"rollout_dppo_mask_high must be a finite number > 0 \(a KL in nats; e\.g\. 0\.05, verl's DPPO example"),
     (dict(rollout_dppo="binary_kl", rollout_dppo_mask_low=-0.1), "rollout_dppo_mask_low must be a finite number"),
     (dict(rollout_dppo="binary_kl", rollout_dppo_mask_low="0.1"), "rollout_dppo_mask_low must be"),
     (dict(rollout_dppo_mask_low=0.1), "rollout_dppo_mask_high / rollout_dppo_clip_ratio_c are set but"),
+    (dict(rollout_dppo_mask_high=0.1), r"set rollout_dppo \('binary_tv' or 'binary_kl'\) or unset them\."),
 ])
 def test_bad_fields_are_refused_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -179,8 +205,15 @@ def test_bad_fields_are_refused_naming_the_field(fields, match):
 def test_the_baseline_exclusion_and_a_bypass_clip_ratio_c_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="rollout_rs_exclude_from_baseline=True with rollout_dppo='binary_kl'"):
         Cfg.dppo_kl_bypass(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_exclude_from_baseline=True)
+    # the reason's start and the fix (either field's setting)
+    with pytest.raises(ValueError, match=r"DPPO's mask is decided on the sign of the advantages, .* Use one of them "
+                                         r"\(rollout_rs_exclude_from_baseline=False, or rollout_dppo=None\)\."):
+        Cfg.dppo_tv_bypass(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_exclude_from_baseline=True)
     with pytest.raises(ValueError, match="rollout_dppo_clip_ratio_c=2.0 with bypass_mode=True"):
         Cfg.dppo_tv_bypass(rollout_dppo_clip_ratio_c=2.0)
+    with pytest.raises(ValueError, match=r"weight min\(pi_theta/pi_rollout, C\) with rollout_is_threshold\. Unset "
+                                         r"rollout_dppo_clip_ratio_c, or set bypass_mode=False \(decoupled DPPO\)\."):
+        Cfg.dppo_kl_bypass(rollout_dppo_clip_ratio_c=2.0)
     with pytest.raises(ValueError, match="rollout_dppo_clip_ratio_c are set but rollout_dppo is None"):
         Cfg(rollout_dppo_clip_ratio_c=2.0)
 
@@ -216,6 +249,42 @@ def test_decoupled_stats_match_a_hand_count():
         tok_n=6.0, dppo_masked_tok_n=2.0, masked_pos_tok_n=1.0, masked_neg_tok_n=1.0,
         value_sum=0.3 + 0.1 + 0.2 + 0.05 + 0.3 + 0.4))
     assert float(next(iter(st.maxes.values()))) == pytest.approx(0.4)
+
+
+def finalize(sums: dict, value_max: float) -> dict[str, float]:
+    """The criterion's metrics of hand-built reduced statistics (``sums``: declared name -> value)."""
+    floats = {SUM + name: float(v) for name, v in sums.items()}
+    return DPPO.finalize(StatFloats({**floats, MAX + DPPO_VALUE_MAX: value_max}))
+
+
+def test_finalize_on_hand_built_statistics():
+    """Shares over the token count: decoupled mode's own (DPPO_TOK_N, the loss's tokens) wherever present, even beside
+    the pipeline's TOK_N; bypass mode's TOK_N otherwise. Nothing where DPPO did not run."""
+    counts = {DPPO_MASKED_TOK_N: 3, DPPO_MASKED_POS_TOK_N: 2, DPPO_MASKED_NEG_TOK_N: 1, DPPO_VALUE_SUM: 1.2}
+    names = [P + f"rollout_dppo_{m}" for m in ("masked_fraction", "masked_fraction_pos", "masked_fraction_neg",
+                                               "divergence_mean", "divergence_max")]
+    expected = [3 / 8, 2 / 8, 1 / 8, 1.2 / 8, 0.5]  # by hand, over 8 tokens
+    decoupled = finalize({DPPO_TOK_N: 8, **counts}, 0.5)
+    assert [decoupled[n] for n in names] == pytest.approx(expected, rel=1e-15)
+    both = finalize({TOK_N: 5, DPPO_TOK_N: 8, **counts}, 0.5)  # the pipeline's count of another batch beside it
+    assert [both[n] for n in names] == pytest.approx(expected, rel=1e-15)
+    bypass = finalize({TOK_N: 6, **counts}, 0.5)
+    assert [bypass[n] for n in names] == pytest.approx([3 / 6, 2 / 6, 1 / 6, 1.2 / 6, 0.5], rel=1e-15)
+    empty = finalize({DPPO_TOK_N: 0, **{k: 0 for k in counts}}, -math.inf)  # no token: zeros, not -inf
+    assert [empty[n] for n in names] == [0.0] * 5
+    assert DPPO.finalize(StatFloats({SUM + TOK_N: 6.0})) == {}  # DPPO off: the pipeline ran, DPPO's counts absent
+    assert DPPO.finalize(StatFloats({})) == {}
+
+
+def test_the_bounds_edges_are_accepted():
+    """delta = 1 is the top of binary_tv's (0, 1]; C only needs to be finite > 0 (0.5 truncates every ratio above
+    it, an unusual but valid setting)."""
+    tv = Cfg(rollout_dppo="binary_tv", bypass_mode=True, rollout_is=None, rollout_dppo_mask_high=1.0,
+             rollout_dppo_mask_low=1.0)
+    assert (tv.rollout_dppo_mask_low, tv.rollout_dppo_mask_high) == (1.0, 1.0)
+    assert Cfg(rollout_dppo="binary_tv", rollout_dppo_clip_ratio_c=0.5).policy_loss == ("dppo_tv", 0.15, 0.15, 0.5)
+    assert Cfg(rollout_dppo="binary_kl", rollout_dppo_mask_high=3.0, rollout_dppo_clip_ratio_c=1).policy_loss == (
+        "dppo_kl", 0.05, 3.0, 1.0)  # a KL bound above 1 is fine
 
 
 def test_unset_thresholds_are_the_divergence_s_defaults_written_back():
