@@ -314,12 +314,14 @@ class DivergenceTrustRegion(Criterion):
         """
         if not ((f.has(TOK_N) or f.has(DPPO_TOK_N)) and f.has(DPPO_MASKED_TOK_N)):
             return {}
-        tok_n = f.sum(DPPO_TOK_N, 0.0) if f.has(DPPO_TOK_N) else f.sum(TOK_N, 0.0)
+        # every key below is written together with DPPO_MASKED_TOK_N (apply, decoupled_dppo_stats): a missing one
+        # is a bug and raises KeyError, no silent 0.0
+        tok_n = f.sum(DPPO_TOK_N) if f.has(DPPO_TOK_N) else f.sum(TOK_N)
         return {
-            PREFIX + "rollout_dppo_masked_fraction": safe_div(f.sum(DPPO_MASKED_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_masked_fraction_pos": safe_div(f.sum(DPPO_MASKED_POS_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_masked_fraction_neg": safe_div(f.sum(DPPO_MASKED_NEG_TOK_N, 0.0), tok_n),
-            PREFIX + "rollout_dppo_divergence_mean": safe_div(f.sum(DPPO_VALUE_SUM, 0.0), tok_n),
+            PREFIX + "rollout_dppo_masked_fraction": safe_div(f.sum(DPPO_MASKED_TOK_N), tok_n),
+            PREFIX + "rollout_dppo_masked_fraction_pos": safe_div(f.sum(DPPO_MASKED_POS_TOK_N), tok_n),
+            PREFIX + "rollout_dppo_masked_fraction_neg": safe_div(f.sum(DPPO_MASKED_NEG_TOK_N), tok_n),
+            PREFIX + "rollout_dppo_divergence_mean": safe_div(f.sum(DPPO_VALUE_SUM), tok_n),
             PREFIX + "rollout_dppo_divergence_max": extreme_or_zero(f.max(DPPO_VALUE_MAX), tok_n),
         }
 
