@@ -101,6 +101,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                (0.0062, 0.0106), (0.3, 0.52), "better"),
     Experiment("experiment-g", "G (DPPO)", "dppo_stale_results.csv", "S2", ("M1", "M3", "M5", "M6"), (10, 29), 49,
                (0.0051, 0.0083), (0.25, 0.41), "better"),
+    Experiment("experiment-g-257", "G at 257 (DPPO)", "dppo_stale_results.csv", "S2X", ("M1", "M3", "M5", "M6"),
+               (90, 109), 257, (0.0019, 0.0057), (0.49, 1.46), "same"),
     Experiment("experiment-l", "L", f"{MT}_confirm_results.csv", "S2L", ("M0",), (30, 39), 129,
                (0.0103, 0.0103), (0.98, 0.98), "free"),
     Experiment("experiment-p", "P", f"{MT}_truncation_results.csv", "S3", ("M0", "M1", "M1p", "M2", "M3"), (40, 49),
@@ -250,6 +252,7 @@ SECTION = {  # evidence.md section of each experiment (heading anchors)
     "s2": "training-in-the-regime-of-real-runs",
     "experiment-c": "confirmation-of-the-s2-lead-on-fresh-seeds-experiment-c",
     "experiment-g": "dppo-on-a-stale-engine-experiment-g-pre-registration-25",
+    "experiment-g-257": "dppo-on-a-stale-engine-experiment-g-pre-registration-25",
     "experiment-l": "the-long-completion-s2l-experiment-l-at-the-edge-of-the-target-regime-no-significant-cost",
     "experiment-p": "truncated-sampling-s3-experiment-p-no-correction-helps-the-cost-itself-not-confirmed",
     "s3v": "truncated-sampling-on-the-real-vllm-engine-s3v-pre-registrations-20-21-23-and-24",
@@ -285,6 +288,9 @@ FINDING = {  # what each experiment found, with the numbers its section (and its
     "experiment-g": "S2 re-run with DPPO (20 paired seeds, then 10 held out): `dppo_kl_bypass` +0.076 "
                     "[+0.040, +0.112], held out +0.035 (one-sided p 0.030); `ppo_is_bypass` +0.079, held out +0.030 "
                     "(p 0.027); `dppo_tv_bypass` not confirmed held out (p 0.073)",
+    "experiment-g-257": "engine 16 steps stale at T = 257: `dppo_tv_bypass` +0.125, `dppo_kl_bypass` +0.108, "
+                        "`ppo_is_bypass` +0.116 above TRL's default (Holm p 0.048; TRL's default collapsed on 4 of "
+                        "20); held out cut by the deadline at 4 of 10 seeds (+0.013, +0.013, −0.003): not confirmed",
     "experiment-l": "engine 16 steps stale at T = 129: cost not significant (+0.027, p 0.095), no method run",
     "experiment-p": "top_p 0.8 on a stand-in engine: nothing above TRL's default (every Holm p 1); the cost not "
                     "confirmed on held-out seeds",

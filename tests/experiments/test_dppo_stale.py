@@ -75,3 +75,17 @@ def test_the_one_sided_tests_are_the_document_s():
     assert "one-sided paired t p < 0.05 AND one-sided exact sign-flip p < 0.05" in " ".join(doc.split())
     assert g.G_SEEDS == {"S2": tuple(range(10, 30)), "S2X": tuple(range(90, 110))}
     assert g.G_HELD_OUT == {"S2": tuple(range(300, 310)), "S2X": tuple(range(310, 320))}
+
+
+def test_the_257_token_family_passed_holm_and_the_held_out_seeds_did_not_confirm_it():
+    s2x = g.analyse("S2X", None)[1]
+    found = advice.DPPO_STALE_257_FOUND
+    for method, name in (("M5", "dppo_tv_bypass"), ("M6", "dppo_kl_bypass"), ("M3", "ppo_is_bypass")):
+        row = _row(s2x, method)
+        assert row["n"] == 20 and row["candidate"], name
+        assert f"{name} {row['diff']:+.3f} {_ci(row['diff_lo'], row['diff_hi'])}" in found, name
+        assert f"Holm p {row['p_holm']:.2g}" in found
+        assert not _held(s2x, method).get("confirmed", False), name
+    assert f"collapsing on {_row(s2x, 'M5')['ref_collapsed']} of 20" in found
+    assert all(_row(s2x, m)["collapsed"] == 0 for m in ("M3", "M5", "M6"))
+    assert "neither was confirmed" in verdict("stale-engine").advice

@@ -15,10 +15,12 @@ its ``confirmed_methods()`` returns from the committed results (``experiments/re
   [+0.032, +0.097] held-out reward over TRL's default, Holm p 0.00017 (a family of 2), gap closed 0.88.
   Its regime: an engine 8 optimizer steps stale, T = 49 tokens, per-token KL(engine || policy) 6e-3-1.1e-2, T * KL
   0.3-0.5 (C; G's arms: 5.1e-3-8.3e-3, T * KL 0.25-0.41), a 465k-parameter model, 2 optimizer steps per generation,
-  30 steps, on a CPU. At long completions ``ppo_is_bypass`` is not confirmed (``dppo_kl_bypass`` has no result there
-  yet): at T = 257 (S2X, experiments X, Y and Z: engines 8 and 16 steps stale, uncorrected T * KL 1.4-2.2
-  at a per-token KL of 5.6e-3-8.7e-3) it was not significantly above TRL's default (+0.025, p 0.28; +0.132, Holm
-  p 0.80; -0.004 [-0.024, +0.016] on 30 more seeds), and TRL's default collapsed on 2 of Y's 10 seeds at the 16-step
+  30 steps, on a CPU. At long completions neither is confirmed: in experiment G at T = 257 with the engine 16 steps
+  stale (``DPPO_STALE_257_FOUND``) all three bypass presets were above TRL's default on 20 seeds (Holm p 0.048), TRL's
+  default collapsing on 4 of them, but none was confirmed on the held-out seeds; at T = 257 (S2X, experiments X, Y
+  and Z: engines 8 and 16 steps stale, uncorrected T * KL 1.4-2.2 at a per-token KL of 5.6e-3-8.7e-3)
+  ppo_is_bypass was not significantly above TRL's default (+0.025, p 0.28; +0.132, Holm p 0.80; -0.004 [-0.024,
+  +0.016] on 30 more seeds), and TRL's default collapsed on 2 of Y's 10 seeds at the 16-step
   lag and on none of Z's 30; at T = 129
   (S2L) the stale engine's cost was not significant. With a precision gap on top of the staleness (S2D, experiment A:
   an engine 4 steps stale sampling with dense logit noise at T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1, the
@@ -156,6 +158,15 @@ DPPO_STALE_FOUND = (
     "one-sided p 0.027 / 0.027: confirmed better; dppo_tv_bypass +0.073 [+0.034, +0.112], Holm p 0.00094, held out "
     "+0.029 [-0.012, +0.069], one-sided p 0.073: not confirmed")
 
+# experiment G, scenario S2X (T = 257, engine 16 steps stale): the family passed Holm, the held-out seeds did not
+# confirm it (tests/experiments/test_dppo_stale.py recomputes it from experiments/results/dppo_stale_results.csv)
+DPPO_STALE_257_FOUND = (
+    "in experiment G's S2X (T = 257, an engine 16 optimizer steps stale, per-token KL 1.9e-3-5.7e-3, T * KL "
+    "0.49-1.46), each minus TRL's default on 20 paired seeds: dppo_tv_bypass +0.125 [+0.024, +0.226], dppo_kl_bypass "
+    "+0.108 [+0.022, +0.194], ppo_is_bypass +0.116 [+0.009, +0.223], Holm p 0.048 each, TRL's default collapsing on "
+    "4 of 20 and the others on none; on the held-out seeds, cut by the pre-registered deadline at 4 of 10 "
+    "(310-313): +0.013, +0.013, -0.003 (one-sided p 0.18, 0.18, 0.64): none confirmed")
+
 # kind -> Remedy, only where a benchmark's confirmed analysis supports one (experiments/mismatch_train.py's
 # confirmed_methods() and experiments/dppo_stale.py's experiment G; the old benchmark's remedies did not survive Holm:
 # ppo_is_bypass p 0.054 on stale4, TRL's token_truncate 0.23 on wq3)
@@ -175,8 +186,9 @@ REMEDIES: dict[str, Remedy] = {
                 "model, 2 optimizer steps per generation, 30 steps; ppo_is_bypass not confirmed at long completions "
                 "(T = 257, engines 8 and 16 steps stale, uncorrected T * KL 1.4-2.2: +0.025, p 0.28, +0.132, "
                 "Holm p 0.80 and, on 30 more seeds, -0.004 [-0.024, +0.016] over TRL's default, which collapsed on "
-                "2 of 10 seeds at the 16-step lag and on none of the 30 more), dppo_kl_bypass with no result there "
-                "yet; not measured on a GPU"),
+                "2 of 10 seeds at the 16-step lag and on none of the 30 more); in experiment G at T = 257, 16 steps "
+                "stale, both above TRL's default on 20 seeds (Holm p 0.048; TRL's default collapsed on 4 of 20) but "
+                "not confirmed on held-out seeds; not measured on a GPU"),
         caution=("where the engine ALSO samples at another precision (an engine 4 optimizer steps stale with dense "
                  "logit noise, T = 257, per-token KL 5e-3-1.2e-2, T * KL 1.3-3.1: the kind of mismatch an "
                  "asynchronous bf16 run has, measured in the synchronous trainer, mismatch_train S2D, experiment A) "

@@ -64,8 +64,8 @@ VERDICTS: tuple[Verdict, ...] = (
         setting="",
         trainer="RolloutCorrGRPOTrainer",
         T="49–257", per_token_kl="1.4e-3–1.3e-2", t_kl="0.29–2.2", model=MODEL,
-        confirmation="no correction confirmed above it in 12 paired experiments (10 seeds each, one of 30) "
-                     "outside the stale-engine row",
+        confirmation="no correction confirmed above it in 13 paired experiments (10 seeds each; one of 30, one of "
+                     "20) outside the stale-engine row",
     ),
     Verdict(
         key="truncating-sampler",
@@ -81,8 +81,8 @@ VERDICTS: tuple[Verdict, ...] = (
         key="stale-engine",
         situation="the engine's weights lag the policy (8 optimizer steps measured), no precision gap, "
                   "short completions (T·KL ≤ 0.52, the largest measured where it was confirmed)",
-        advice="use dppo_kl_bypass or ppo_is_bypass (each confirmed; not compared with each other); at T = 257 "
-               "ppo_is_bypass was not confirmed (keep the default there)",
+        advice="use dppo_kl_bypass or ppo_is_bypass (each confirmed, not compared); at T = 257 neither was "
+               "confirmed: keep the default",
         setting="rollout_correction_preset=dppo_kl_bypass",
         trainer="RolloutCorrGRPOTrainer",
         T="49", per_token_kl="5.1e-3–1.1e-2", t_kl="0.25–0.52", model=MODEL,
@@ -128,7 +128,7 @@ VERDICTS: tuple[Verdict, ...] = (
 # tests/repo/test_verdict.py recomputes T, per-token KL and T·KL of a row as the range over its experiments
 ROW_EXPERIMENTS: dict[str, tuple[str, ...]] = {
     "default": ("s2", "experiment-p", "s3v", "experiment-x", "experiment-y", "experiment-z", "experiment-q",
-                "experiment-d", "experiment-a", "experiment-b", "experiment-e", "experiment-f"),
+                "experiment-d", "experiment-a", "experiment-b", "experiment-e", "experiment-f", "experiment-g-257"),
     "truncating-sampler": ("s3v",),
     "stale-engine": ("experiment-c", "experiment-g"),
     "precision-gap": ("experiment-d", "experiment-a", "experiment-b", "experiment-e"),
